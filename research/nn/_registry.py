@@ -1,0 +1,40 @@
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+
+from ..typing import PRNGKeyArray
+from ._mlp import MLP, LinearSigmoid
+
+ModelAndState = tuple[eqx.Module, eqx.nn.State | None]
+
+_REGISTRY: dict[str, Callable[..., eqx.Module]] = {}
+
+
+def register_model(name: str, constructor: Callable[..., eqx.Module]) -> None:
+    """Make `constructor(**hparams, key=key)` buildable by name (e.g. from a checkpoint header).
+
+    A constructor whose class sets `stateful = True` is built with `eqx.nn.make_with_state`.
+    """
+    if name in _REGISTRY and _REGISTRY[name] is not constructor:
+        raise ValueError(f"model name {name!r} is already registered to {_REGISTRY[name]}")
+    _REGISTRY[name] = constructor
+
+
+def model_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def build_model(name: str, *, key: PRNGKeyArray, **hparams: Any) -> ModelAndState:
+    """Build a registered model; returns `(model, state)`, with `state=None` for stateless models."""
+    try:
+        constructor = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown model {name!r}; valid names: {', '.join(model_names())}") from None
+    if getattr(constructor, "stateful", False):
+        return eqx.nn.make_with_state(constructor)(**hparams, key=key)
+    return constructor(**hparams, key=key), None
+
+
+register_model("mlp", MLP)
+register_model("linear_sigmoid", LinearSigmoid)

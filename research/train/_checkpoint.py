@@ -1,0 +1,97 @@
+"""Checkpoint files: a JSON header line, then the `eqx.tree_serialise_leaves` bytes.
+
+    RESEARCH-CHECKPOINT 1\\n
+    {"sha256": ..., "payload_bytes": ..., ...user header...}\\n
+    <payload>
+
+Written atomically (temporary file in the same directory, fsync, rename, fsync of the directory),
+so a reader sees either the old file or the complete new one. Loading checks the checksum before
+deserialising into a skeleton, and never unpickles anything.
+"""
+
+import hashlib
+import io
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, TypeVar
+
+import equinox as eqx
+
+MAGIC = b"RESEARCH-CHECKPOINT 1\n"
+T = TypeVar("T")
+
+
+class CheckpointError(Exception):
+    """A checkpoint file is missing, truncated, corrupted or does not fit the skeleton."""
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def save_checkpoint(path: str | os.PathLike, tree: Any, header: dict[str, Any]) -> None:
+    """Write `tree`'s array leaves with a JSON `header` (which must not use the keys `sha256`,
+    `payload_bytes`)."""
+    buffer = io.BytesIO()
+    eqx.tree_serialise_leaves(buffer, tree)
+    payload = buffer.getvalue()
+    full_header = {**header, "sha256": hashlib.sha256(payload).hexdigest(), "payload_bytes": len(payload)}
+    write_atomic(Path(path), MAGIC + json.dumps(full_header).encode() + b"\n" + payload)
+
+
+def _read(path: Path) -> tuple[dict[str, Any], bytes]:
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"cannot read checkpoint {path}: {e.strerror}") from None
+    if not raw.startswith(MAGIC):
+        raise CheckpointError(f"{path} is not a checkpoint file (bad magic line)")
+    header_line, sep, payload = raw[len(MAGIC):].partition(b"\n")
+    try:
+        header = json.loads(header_line) if sep else None
+    except ValueError:
+        header = None
+    if not isinstance(header, dict) or "sha256" not in header:
+        raise CheckpointError(f"checkpoint {path} has a damaged header")
+    if len(payload) != header["payload_bytes"]:
+        raise CheckpointError(
+            f"checkpoint {path} is truncated: {len(payload)} of {header['payload_bytes']} payload bytes"
+        )
+    if hashlib.sha256(payload).hexdigest() != header["sha256"]:
+        raise CheckpointError(f"checkpoint {path} is corrupted: checksum mismatch")
+    return header, payload
+
+
+def read_header(path: str | os.PathLike) -> dict[str, Any]:
+    """The header of a checkpoint, after verifying the file's checksum."""
+    return _read(Path(path))[0]
+
+
+def load_checkpoint(path: str | os.PathLike, skeleton: T) -> tuple[T, dict[str, Any]]:
+    """Restore the leaves saved in `path` into `skeleton`, a tree of the same structure and shapes
+    (typically built from the header's hyperparameters)."""
+    header, payload = _read(Path(path))
+    try:
+        tree = eqx.tree_deserialise_leaves(io.BytesIO(payload), skeleton)
+    except Exception as e:  # equinox raises plain exceptions on a shape or structure mismatch
+        raise CheckpointError(f"checkpoint {path} does not fit the model being restored: {e}") from None
+    return tree, header

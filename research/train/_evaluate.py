@@ -1,0 +1,57 @@
+from collections.abc import Iterable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch.utils.data
+
+from ..data import Batch, DeviceLoader
+from ..typing import Array, Float, typecheck
+from ._state import classification_metrics, forward
+
+
+@eqx.filter_jit
+@typecheck
+def _eval_sums(
+    model: eqx.Module, model_state: eqx.nn.State | None, batch: Batch, mask: Float[Array, " batch"]
+) -> tuple[Float[Array, ""], Float[Array, ""]]:
+    logits, _ = forward(model, model_state, batch.inputs, key=None)
+    losses, correct = classification_metrics(logits, batch.labels)
+    return jnp.sum(losses * mask), jnp.sum(correct * mask)
+
+
+def _padded(batches: Iterable[Batch], batch_size: int) -> Iterable[tuple[Batch, np.ndarray]]:
+    for inputs, labels in batches:
+        count = len(labels)
+        mask = np.zeros(batch_size, np.float32)
+        mask[:count] = 1
+        if count < batch_size:
+            index = np.arange(batch_size) % count
+            inputs, labels = inputs[index], labels[index]
+        yield Batch(inputs, labels), mask
+
+
+def evaluate(
+    model: eqx.Module,
+    model_state: eqx.nn.State | None,
+    data: DeviceLoader | torch.utils.data.DataLoader,
+) -> dict[str, float]:
+    """Mean loss and accuracy of a classifier over every example of `data`, in inference mode.
+
+    Batches are weighted by their number of examples: a smaller last batch is padded to the full
+    batch size and masked, so the average is exact and the evaluation compiles once.
+    """
+    model = eqx.nn.inference_mode(model)
+    if isinstance(data, DeviceLoader):
+        batches = data.padded_batches()
+        size = data.size
+    else:
+        batches = _padded(data, data.batch_size)
+        size = len(data.dataset)
+    totals = [
+        _eval_sums(model, model_state, Batch(jnp.asarray(b.inputs), jnp.asarray(b.labels)), jnp.asarray(mask))
+        for b, mask in batches
+    ]
+    loss, correct = np.sum(jax.device_get(totals), axis=0)
+    return {"loss": float(loss / size), "accuracy": float(correct / size)}

@@ -1,0 +1,101 @@
+import datetime
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+from ._checkpoint import CheckpointError, read_header, write_atomic
+
+_CHECKPOINT = re.compile(r"^step_(\d+)\.ckpt$")
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no NaN/Inf; keep them visible as strings
+    return value
+
+
+class RunDir:
+    """One run's directory: `config.json`, `metrics.jsonl`, `summary.json`, `checkpoints/`, plots.
+
+    **Arguments:**
+
+    - `path`: the directory; created if missing.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.checkpoints = self.path / "checkpoints"
+        self.config_file = self.path / "config.json"
+        self.metrics_file = self.path / "metrics.jsonl"
+        self.summary_file = self.path / "summary.json"
+
+    @staticmethod
+    def new_path(root: str | Path, experiment: str) -> Path:
+        """`root/experiment/<UTC timestamp>`, with a suffix if that name is taken."""
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+        path = Path(root) / experiment / stamp
+        n = 1
+        while path.exists():
+            n += 1
+            path = Path(root) / experiment / f"{stamp}-{n}"
+        return path
+
+    @staticmethod
+    def latest(root: str | Path, experiment: str) -> Path | None:
+        """The most recently modified run directory of `experiment` under `root`, if any."""
+        runs = [p for p in (Path(root) / experiment).glob("*") if (p / "config.json").exists()]
+        return max(runs, key=lambda p: p.stat().st_mtime, default=None)
+
+    def create(self) -> "RunDir":
+        self.checkpoints.mkdir(parents=True, exist_ok=True)
+        return self
+
+    # -- config, metrics, summary --------------------------------------------------------------
+    def write_config(self, config: dict[str, Any]) -> None:
+        write_atomic(self.config_file, (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
+
+    def read_config(self) -> dict[str, Any]:
+        return json.loads(self.config_file.read_text())
+
+    def log(self, record: dict[str, Any]) -> None:
+        with self.metrics_file.open("a") as f:
+            f.write(json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n")
+
+    def read_metrics(self) -> list[dict[str, Any]]:
+        if not self.metrics_file.exists():
+            return []
+        return [json.loads(line) for line in self.metrics_file.read_text().splitlines() if line.strip()]
+
+    def truncate_metrics(self, after_step: int) -> None:
+        """Drop records logged after `after_step` (they belong to work a resume will redo)."""
+        kept = [r for r in self.read_metrics() if r.get("step", 0) <= after_step]
+        write_atomic(self.metrics_file, "".join(json.dumps(r) + "\n" for r in kept).encode())
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        write_atomic(self.summary_file, (json.dumps(summary, indent=2, sort_keys=True) + "\n").encode())
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def checkpoint_path(self, step: int) -> Path:
+        return self.checkpoints / f"step_{step:09d}.ckpt"
+
+    def checkpoint_paths(self) -> list[Path]:
+        """Checkpoint files, oldest step first."""
+        found = [(int(m.group(1)), p) for p in self.checkpoints.glob("step_*.ckpt") if (m := _CHECKPOINT.match(p.name))]
+        return [p for _, p in sorted(found)]
+
+    def latest_valid_checkpoint(self) -> tuple[Path | None, list[str]]:
+        """The newest checkpoint whose checksum verifies, and a message for each newer damaged one."""
+        problems = []
+        for path in reversed(self.checkpoint_paths()):
+            try:
+                read_header(path)
+                return path, problems
+            except CheckpointError as e:
+                problems.append(str(e))
+        return None, problems
+
+    def prune_checkpoints(self, keep: int) -> None:
+        for path in self.checkpoint_paths()[:-keep] if keep > 0 else []:
+            path.unlink(missing_ok=True)

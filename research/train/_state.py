@@ -1,0 +1,131 @@
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+
+from ..data import Batch
+from ..typing import Array, Bool, Float, Int, KeyData, PRNGKeyArray, PyTree, typecheck
+
+Metrics = dict[str, Float[Array, ""]]
+# loss_fn(model, model_state, batch, key) -> (loss, (metrics, new_model_state))
+LossFn = Callable[[eqx.Module, Any, Batch, PRNGKeyArray], tuple[Float[Array, ""], tuple[Metrics, Any]]]
+
+
+class TrainState(eqx.Module):
+    """Everything that changes during training, and nothing else: the single source of truth for resume.
+
+    **Fields:**
+
+    - `step`: number of optimizer steps taken.
+    - `model`: the `eqx.Module` being trained.
+    - `model_state`: its `eqx.nn.State` (BatchNorm statistics, ...), or `None` for stateless models.
+    - `opt_state`: the Optax optimizer state.
+    - `key`: raw PRNG key data (`jax.random.key_data`), split once per step.
+    - `optimizer`: the Optax `GradientTransformation` (static: not a leaf).
+    """
+
+    step: Int[Array, ""]
+    model: eqx.Module
+    model_state: eqx.nn.State | None
+    opt_state: PyTree
+    key: KeyData
+    optimizer: optax.GradientTransformation = eqx.field(static=True)
+
+    @classmethod
+    def create(
+        cls,
+        model: eqx.Module,
+        optimizer: optax.GradientTransformation,
+        *,
+        key: PRNGKeyArray,
+        model_state: eqx.nn.State | None = None,
+    ) -> "TrainState":
+        """A fresh state at step 0; the optimizer is initialised on the model's floating-point arrays."""
+        if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+            key = jax.random.key_data(key)
+        return cls(
+            step=jnp.zeros((), jnp.int32),
+            model=model,
+            model_state=model_state,
+            opt_state=optimizer.init(eqx.filter(model, eqx.is_inexact_array)),
+            key=jnp.asarray(key, jnp.uint32),
+            optimizer=optimizer,
+        )
+
+
+@typecheck
+def forward(
+    model: eqx.Module,
+    model_state: eqx.nn.State | None,
+    inputs: Float[Array, "batch *example"],
+    *,
+    key: PRNGKeyArray | None,
+    axis_name: str = "batch",
+) -> tuple[Float[Array, "batch ..."], eqx.nn.State | None]:
+    """Apply a single-example model to a batch with `jax.vmap`.
+
+    Each example gets its own key (dropout masks differ across the batch). A stateful model is called
+    as `model(x, state, key=...)` with the state shared (not mapped) and batch statistics reduced
+    over `axis_name`.
+    """
+    keys = None if key is None else jax.random.split(key, inputs.shape[0])
+    if model_state is None:
+        outputs = jax.vmap(lambda x, k: model(x, key=k))(inputs, keys)
+        return outputs, None
+    return jax.vmap(lambda x, k: model(x, model_state, key=k), axis_name=axis_name, out_axes=(0, None))(
+        inputs, keys
+    )
+
+
+@typecheck
+def classification_metrics(
+    logits: Float[Array, "batch classes"], labels: Int[Array, " batch"]
+) -> tuple[Float[Array, " batch"], Bool[Array, " batch"]]:
+    """Per-example cross-entropy and correctness.
+
+    One logit means a binary classifier (sigmoid cross-entropy, predict 1 when the logit is > 0);
+    more than one, a softmax over the classes.
+    """
+    if logits.shape[1] == 1:
+        logit = logits[:, 0]
+        losses = optax.sigmoid_binary_cross_entropy(logit, labels.astype(logit.dtype))
+        correct = (logit > 0) == (labels == 1)
+    else:
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+        correct = jnp.argmax(logits, axis=1) == labels
+    return losses, correct
+
+
+def classification_loss(
+    model: eqx.Module, model_state: eqx.nn.State | None, batch: Batch, key: PRNGKeyArray
+) -> tuple[Float[Array, ""], tuple[Metrics, eqx.nn.State | None]]:
+    """Mean cross-entropy of a classifier over a batch; aux is ({loss, accuracy}, new model state)."""
+    logits, model_state = forward(model, model_state, batch.inputs, key=key)
+    losses, correct = classification_metrics(logits, batch.labels)
+    loss = jnp.mean(losses)
+    return loss, ({"loss": loss, "accuracy": jnp.mean(correct.astype(jnp.float32))}, model_state)
+
+
+def train_step(state: TrainState, batch: Batch, loss_fn: LossFn = classification_loss) -> tuple[TrainState, Metrics]:
+    """One optimizer step: a pure function `TrainState, Batch -> TrainState, Metrics`.
+
+    The gradient is taken directly on the model object with `eqx.filter_value_and_grad`; metrics
+    gain `grad_norm`, the global norm of the gradient.
+    """
+    key, step_key = jax.random.split(jax.random.wrap_key_data(state.key))
+    grad_fn = eqx.filter_value_and_grad(loss_fn, has_aux=True)
+    (_, (metrics, model_state)), grads = grad_fn(state.model, state.model_state, batch, step_key)
+    params = eqx.filter(state.model, eqx.is_inexact_array)
+    updates, opt_state = state.optimizer.update(grads, state.opt_state, params)
+    new_state = TrainState(
+        step=state.step + 1,
+        model=eqx.apply_updates(state.model, updates),
+        model_state=model_state,
+        opt_state=opt_state,
+        key=jax.random.key_data(key),
+        optimizer=state.optimizer,
+    )
+    return new_state, {**metrics, "grad_norm": optax.tree.norm(grads)}

@@ -1,0 +1,82 @@
+import equinox as eqx
+import jax
+import jax.flatten_util
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jaxtyping import TypeCheckError
+
+from research.nn import MLP, LinearSigmoid, build_model, model_names
+
+
+def test_mlp_maps_one_example(getkey):
+    model = MLP(2, 3, hidden=(8, 8), activation="relu", key=getkey())
+    assert model(jnp.ones(2)).shape == (3,)
+    assert jax.vmap(model)(jnp.ones((5, 2))).shape == (5, 3)
+    assert (model.in_size, model.out_size) == (2, 3)
+
+
+def test_mlp_rejects_a_wrong_input_size_naming_the_dimension(getkey):
+    model = MLP(2, 1, hidden=(4,), key=getkey())
+    with pytest.raises(TypeCheckError) as info:
+        model(jnp.ones(3))
+    message = str(info.value)
+    assert "x" in message and "self.in_size" in message and "3" in message
+
+
+def test_mlp_rejects_a_batch_passed_as_one_example(getkey):
+    model = MLP(2, 1, hidden=(4,), key=getkey())
+    with pytest.raises(TypeCheckError):
+        model(jnp.ones((5, 2)))
+
+
+def test_unknown_activation_is_refused(getkey):
+    with pytest.raises(ValueError, match="unknown activation 'tanhh'"):
+        MLP(2, 1, activation="tanhh", key=getkey())
+
+
+def _bce(p, y):
+    return -(y * jnp.log(p) + (1 - y) * jnp.log(1 - p))
+
+
+def test_linear_sigmoid_gradient_is_the_model_tree_and_matches_the_hand_derived_one(getkey):
+    model = LinearSigmoid(3, 1, key=getkey())
+    x = jnp.array([0.5, -1.0, 2.0])
+    y = 1.0
+
+    grads = eqx.filter_grad(lambda m: _bce(m(x)[0], y))(model)
+
+    assert jax.tree.structure(grads) == jax.tree.structure(model)
+    p = model(x)[0]
+    # d/dW BCE(sigmoid(Wx + b), y) = (p - y) x^T; d/db = p - y.
+    np.testing.assert_allclose(grads.linear.weight, ((p - y) * x)[None, :], rtol=1e-5)
+    np.testing.assert_allclose(grads.linear.bias, jnp.array([p - y]), rtol=1e-5)
+
+
+def test_mlp_gradient_matches_finite_differences(getkey):
+    model = MLP(2, 1, hidden=(8,), key=getkey())
+    x = jnp.array([0.3, -0.7])
+
+    def loss(m):
+        return jnp.sum(m(x) ** 2)
+
+    grads = eqx.filter_grad(loss)(model)
+    params, static = eqx.partition(model, eqx.is_array)
+    flat, unravel = jax.flatten_util.ravel_pytree(params)
+    eps = 1e-3
+    numeric = []
+    for i in range(flat.size):
+        e = jnp.zeros_like(flat).at[i].set(eps)
+        plus = loss(eqx.combine(unravel(flat + e), static))
+        minus = loss(eqx.combine(unravel(flat - e), static))
+        numeric.append((plus - minus) / (2 * eps))
+    analytic, _ = jax.flatten_util.ravel_pytree(eqx.filter(grads, eqx.is_array))
+    np.testing.assert_allclose(analytic, jnp.stack(numeric), rtol=2e-2, atol=2e-3)
+
+
+def test_registry_builds_by_name_and_lists_names_on_a_typo(getkey):
+    model, state = build_model("mlp", in_size=2, out_size=1, hidden=(8,), key=getkey())
+    assert isinstance(model, MLP) and state is None
+    assert "mlp" in model_names()
+    with pytest.raises(ValueError, match="unknown model 'mpl'; valid names: .*mlp"):
+        build_model("mpl", key=getkey())

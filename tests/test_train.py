@@ -1,0 +1,144 @@
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from research.data import Batch, DeviceLoader, TorchLoader, XORDataset
+from research.nn import MLP
+from research.train import (
+    NonFiniteError,
+    TrainState,
+    classification_loss,
+    compiled_trainer,
+    evaluate,
+    fit,
+    forward,
+    train_step,
+)
+
+
+def make_state(seed=0, hidden=8, lr=0.1, optimizer=None):
+    model_key, train_key = jax.random.split(jax.random.key(seed))
+    model = MLP(2, 1, hidden=(hidden,), key=model_key)
+    return TrainState.create(model, optimizer or optax.sgd(lr), key=train_key)
+
+
+def params(state):
+    return jax.tree.leaves(eqx.filter(state.model, eqx.is_array))
+
+
+def assert_trees_close(a, b, rtol=1e-6, atol=1e-7):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+@pytest.fixture(scope="module")
+def xor():
+    train = XORDataset(512, seed=42)
+    return train, DeviceLoader.from_dataset(train, 64, seed=0)
+
+
+def test_train_state_stores_key_data_and_starts_at_step_zero():
+    state = make_state()
+    assert state.key.dtype == jnp.uint32 and state.key.shape == (2,)
+    assert int(state.step) == 0
+    assert state.optimizer is not None and state.optimizer not in jax.tree.leaves(state)
+
+
+def test_train_step_takes_a_fresh_key_each_step(xor):
+    _, loader = xor
+    batch = Batch(*[a[:64] for a in loader.arrays])
+    state = make_state()
+    s1, metrics = eqx.filter_jit(train_step)(state, batch)
+    s2, _ = eqx.filter_jit(train_step)(s1, batch)
+    assert int(s2.step) == 2
+    assert len({tuple(np.asarray(k)) for k in (state.key, s1.key, s2.key)}) == 3
+    assert set(metrics) == {"loss", "accuracy", "grad_norm"}
+
+
+def test_fast_path_equals_the_filter_jit_step_and_never_retraces(xor):
+    _, loader = xor
+    optimizer = optax.adam(1e-2)
+    batches = [Batch(loader.arrays.inputs[i], loader.arrays.labels[i]) for i in loader.step_indices(0, 12)]
+
+    reference = make_state(optimizer=optimizer)
+    reference_losses = []
+    for batch in batches:
+        reference, metrics = eqx.filter_jit(train_step)(reference, batch)
+        reference_losses.append(float(metrics["loss"]))
+
+    state = make_state(optimizer=optimizer)
+    trainer = compiled_trainer(classification_loss, state)
+    traces = trainer.num_traces["step"]
+    leaves = trainer.leaves(state)
+    losses = []
+    for batch in batches:
+        sums = trainer.init_metrics(leaves, batch)
+        leaves, sums = trainer.step(leaves, sums, batch)
+        losses.append(float(sums.mean()["loss"]))
+    assert trainer.num_traces["step"] - traces <= 1
+    np.testing.assert_allclose(losses, reference_losses, rtol=1e-6)
+    assert_trees_close(trainer.state(leaves), reference)
+
+
+def test_compiled_run_of_many_steps_equals_single_steps(xor):
+    _, loader = xor
+    indices = loader.step_indices(0, 10)
+    optimizer = optax.sgd(0.1)
+    one = make_state(optimizer=optimizer)
+    trainer = compiled_trainer(classification_loss, one)
+    leaves = trainer.leaves(one)
+    sums = trainer.init_metrics(leaves, Batch(loader.arrays.inputs[:64], loader.arrays.labels[:64]))
+    for index in indices:
+        leaves, sums = trainer.step(leaves, sums, Batch(loader.arrays.inputs[index], loader.arrays.labels[index]))
+    many = make_state(optimizer=optimizer)
+    many_leaves = trainer.leaves(many)
+    padded = np.zeros((16, 64), np.int32)
+    padded[:10] = indices
+    many_sums = trainer.init_metrics(many_leaves, Batch(loader.arrays.inputs[:64], loader.arrays.labels[:64]))
+    many_leaves, many_sums = trainer.run(many_leaves, many_sums, loader.arrays, padded, 10)
+    assert_trees_close(trainer.state(many_leaves), trainer.state(leaves))
+    assert_trees_close(many_sums.mean(), sums.mean())
+    assert float(many_sums.weight) == 10
+
+
+def test_fit_is_independent_of_steps_per_call_and_leaves_the_input_state_usable(xor):
+    _, loader = xor
+    state = make_state()
+    a = fit(state, loader, num_steps=40, log_every=40, steps_per_call=1, progress=False)
+    b = fit(state, loader, num_steps=40, log_every=13, steps_per_call=7, progress=False)
+    assert int(a.state.step) == int(b.state.step) == 40
+    assert_trees_close(a.state, b.state)
+    assert int(state.step) == 0 and np.isfinite(params(state)[0]).all()  # not donated away
+
+
+def test_fit_learns_xor_with_the_torch_loader(xor):
+    train, _ = xor
+    loader = TorchLoader(train, 64, seed=0)
+    result = fit(make_state(lr=0.5), loader, num_steps=400, log_every=100,
+                 eval_data=DeviceLoader.from_dataset(train, 100, shuffle=False), progress=False)
+    assert result.eval_metrics["accuracy"] > 0.95
+    assert result.train_metrics["loss"] < 0.3
+
+
+def test_evaluate_weights_batches_by_size(xor):
+    train, _ = xor
+    state = make_state()
+    loader = DeviceLoader.from_dataset(train, 100, shuffle=False)  # 512 = 5 x 100 + 12
+    metrics = evaluate(state.model, None, loader)
+    logits, _ = forward(state.model, None, jnp.asarray(train.inputs), key=None)
+    losses = optax.sigmoid_binary_cross_entropy(logits[:, 0], jnp.asarray(train.labels, jnp.float32))
+    accuracy = jnp.mean((logits[:, 0] > 0) == (train.labels == 1))
+    np.testing.assert_allclose(metrics["loss"], float(jnp.mean(losses)), rtol=1e-5)
+    np.testing.assert_allclose(metrics["accuracy"], float(accuracy), rtol=1e-6)
+
+
+def test_a_nan_in_the_data_stops_fit_with_the_step(xor):
+    train, _ = xor
+    inputs = train.inputs.copy()
+    inputs[:] = np.nan
+    loader = DeviceLoader(inputs, train.labels, 64, seed=0)
+    with pytest.raises(NonFiniteError, match="by step 5"):
+        fit(make_state(), loader, num_steps=20, log_every=5, progress=False)

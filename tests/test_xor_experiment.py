@@ -1,0 +1,75 @@
+"""End to end: the XOR experiment trains to the tutorial's accuracy and leaves a usable run directory."""
+
+import dataclasses
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from research.data import DeviceLoader, XORDataset
+from research.train import evaluate, load_checkpoint
+
+ROOT = Path(__file__).parent.parent
+spec = importlib.util.spec_from_file_location("xor_experiment", ROOT / "experiments" / "xor.py")
+xor = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(xor)
+
+
+@pytest.mark.slow
+def test_xor_reaches_99_percent_and_writes_a_complete_run_dir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = xor.Config(run_dir="runs/xor/test", progress=False)
+    summary = xor.main(config)
+
+    assert summary["test_accuracy"] >= 0.99
+    run = tmp_path / "runs/xor/test"
+    assert json.loads((run / "summary.json").read_text()) == summary
+    assert set(summary) >= {"test_accuracy", "test_loss", "train_loss", "step", "wall_seconds"}
+    assert summary["step"] == 100 * (2500 // 128)
+    saved = json.loads((run / "config.json").read_text())
+    assert saved["config"] == dataclasses.asdict(config) and saved["resolved"]["num_steps"] == summary["step"]
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[-1]["step"] == summary["step"] and "test/accuracy" in metrics[-1]
+    assert metrics[0]["train/loss"] > metrics[-1]["train/loss"]
+
+    checkpoint = run / "checkpoints" / f"step_{summary['step']:09d}.ckpt"
+    restored, header = load_checkpoint(checkpoint, xor.build_state(config))
+    assert header["config"] == dataclasses.asdict(config)
+    test = DeviceLoader.from_dataset(XORDataset(500, seed=123), 128, shuffle=False)
+    again = evaluate(restored.model, None, test)
+    assert again == {"loss": summary["test_loss"], "accuracy": summary["test_accuracy"]}
+
+
+@pytest.mark.slow
+def test_resuming_gives_the_same_model_as_an_uninterrupted_run(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    straight = dict(epochs=20, progress=False)
+    xor.main(xor.Config(run_dir="straight", **straight))
+    xor.main(xor.Config(run_dir="resumed", epochs=10, progress=False))
+    xor.main(xor.Config(run_dir="resumed", resume=True, **straight))
+    a = (tmp_path / "straight/checkpoints/step_000000380.ckpt").read_bytes()
+    b = (tmp_path / "resumed/checkpoints/step_000000380.ckpt").read_bytes()
+    assert a.split(b"\n", 2)[2] == b.split(b"\n", 2)[2]  # identical payloads
+    metrics = [json.loads(line)["step"] for line in (tmp_path / "resumed/metrics.jsonl").read_text().splitlines()]
+    assert metrics == sorted(set(metrics))
+
+
+def test_resume_without_a_run_and_reuse_of_a_run_dir_are_refused(tmp_path):
+    def run(*args):
+        return subprocess.run([sys.executable, str(ROOT / "experiments/xor.py"), "--no-progress", "--epochs", "1", *args],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
+
+    result = run("--resume")
+    assert result.returncode == 2 and "no run to resume" in result.stderr
+    assert run("--run-dir", "r").returncode == 0
+    before = (tmp_path / "r/summary.json").read_bytes()
+    result = run("--run-dir", "r")
+    assert result.returncode == 2 and "already holds a run" in result.stderr
+    assert (tmp_path / "r/summary.json").read_bytes() == before
+    result = run("--run-dir", "r", "--resume", "--lr", "0.5")
+    assert result.returncode == 2 and "lr: saved 0.1, now 0.5" in result.stderr
