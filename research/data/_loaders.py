@@ -1,0 +1,155 @@
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+import torch
+import torch.utils.data
+
+
+class Batch(NamedTuple):
+    """Inputs and integer labels of a batch (numpy on the host, jax arrays on the device)."""
+
+    inputs: Any
+    labels: Any
+
+
+def numpy_collate(samples: Sequence[Any]) -> Any:
+    """`collate_fn` for `torch.utils.data.DataLoader` that builds numpy arrays instead of tensors."""
+    first = samples[0]
+    if isinstance(first, np.ndarray):
+        return np.stack(samples)
+    if isinstance(first, (tuple, list)):
+        return [numpy_collate(list(group)) for group in zip(*samples)]
+    return np.asarray(samples)
+
+
+def dataset_arrays(dataset: torch.utils.data.Dataset) -> Batch:
+    """The whole of an in-memory dataset as two numpy arrays (inputs, labels)."""
+    if hasattr(dataset, "inputs") and hasattr(dataset, "labels"):
+        return Batch(np.asarray(dataset.inputs), np.asarray(dataset.labels))
+    inputs, labels = numpy_collate([dataset[i] for i in range(len(dataset))])
+    return Batch(inputs, labels)
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """A 63-bit seed that depends on (seed, epoch) only: each epoch's order is a pure function of both."""
+    return int(np.random.SeedSequence((seed, epoch)).generate_state(1, np.uint64)[0] >> 1)
+
+
+def _check_batch_size(batch_size: int, size: int) -> None:
+    if not 0 < batch_size <= size:
+        raise ValueError(f"batch size must be between 1 and the dataset size {size}, got {batch_size}")
+
+
+def make_dataloader(
+    dataset: torch.utils.data.Dataset,
+    batch_size: int,
+    *,
+    shuffle: bool,
+    seed: int = 0,
+    drop_last: bool = False,
+    num_workers: int = 0,
+) -> torch.utils.data.DataLoader:
+    """A torch `DataLoader` that yields numpy batches, shuffled by its own seeded generator."""
+    _check_batch_size(batch_size, len(dataset))
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=shuffle,
+        drop_last=drop_last,
+        collate_fn=numpy_collate,
+        num_workers=num_workers,
+        generator=torch.Generator().manual_seed(seed),
+    )
+
+
+class TorchLoader:
+    """Training batches from a torch DataLoader, positioned by global step so a run can resume.
+
+    Epoch `e` is shuffled by a generator seeded with `epoch_seed(seed, e)`; the last partial batch
+    is dropped so that every step has the same shape (one compilation).
+    """
+
+    def __init__(self, dataset: torch.utils.data.Dataset, batch_size: int, *, seed: int, num_workers: int = 0):
+        _check_batch_size(batch_size, len(dataset))
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.seed = seed
+        self.num_workers = num_workers
+        self.steps_per_epoch = len(dataset) // batch_size
+
+    def batches(self, start_step: int) -> Iterator[Batch]:
+        """Yield host batches forever, starting at global step `start_step`."""
+        epoch, offset = divmod(start_step, self.steps_per_epoch)
+        while True:
+            loader = make_dataloader(
+                self.dataset,
+                self.batch_size,
+                shuffle=True,
+                seed=epoch_seed(self.seed, epoch),
+                drop_last=True,
+                num_workers=self.num_workers,
+            )
+            for i, (inputs, labels) in enumerate(loader):
+                if i >= offset:
+                    yield Batch(inputs, labels)
+            epoch, offset = epoch + 1, 0
+
+
+class DeviceLoader:
+    """An in-memory data set kept on the device; batches are gathered inside the compiled step.
+
+    The host only computes index arrays (numpy permutations, cheap), so a whole chunk of steps can run
+    in one compiled call. Epoch `e`'s order is `default_rng(epoch_seed(seed, e)).permutation(n)`.
+
+    **Arguments:**
+
+    - `inputs`, `labels`: numpy arrays with the examples along the first axis.
+    - `batch_size`: examples per step; the last partial batch of an epoch is dropped when training.
+    - `seed`: seed of the shuffling.
+    - `shuffle`: shuffle each epoch (training) or keep the order (evaluation).
+    """
+
+    def __init__(self, inputs: np.ndarray, labels: np.ndarray, batch_size: int, *, seed: int = 0,
+                 shuffle: bool = True):
+        if len(inputs) != len(labels):
+            raise ValueError(f"inputs and labels differ in length: {len(inputs)} vs {len(labels)}")
+        _check_batch_size(batch_size, len(labels))
+        self.host = Batch(np.asarray(inputs), np.asarray(labels))
+        self.arrays = Batch(jax.device_put(self.host.inputs), jax.device_put(self.host.labels))
+        self.size = len(labels)
+        self.batch_size = batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.steps_per_epoch = self.size // batch_size
+        self._order_cache: tuple[int, np.ndarray] | None = None
+
+    @classmethod
+    def from_dataset(cls, dataset: torch.utils.data.Dataset, batch_size: int, **kwargs: Any) -> "DeviceLoader":
+        inputs, labels = dataset_arrays(dataset)
+        return cls(inputs, labels, batch_size, **kwargs)
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.size, dtype=np.int32)
+        if self._order_cache is None or self._order_cache[0] != epoch:
+            order = np.random.default_rng(epoch_seed(self.seed, epoch)).permutation(self.size).astype(np.int32)
+            self._order_cache = (epoch, order)
+        return self._order_cache[1]
+
+    def step_indices(self, start_step: int, num_steps: int) -> np.ndarray:
+        """Indices of the examples of global steps `start_step .. start_step + num_steps - 1`."""
+        rows = np.empty((num_steps, self.batch_size), dtype=np.int32)
+        for i in range(num_steps):
+            epoch, offset = divmod(start_step + i, self.steps_per_epoch)
+            rows[i] = self.epoch_order(epoch)[offset * self.batch_size:(offset + 1) * self.batch_size]
+        return rows
+
+    def padded_batches(self) -> Iterator[tuple[Batch, np.ndarray]]:
+        """Every example once, in order, as full-size batches; the last one padded, with a 0/1 mask."""
+        for start in range(0, self.size, self.batch_size):
+            index = np.arange(start, start + self.batch_size)
+            mask = index < self.size
+            index = np.where(mask, index, 0)
+            yield Batch(self.host.inputs[index], self.host.labels[index]), mask.astype(np.float32)
