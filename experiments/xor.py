@@ -44,10 +44,10 @@ def main(config: Config) -> dict:
     test_set = XORDataset(config.test_size, seed=config.test_seed)
     if config.loader == "device":
         train_data = DeviceLoader.from_dataset(train_set, config.batch_size, seed=config.seed)
-        test_data = DeviceLoader.from_dataset(test_set, config.batch_size, shuffle=False)
+        test_data = DeviceLoader.from_dataset(test_set, min(config.batch_size, len(test_set)), shuffle=False)
     else:
         train_data = TorchLoader(train_set, config.batch_size, seed=config.seed)
-        test_data = make_dataloader(test_set, config.batch_size, shuffle=False)
+        test_data = make_dataloader(test_set, min(config.batch_size, len(test_set)), shuffle=False)
     return run_experiment(
         "xor",
         config,

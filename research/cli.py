@@ -58,6 +58,7 @@ class TrainConfig:
     checkpoint_every: int = option(0, "steps between checkpoints (0: only at the end)", check=non_negative)
     keep_checkpoints: int = option(3, "number of most recent checkpoints kept", check=positive)
     steps_per_call: int = option(1, "training steps per compiled call on device-resident data", check=positive)
+    skip_nonfinite: bool = option(False, "skip steps with a NaN/Inf loss or gradient instead of stopping the run")
     progress: bool = option(True, "show a progress bar (plain log lines when not on a terminal)")
 
     def __post_init__(self) -> None:
@@ -150,13 +151,16 @@ def parse_config(config_class: type[C], argv: Sequence[str] | None = None, prog:
 
 
 def main_entry(main: Callable[[C], Any], config_class: type[C], argv: Sequence[str] | None = None) -> None:
-    """Run `main(parse_config(...))` as a script: a `ConfigError` raised inside `main` (say, `--resume`
-    with no checkpoint) exits with status 2, a non-finite loss with status 1, each with one line."""
+    """Run `main(parse_config(...))` as a script. Bad input found inside `main` (`--resume` with no
+    checkpoint, data that does not fit the model, a damaged or foreign checkpoint) exits with status 2,
+    a non-finite loss with status 1, each with one line on stderr."""
+    from .train import CheckpointError, DataError  # the CLI layer sits above train
+
     config = parse_config(config_class, argv)
     prog = Path(sys.argv[0]).name
     try:
         main(config)
-    except ConfigError as e:
+    except (ConfigError, DataError, CheckpointError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     except FloatingPointError as e:

@@ -16,7 +16,7 @@ from .train import RunDir, TrainState, fit, load_checkpoint
 RUNS_ROOT = Path("runs")
 # Options that may change between a run and its resumption.
 RESUMABLE_OPTIONS = {
-    "resume", "run_dir", "progress", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "epochs", "steps",
+    "skip_nonfinite", "resume", "run_dir", "progress", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "epochs", "steps",
 }
 
 
@@ -75,6 +75,7 @@ def run_experiment(
     """
     run, checkpoint = resolve_run_dir(experiment, config)
     state = build_state()
+    header: dict[str, Any] = {}
     if checkpoint is not None:
         state, header = load_checkpoint(checkpoint, state)
         run.truncate_metrics(after_step=header["step"])
@@ -100,6 +101,8 @@ def run_experiment(
         checkpoint_every=config.checkpoint_every or None,
         keep_checkpoints=config.keep_checkpoints,
         checkpoint_header={"experiment": experiment, "config": config.to_dict()},
+        resume_window=header.get("window"),
+        skip_nonfinite=config.skip_nonfinite,
         progress=config.progress,
         **fit_kwargs,
     )

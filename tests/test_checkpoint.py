@@ -61,8 +61,10 @@ def test_other_files_are_refused(tmp_path):
 def test_a_checkpoint_of_another_architecture_is_refused(tmp_path):
     path = tmp_path / "m.ckpt"
     save_checkpoint(path, make_state(hidden=8), {"step": 0})
-    with pytest.raises(CheckpointError, match="does not fit the model"):
+    with pytest.raises(CheckpointError) as info:
         load_checkpoint(path, make_state(hidden=16))
+    assert f"checkpoint {path} is of a different architecture: " in str(info.value)
+    assert ".model.layers[0].weight: saved (8, 2) float32, expected (16, 2) float32" in str(info.value)
 
 
 def test_run_dir_falls_back_to_the_newest_valid_checkpoint_and_prunes(tmp_path):

@@ -8,7 +8,6 @@ import pytest
 from research.data import Batch, DeviceLoader, TorchLoader, XORDataset
 from research.nn import MLP
 from research.train import (
-    NonFiniteError,
     TrainState,
     classification_loss,
     compiled_trainer,
@@ -75,9 +74,9 @@ def test_fast_path_equals_the_filter_jit_step_and_never_retraces(xor):
     leaves = trainer.leaves(state)
     losses = []
     for batch in batches:
-        sums = trainer.init_metrics(leaves, batch)
+        sums = trainer.init_stats(leaves, batch)
         leaves, sums = trainer.step(leaves, sums, batch)
-        losses.append(float(sums.mean()["loss"]))
+        losses.append(float(sums.metrics.mean()["loss"]))
     assert trainer.num_traces["step"] - traces <= 1
     np.testing.assert_allclose(losses, reference_losses, rtol=1e-6)
     assert_trees_close(trainer.state(leaves), reference)
@@ -90,18 +89,18 @@ def test_compiled_run_of_many_steps_equals_single_steps(xor):
     one = make_state(optimizer=optimizer)
     trainer = compiled_trainer(classification_loss, one)
     leaves = trainer.leaves(one)
-    sums = trainer.init_metrics(leaves, Batch(loader.arrays.inputs[:64], loader.arrays.labels[:64]))
+    sums = trainer.init_stats(leaves, Batch(loader.arrays.inputs[:64], loader.arrays.labels[:64]))
     for index in indices:
         leaves, sums = trainer.step(leaves, sums, Batch(loader.arrays.inputs[index], loader.arrays.labels[index]))
     many = make_state(optimizer=optimizer)
     many_leaves = trainer.leaves(many)
     padded = np.zeros((16, 64), np.int32)
     padded[:10] = indices
-    many_sums = trainer.init_metrics(many_leaves, Batch(loader.arrays.inputs[:64], loader.arrays.labels[:64]))
+    many_sums = trainer.init_stats(many_leaves, Batch(loader.arrays.inputs[:64], loader.arrays.labels[:64]))
     many_leaves, many_sums = trainer.run(many_leaves, many_sums, loader.arrays, padded, 10)
     assert_trees_close(trainer.state(many_leaves), trainer.state(leaves))
-    assert_trees_close(many_sums.mean(), sums.mean())
-    assert float(many_sums.weight) == 10
+    assert_trees_close(many_sums.metrics.mean(), sums.metrics.mean())
+    assert float(many_sums.metrics.weight) == 10
 
 
 def test_fit_is_independent_of_steps_per_call_and_leaves_the_input_state_usable(xor):
@@ -133,12 +132,3 @@ def test_evaluate_weights_batches_by_size(xor):
     accuracy = jnp.mean((logits[:, 0] > 0) == (train.labels == 1))
     np.testing.assert_allclose(metrics["loss"], float(jnp.mean(losses)), rtol=1e-5)
     np.testing.assert_allclose(metrics["accuracy"], float(accuracy), rtol=1e-6)
-
-
-def test_a_nan_in_the_data_stops_fit_with_the_step(xor):
-    train, _ = xor
-    inputs = train.inputs.copy()
-    inputs[:] = np.nan
-    loader = DeviceLoader(inputs, train.labels, 64, seed=0)
-    with pytest.raises(NonFiniteError, match="by step 5"):
-        fit(make_state(), loader, num_steps=20, log_every=5, progress=False)

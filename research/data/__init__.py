@@ -2,6 +2,7 @@
 
 from ._loaders import (
     Batch,
+    DataError,
     DeviceLoader,
     TorchLoader,
     dataset_arrays,
@@ -13,6 +14,7 @@ from ._xor import XORDataset
 
 __all__ = [
     "Batch",
+    "DataError",
     "DeviceLoader",
     "TorchLoader",
     "XORDataset",

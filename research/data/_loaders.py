@@ -7,6 +7,11 @@ import torch
 import torch.utils.data
 
 
+class DataError(ValueError):
+    """Data that cannot be used as asked: a batch size larger than the data set, mismatched
+    inputs and labels, or a batch that does not fit the model."""
+
+
 class Batch(NamedTuple):
     """Inputs and integer labels of a batch (numpy on the host, jax arrays on the device)."""
 
@@ -39,7 +44,7 @@ def epoch_seed(seed: int, epoch: int) -> int:
 
 def _check_batch_size(batch_size: int, size: int) -> None:
     if not 0 < batch_size <= size:
-        raise ValueError(f"batch size must be between 1 and the dataset size {size}, got {batch_size}")
+        raise DataError(f"batch size must be between 1 and the dataset size {size}, got {batch_size}")
 
 
 def make_dataloader(
@@ -114,7 +119,7 @@ class DeviceLoader:
     def __init__(self, inputs: np.ndarray, labels: np.ndarray, batch_size: int, *, seed: int = 0,
                  shuffle: bool = True):
         if len(inputs) != len(labels):
-            raise ValueError(f"inputs and labels differ in length: {len(inputs)} vs {len(labels)}")
+            raise DataError(f"inputs and labels differ in length: {len(inputs)} vs {len(labels)}")
         _check_batch_size(batch_size, len(labels))
         self.host = Batch(np.asarray(inputs), np.asarray(labels))
         self.arrays = Batch(jax.device_put(self.host.inputs), jax.device_put(self.host.labels))

@@ -3,6 +3,7 @@
 from ._checkpoint import CheckpointError, load_checkpoint, read_header, save_checkpoint
 from ._compiled import CompiledTrainer, compiled_trainer
 from ._evaluate import evaluate
+from ..data import DataError
 from ._fit import FitResult, NonFiniteError, fit
 from ._rundir import RunDir
 from ._state import (
@@ -18,6 +19,7 @@ from ._state import (
 __all__ = [
     "CheckpointError",
     "CompiledTrainer",
+    "DataError",
     "FitResult",
     "LossFn",
     "Metrics",

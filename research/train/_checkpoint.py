@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import equinox as eqx
+import jax
 
 MAGIC = b"RESEARCH-CHECKPOINT 1\n"
 T = TypeVar("T")
@@ -48,13 +49,39 @@ def write_atomic(path: Path, data: bytes) -> None:
         os.close(dir_fd)
 
 
+def leaf_summary(tree: Any) -> list[list[Any]]:
+    """`[path, shape, dtype]` of every array leaf: enough to say how two architectures differ."""
+    arrays = eqx.filter(tree, eqx.is_array)
+    return [
+        [jax.tree_util.keystr(path), list(leaf.shape), str(leaf.dtype)]
+        for path, leaf in jax.tree_util.tree_flatten_with_path(arrays)[0]
+    ]
+
+
+def _describe_differences(saved: list[list[Any]], wanted: list[list[Any]], limit: int = 3) -> str:
+    saved_by_path = {p: (tuple(s), d) for p, s, d in saved}
+    wanted_by_path = {p: (tuple(s), d) for p, s, d in wanted}
+    differences = []
+    for path, (shape, dtype) in wanted_by_path.items():
+        if path not in saved_by_path:
+            differences.append(f"{path} is missing from the checkpoint")
+        elif saved_by_path[path] != (shape, dtype):
+            saved_shape, saved_dtype = saved_by_path[path]
+            differences.append(f"{path}: saved {saved_shape} {saved_dtype}, expected {shape} {dtype}")
+    differences += [f"{path} is in the checkpoint but not in the model" for path in saved_by_path
+                    if path not in wanted_by_path]
+    more = f" (and {len(differences) - limit} more)" if len(differences) > limit else ""
+    return "; ".join(differences[:limit]) + more
+
+
 def save_checkpoint(path: str | os.PathLike, tree: Any, header: dict[str, Any]) -> None:
     """Write `tree`'s array leaves with a JSON `header` (which must not use the keys `sha256`,
-    `payload_bytes`)."""
+    `payload_bytes`, `leaves`)."""
     buffer = io.BytesIO()
     eqx.tree_serialise_leaves(buffer, tree)
     payload = buffer.getvalue()
-    full_header = {**header, "sha256": hashlib.sha256(payload).hexdigest(), "payload_bytes": len(payload)}
+    full_header = {**header, "leaves": leaf_summary(tree), "sha256": hashlib.sha256(payload).hexdigest(),
+                   "payload_bytes": len(payload)}
     write_atomic(Path(path), MAGIC + json.dumps(full_header).encode() + b"\n" + payload)
 
 
@@ -90,6 +117,10 @@ def load_checkpoint(path: str | os.PathLike, skeleton: T) -> tuple[T, dict[str, 
     """Restore the leaves saved in `path` into `skeleton`, a tree of the same structure and shapes
     (typically built from the header's hyperparameters)."""
     header, payload = _read(Path(path))
+    if "leaves" in header:
+        differences = _describe_differences(header["leaves"], leaf_summary(skeleton))
+        if differences:
+            raise CheckpointError(f"checkpoint {path} is of a different architecture: {differences}")
     try:
         tree = eqx.tree_deserialise_leaves(io.BytesIO(payload), skeleton)
     except Exception as e:  # equinox raises plain exceptions on a shape or structure mismatch

@@ -14,24 +14,65 @@ import numpy as np
 
 from ..data import Batch
 from ..state import RunningMean
+from ..typing import Array, Int
 from ._state import LossFn, Metrics, TrainState, train_step
 
 Leaves = list[jax.Array]
 
+NONFINITE_LOSS, NONFINITE_GRADIENT = 1, 2
+NONFINITE_NAMES = {NONFINITE_LOSS: "loss", NONFINITE_GRADIENT: "gradient"}
+
+
+class StepStats(eqx.Module):
+    """What the compiled steps accumulate on the device between two host synchronisations.
+
+    - `metrics`: running means of the step metrics over finite steps.
+    - `first_bad_step`: the step index of the first non-finite loss or gradient (-1: none yet).
+    - `bad_quantity`: `NONFINITE_LOSS` or `NONFINITE_GRADIENT` for that step.
+    - `skipped`: number of steps whose update was skipped because it was not finite.
+    """
+
+    metrics: RunningMean
+    first_bad_step: Int[Array, ""]
+    bad_quantity: Int[Array, ""]
+    skipped: Int[Array, ""]
+
+    @staticmethod
+    def init(metrics: RunningMean) -> "StepStats":
+        return StepStats(metrics, jnp.asarray(-1, jnp.int32), jnp.asarray(0, jnp.int32), jnp.asarray(0, jnp.int32))
+
+    def record(self, step: Int[Array, ""], metrics: Metrics) -> "StepStats":
+        loss_ok = jnp.isfinite(metrics["loss"])
+        ok = loss_ok & jnp.isfinite(metrics["grad_norm"])
+        first = (self.first_bad_step < 0) & ~ok
+        clean = jax.tree.map(lambda v: jnp.where(ok, v, 0.0), metrics)
+        running, _ = self.metrics.update(clean, ok.astype(jnp.float32))
+        return StepStats(
+            running,
+            jnp.where(first, step, self.first_bad_step),
+            jnp.where(first, jnp.where(loss_ok, NONFINITE_GRADIENT, NONFINITE_LOSS), self.bad_quantity),
+            self.skipped + (~ok).astype(jnp.int32),
+        )
+
 
 class CompiledTrainer:
-    """Compiled train steps for one TrainState structure and one loss function.
+    """Compiled train steps for one TrainState structure, loss function and non-finite policy.
 
     Build it with `compiled_trainer(loss_fn, state)` (cached: the same structure reuses the same
     compiled code). The train loop works on `leaves = trainer.leaves(state)` and turns them back
     into a `TrainState` with `trainer.state(leaves)` only to evaluate or save. Leaves passed to
     `step`/`run` are donated: do not use them (or a state built from them) afterwards.
 
+    With `skip_nonfinite=True` a step whose loss or gradient is NaN/Inf leaves the model, model
+    state and optimizer state unchanged (the step counter, key and data still advance).
+
     `num_traces` counts how many times each function was traced, to catch silent recompilation.
     """
 
-    def __init__(self, loss_fn: LossFn, static: TrainState, treedef: jax.tree_util.PyTreeDef):
+    def __init__(self, loss_fn: LossFn, static: TrainState, treedef: jax.tree_util.PyTreeDef,
+                 skip_nonfinite: bool = False):
         self.loss_fn = loss_fn
+        self.skip_nonfinite = skip_nonfinite
         self._static = static
         self._treedef = treedef
         self.num_traces = {"step": 0, "run": 0}
@@ -53,72 +94,81 @@ class CompiledTrainer:
     def state(self, leaves: Leaves) -> TrainState:
         return eqx.combine(jax.tree.unflatten(self._treedef, leaves), self._static)
 
-    def init_metrics(self, leaves: Leaves, batch: Batch) -> RunningMean:
-        """Zero running sums with the structure of the step's metrics."""
-        signature = jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)), batch)
-        shapes = self._metric_shapes.get(str(signature))
+    def init_stats(self, leaves: Leaves, batch: Batch) -> StepStats:
+        """Zeroed step statistics with the structure of the step's metrics."""
+        signature = str(jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)), batch))
+        shapes = self._metric_shapes.get(signature)
         if shapes is None:
             shapes = jax.eval_shape(lambda l, b: self._one(l, b)[1], leaves, batch)
-            self._metric_shapes[str(signature)] = shapes
-        return RunningMean.init(shapes)
+            self._metric_shapes[signature] = shapes
+        return StepStats.init(RunningMean.init(shapes))
 
     # -- compiled functions ------------------------------------------------------------------
     def _one(self, leaves: Leaves, batch: Batch) -> tuple[Leaves, Metrics]:
-        new_state, metrics = train_step(self.state(leaves), batch, self.loss_fn)
-        new_leaves, new_static = eqx.partition(new_state, eqx.is_array)
+        old = self.state(leaves)
+        new, metrics = train_step(old, batch, self.loss_fn)
+        if self.skip_nonfinite:
+            ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+            keep = lambda n, o: jax.tree.map(lambda a, b: jnp.where(ok, a, b), n, o)  # noqa: E731
+            new = eqx.tree_at(
+                lambda s: (s.model, s.model_state, s.opt_state),
+                new,
+                (keep(new.model, old.model), keep(new.model_state, old.model_state), keep(new.opt_state, old.opt_state)),
+                is_leaf=lambda x: x is None,
+            )
+        new_leaves, _ = eqx.partition(new, eqx.is_array)
         flat, treedef = jax.tree.flatten(new_leaves)
         if treedef != self._treedef:
             raise ValueError(f"the train step changed the state's structure: {self._treedef} -> {treedef}")
         return flat, metrics
 
-    def _step_impl(self, leaves: Leaves, sums: RunningMean, batch: Batch) -> tuple[Leaves, RunningMean]:
-        self.num_traces["step"] += 1
+    def _record(self, leaves: Leaves, stats: StepStats, batch: Batch) -> tuple[Leaves, StepStats]:
+        step = self.state(leaves).step
         leaves, metrics = self._one(leaves, batch)
-        sums, _ = sums.update(metrics)
-        return leaves, sums
+        return leaves, stats.record(step, metrics)
+
+    def _step_impl(self, leaves: Leaves, stats: StepStats, batch: Batch) -> tuple[Leaves, StepStats]:
+        self.num_traces["step"] += 1
+        return self._record(leaves, stats, batch)
 
     def _run_impl(
-        self, leaves: Leaves, sums: RunningMean, data: Batch, indices: jax.Array, num_steps: jax.Array
-    ) -> tuple[Leaves, RunningMean]:
+        self, leaves: Leaves, stats: StepStats, data: Batch, indices: jax.Array, num_steps: jax.Array
+    ) -> tuple[Leaves, StepStats]:
         self.num_traces["run"] += 1
 
         def body(i, carry):
-            leaves, sums = carry
             index = indices[i]
-            batch = Batch(data.inputs[index], data.labels[index])
-            leaves, metrics = self._one(leaves, batch)
-            sums, _ = sums.update(metrics)
-            return leaves, sums
+            return self._record(*carry, Batch(data.inputs[index], data.labels[index]))
 
-        return jax.lax.fori_loop(0, num_steps, body, (leaves, sums))
+        return jax.lax.fori_loop(0, num_steps, body, (leaves, stats))
 
-    def step(self, leaves: Leaves, sums: RunningMean, batch: Batch) -> tuple[Leaves, RunningMean]:
-        """One step on a host or device batch; metrics are added to the running sums on the device."""
-        return self._step(leaves, sums, batch)
+    def step(self, leaves: Leaves, stats: StepStats, batch: Batch) -> tuple[Leaves, StepStats]:
+        """One step on a host or device batch; metrics are accumulated in `stats` on the device."""
+        return self._step(leaves, stats, batch)
 
     def run(
-        self, leaves: Leaves, sums: RunningMean, data: Batch, indices: np.ndarray | jax.Array, num_steps: int
-    ) -> tuple[Leaves, RunningMean]:
+        self, leaves: Leaves, stats: StepStats, data: Batch, indices: np.ndarray | jax.Array, num_steps: int
+    ) -> tuple[Leaves, StepStats]:
         """`num_steps` steps in one compiled call on device-resident `data`; step `i` uses the examples
         `indices[i]`. `indices` has a fixed number of rows (>= num_steps) so the call compiles once."""
-        return self._run(leaves, sums, data, indices, jnp.asarray(num_steps, jnp.int32))
+        return self._run(leaves, stats, data, indices, jnp.asarray(num_steps, jnp.int32))
 
 
 _cache: dict[tuple, CompiledTrainer] = {}
 _cache_lock = threading.Lock()
 
 
-def compiled_trainer(loss_fn: LossFn, state: TrainState) -> CompiledTrainer:
-    """The `CompiledTrainer` for this loss and this state's structure, built once and reused, so a
-    second `fit` with the same model, optimizer object and loss starts warm."""
+def compiled_trainer(loss_fn: LossFn, state: TrainState, *, skip_nonfinite: bool = False) -> CompiledTrainer:
+    """The `CompiledTrainer` for this loss, this state's structure and this non-finite policy, built
+    once and reused, so a second `fit` with the same model, optimizer object and loss starts warm."""
     dynamic, static = eqx.partition(state, eqx.is_array)
     treedef = jax.tree.structure(dynamic)
-    key = (loss_fn, treedef, static)
+    key = (loss_fn, treedef, static, skip_nonfinite)
     with _cache_lock:
         try:
             return _cache[key]
         except TypeError:  # an unhashable static field: compile privately
-            return CompiledTrainer(loss_fn, static, treedef)
+            return CompiledTrainer(loss_fn, static, treedef, skip_nonfinite)
         except KeyError:
-            trainer = _cache[key] = CompiledTrainer(loss_fn, static, treedef)
+            trainer = _cache[key] = CompiledTrainer(loss_fn, static, treedef, skip_nonfinite)
             return trainer

@@ -5,15 +5,18 @@ import warnings
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import torch.utils.data
+from jaxtyping import TypeCheckError
 
-from ..data import Batch, DeviceLoader, TorchLoader
-from ._compiled import CompiledTrainer, compiled_trainer
+from ..data import Batch, DataError, DeviceLoader, TorchLoader
+from ..state import RunningMean
+from ._checkpoint import save_checkpoint
+from ._compiled import NONFINITE_NAMES, CompiledTrainer, StepStats, compiled_trainer
 from ._evaluate import evaluate
 from ._progress import Progress
 from ._rundir import RunDir
-from ._checkpoint import save_checkpoint
 from ._state import LossFn, TrainState, classification_loss
 
 
@@ -33,8 +36,27 @@ def _next_multiple(step: int, every: int | None) -> int | float:
     return math.inf if not every else (step // every + 1) * every
 
 
-def _fetch(sums) -> dict[str, float]:
-    return {k: float(v) for k, v in jax.device_get(sums.mean()).items()}
+def _summarise_type_error(error: TypeCheckError) -> str:
+    """One line out of jaxtyping's multi-line report: the function, the parameter, got vs expected."""
+    lines = [line.strip() for line in str(error).splitlines()]
+    where = next((line for line in lines if line.startswith("Type-check error")), "")
+    function = where.rsplit(" of ", 1)[-1].rstrip(".") if " of " in where else "the model"
+    parameter = next((line.split("'")[1] for line in lines if "typechecking parameter" in line), "return value")
+    got = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("Actual value:")), "?")
+    expected = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("Expected type:")), "?")
+    return f"the data does not fit the model: {function} parameter '{parameter}' got {got}, expected {expected}"
+
+
+def window_to_header(stats: StepStats) -> dict[str, Any]:
+    """The running metrics of an unfinished logging window, exactly, as JSON (float32 -> float is exact)."""
+    total, weight, skipped = jax.device_get((stats.metrics.total, stats.metrics.weight, stats.skipped))
+    return {"total": {k: float(v) for k, v in total.items()}, "weight": float(weight), "skipped": int(skipped)}
+
+
+def _window_from_header(window: dict[str, Any], like: StepStats) -> StepStats:
+    total = {k: jnp.asarray(window["total"][k], jnp.float32) for k in like.metrics.total}
+    metrics = RunningMean(total, jnp.asarray(window["weight"], jnp.float32))
+    return StepStats(metrics, like.first_bad_step, like.bad_quantity, jnp.asarray(window["skipped"], jnp.int32))
 
 
 def fit(
@@ -51,6 +73,8 @@ def fit(
     checkpoint_every: int | None = None,
     keep_checkpoints: int = 3,
     checkpoint_header: dict[str, Any] | None = None,
+    resume_window: dict[str, Any] | None = None,
+    skip_nonfinite: bool = False,
     progress: bool = True,
 ) -> FitResult:
     """Train `state` until `state.step == num_steps` on the fast path.
@@ -64,26 +88,37 @@ def fit(
     - `num_steps`: the total number of steps (not the number still to take).
     - `loss_fn`: `(model, model_state, batch, key) -> (loss, (metrics, model_state))`.
     - `eval_data`, `eval_every`: evaluate every `eval_every` steps and at the end.
-    - `log_every`: fetch the running means of the train metrics every so many steps; they are the
-      only host synchronisation, and are written to `run`'s `metrics.jsonl`.
+    - `log_every`: fetch the running means of the train metrics every so many steps; with the
+      non-finite check at each cadence boundary, the only host synchronisation. Written to `run`'s
+      `metrics.jsonl`.
     - `run`: where to log and checkpoint (nothing is written when `None`).
-    - `checkpoint_every`, `keep_checkpoints`, `checkpoint_header`: checkpoint cadence, how many to
-      keep, and the JSON header written with each (the final step is always checkpointed).
+    - `checkpoint_every`, `keep_checkpoints`, `checkpoint_header`: checkpoint cadence, how many
+      recent ones to keep (the one with the best `test/accuracy` is kept as well), and the JSON
+      header written with each (the final step is always checkpointed).
+    - `resume_window`: the `window` entry of the header of the checkpoint `state` came from, so that
+      a resumed run logs exactly the metrics an uninterrupted one would.
+    - `skip_nonfinite`: skip steps whose loss or gradient is NaN/Inf (counted as `train/skipped`)
+      instead of stopping with `NonFiniteError`, which names the first bad step and quantity and
+      leaves the checkpoints written so far untouched.
     - `progress`: show a progress bar (or log lines when not on a terminal).
     """
     start_time = time.perf_counter()
-    trainer = compiled_trainer(loss_fn, state)
+    trainer = compiled_trainer(loss_fn, state, skip_nonfinite=skip_nonfinite)
     traces_before = dict(trainer.num_traces)
     step = int(state.step)
     # The compiled steps donate their inputs; copy once so the caller's state (and model) stay valid.
     leaves = _copy(trainer.leaves(state))
     if isinstance(train_data, DeviceLoader):
-        example = Batch(train_data.arrays.inputs[: train_data.batch_size], train_data.arrays.labels[: train_data.batch_size])
+        example = Batch(*(a[: train_data.batch_size] for a in train_data.arrays))
         host_batches = None
     else:
         host_batches = train_data.batches(step)
         example = next(host_batches)
-    sums = trainer.init_metrics(leaves, example)
+    try:
+        fresh_stats = trainer.init_stats(leaves, example)
+    except TypeCheckError as e:
+        raise DataError(_summarise_type_error(e)) from None
+    stats = fresh_stats if resume_window is None else _window_from_header(resume_window, fresh_stats)
     pending = example if host_batches is not None else None
 
     bar = Progress(num_steps, initial=step, enabled=progress)
@@ -95,29 +130,27 @@ def fit(
             until = int(min(num_steps, _next_multiple(step, log_every), _next_multiple(step, eval_every),
                             _next_multiple(step, checkpoint_every)))
             if host_batches is None:
-                leaves, sums = _run_device(trainer, leaves, sums, train_data, step, until, steps_per_call)
+                leaves, stats = _run_device(trainer, leaves, stats, train_data, step, until, steps_per_call)
             else:
                 for _ in range(until - step):
                     batch = pending if pending is not None else next(host_batches)
                     pending = None
-                    leaves, sums = trainer.step(leaves, sums, batch)
+                    leaves, stats = trainer.step(leaves, stats, batch)
             bar.update(until - step)
             step = until
+            if not skip_nonfinite:
+                _raise_if_nonfinite(stats, run)
             record: dict[str, Any] = {}
             if step % log_every == 0 or step == num_steps:
-                train_metrics = _fetch(sums)
+                metrics, skipped = jax.device_get((stats.metrics.mean(), stats.skipped))
+                train_metrics = {k: float(v) for k, v in metrics.items()}
                 now = time.perf_counter()
                 record.update({f"train/{k}": v for k, v in train_metrics.items()})
+                if skip_nonfinite:
+                    record["train/skipped"] = int(skipped)
                 record["steps_per_s"] = (step - window_step) / max(now - window_start, 1e-9)
                 window_start, window_step = now, step
-                sums = trainer.init_metrics(leaves, example)
-                if not math.isfinite(train_metrics.get("loss", 0.0)) or not math.isfinite(
-                    train_metrics.get("grad_norm", 0.0)
-                ):
-                    raise NonFiniteError(
-                        f"non-finite training loss or gradient by step {step} "
-                        f"(loss={train_metrics.get('loss')}, grad_norm={train_metrics.get('grad_norm')})"
-                    )
+                stats = StepStats.init(RunningMean.init(fresh_stats.metrics.total))
             if eval_data is not None and (step == num_steps or (eval_every and step % eval_every == 0)):
                 current = trainer.state(leaves)
                 eval_metrics = evaluate(current.model, current.model_state, eval_data)
@@ -127,8 +160,9 @@ def fit(
                 if run is not None:
                     run.log({"step": step, **record})
             if run is not None and (step == num_steps or (checkpoint_every and step % checkpoint_every == 0)):
-                save_checkpoint(run.checkpoint_path(step), trainer.state(leaves),
-                                {**(checkpoint_header or {}), "step": step})
+                header = {**(checkpoint_header or {}), "step": step, "window": window_to_header(stats),
+                          "eval": {k: v for k, v in record.items() if k.startswith("test/")}}
+                save_checkpoint(run.checkpoint_path(step), trainer.state(leaves), header)
                 run.prune_checkpoints(keep_checkpoints)
     finally:
         bar.close()
@@ -136,19 +170,31 @@ def fit(
     return FitResult(trainer.state(leaves), train_metrics, eval_metrics, time.perf_counter() - start_time)
 
 
+def _raise_if_nonfinite(stats: StepStats, run: RunDir | None) -> None:
+    bad_step, quantity = (int(x) for x in jax.device_get((stats.first_bad_step, stats.bad_quantity)))
+    if bad_step < 0:
+        return
+    kept = run.checkpoint_paths()[-1] if run is not None and run.checkpoint_paths() else None
+    where = f"; the last good checkpoint is {kept}" if kept else "; no checkpoint was written"
+    raise NonFiniteError(
+        f"non-finite {NONFINITE_NAMES[quantity]} at step {bad_step + 1}"
+        f"{where}. Lower the learning rate, check the data, or pass --skip-nonfinite to skip such steps"
+    )
+
+
 @jax.jit
 def _copy(leaves):
     return [x.copy() for x in leaves]
 
 
-def _run_device(trainer: CompiledTrainer, leaves, sums, data: DeviceLoader, step: int, until: int, steps_per_call: int):
+def _run_device(trainer: CompiledTrainer, leaves, stats, data: DeviceLoader, step: int, until: int, steps_per_call: int):
     while step < until:
         n = min(steps_per_call, until - step)
         indices = np.zeros((steps_per_call, data.batch_size), np.int32)
         indices[:n] = data.step_indices(step, n)
-        leaves, sums = trainer.run(leaves, sums, data.arrays, indices, n)
+        leaves, stats = trainer.run(leaves, stats, data.arrays, indices, n)
         step += n
-    return leaves, sums
+    return leaves, stats
 
 
 def _warn_on_retrace(trainer: CompiledTrainer, before: dict[str, int]) -> None:

@@ -64,9 +64,12 @@ class RunDir:
             f.write(json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n")
 
     def read_metrics(self) -> list[dict[str, Any]]:
+        """The logged records; a last line cut short by a crash (no newline yet) is ignored."""
         if not self.metrics_file.exists():
             return []
-        return [json.loads(line) for line in self.metrics_file.read_text().splitlines() if line.strip()]
+        text = self.metrics_file.read_text()
+        complete = text if text.endswith("\n") else text[: text.rfind("\n") + 1]
+        return [json.loads(line) for line in complete.splitlines() if line.strip()]
 
     def truncate_metrics(self, after_step: int) -> None:
         """Drop records logged after `after_step` (they belong to work a resume will redo)."""
@@ -96,6 +99,24 @@ class RunDir:
                 problems.append(str(e))
         return None, problems
 
+    def best_checkpoint(self, metric: str = "test/accuracy") -> Path | None:
+        """The valid checkpoint whose header records the highest `metric` (evaluated at its step)."""
+        best, best_value = None, -math.inf
+        for path in self.checkpoint_paths():
+            try:
+                value = read_header(path).get("eval", {}).get(metric)
+            except CheckpointError:
+                continue
+            if isinstance(value, (int, float)) and value > best_value:
+                best, best_value = path, value
+        return best
+
     def prune_checkpoints(self, keep: int) -> None:
-        for path in self.checkpoint_paths()[:-keep] if keep > 0 else []:
-            path.unlink(missing_ok=True)
+        """Delete all but the `keep` newest checkpoints and the best one (see `best_checkpoint`)."""
+        paths = self.checkpoint_paths()
+        if len(paths) <= keep:
+            return
+        best = self.best_checkpoint()
+        for path in paths[:-keep]:
+            if path != best:
+                path.unlink(missing_ok=True)

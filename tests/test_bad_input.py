@@ -1,0 +1,123 @@
+"""Every kind of bad input is refused with one clear line and exit status 2, and overwrites nothing.
+
+`CASES` is the table: (id, command-line arguments, what the message must say, set-up). Set-ups
+prepare a run directory or swap the data set before the command runs.
+"""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from research.cli import main_entry
+from research.data import XORDataset
+
+ROOT = Path(__file__).parent.parent
+spec = importlib.util.spec_from_file_location("xor_experiment_bad_input", ROOT / "experiments" / "xor.py")
+xor = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(xor)
+
+QUICK = ["--epochs", "1", "--no-progress", "--train-size", "256", "--test-size", "64", "--batch-size", "32"]
+
+
+def finished_run(tmp_path, monkeypatch):
+    run_main(QUICK + ["--run-dir", "r"])
+
+
+def run_main(argv):
+    main_entry(xor.main, xor.Config, argv)
+
+
+class ThreeFeatureXOR(XORDataset):
+    def __init__(self, size, seed, std=0.1):
+        super().__init__(size, seed, std)
+        self.inputs = np.concatenate([self.inputs, self.inputs[:, :1]], axis=1)
+
+
+class FloatLabelXOR(XORDataset):
+    def __init__(self, size, seed, std=0.1):
+        super().__init__(size, seed, std)
+        self.labels = self.labels.astype(np.float32)
+
+
+def corrupt_every_checkpoint(tmp_path, monkeypatch):
+    finished_run(tmp_path, monkeypatch)
+    for path in (tmp_path / "r/checkpoints").glob("*.ckpt"):
+        path.write_bytes(path.read_bytes()[:-4])
+
+
+def foreign_checkpoint(tmp_path, monkeypatch):
+    """A run whose saved config claims 16 hidden units while its checkpoint holds 8."""
+    finished_run(tmp_path, monkeypatch)
+    config_file = tmp_path / "r/config.json"
+    saved = json.loads(config_file.read_text())
+    saved["config"]["hidden"] = 16
+    config_file.write_text(json.dumps(saved))
+
+
+def swap_dataset(cls):
+    return lambda tmp_path, monkeypatch: monkeypatch.setattr(xor, "XORDataset", cls)
+
+
+CASES = [
+    ("batch size zero", ["--batch-size", "0"], "--batch-size must be positive (got 0)", None),
+    ("batch size negative", ["--batch-size", "-5"], "--batch-size must be positive (got -5)", None),
+    ("batch size not a number", ["--batch-size", "lots"], "argument --batch-size: invalid int value: 'lots'", None),
+    ("batch larger than the data", ["--batch-size", "300"], "batch size must be between 1 and the dataset size 256, got 300", None),
+    ("learning rate zero", ["--lr", "0"], "--lr must be positive (got 0.0)", None),
+    ("learning rate negative", ["--lr", "-0.1"], "--lr must be positive (got -0.1)", None),
+    ("epochs zero", ["--epochs", "0"], "--epochs must be positive (got 0)", None),
+    ("hidden zero", ["--hidden", "0"], "--hidden must be positive (got 0)", None),
+    ("train size zero", ["--train-size", "0"], "--train-size must be positive (got 0)", None),
+    ("log cadence zero", ["--log-every", "0"], "--log-every must be positive (got 0)", None),
+    ("eval cadence negative", ["--eval-every", "-1"], "--eval-every must be >= 0 (got -1)", None),
+    ("keep no checkpoints", ["--keep-checkpoints", "0"], "--keep-checkpoints must be positive (got 0)", None),
+    ("steps per call zero", ["--steps-per-call", "0"], "--steps-per-call must be positive (got 0)", None),
+    ("unknown loader", ["--loader", "gpu"], "argument --loader: invalid choice: 'gpu'", None),
+    ("unknown option", ["--optimiser", "adam"], "unrecognized arguments: --optimiser adam", None),
+    ("resume with no run", ["--resume"], "--resume: no run to resume in runs/xor/*", None),
+    ("resume with a different config", ["--resume", "--run-dir", "r", "--hidden", "16"],
+     "--resume: the config differs from the run in r: hidden: saved 8, now 16", finished_run),
+    ("resume with only damaged checkpoints", ["--resume", "--run-dir", "r"],
+     "--resume: no valid checkpoint in r/checkpoints", corrupt_every_checkpoint),
+    ("checkpoint of another architecture", ["--resume", "--run-dir", "r", "--hidden", "16"],
+     "is of a different architecture: .model.layers[0].weight: saved (8, 2) float32, expected (16, 2) float32",
+     foreign_checkpoint),
+    ("run directory already used", ["--run-dir", "r"], "--run-dir r already holds a run", finished_run),
+    ("data of the wrong shape", [], "the data does not fit the model: research.nn._mlp.MLP.__call__ parameter 'x' got f32[3]",
+     swap_dataset(ThreeFeatureXOR)),
+    ("labels of the wrong dtype", [], "the data does not fit the model: research.train._state.classification_metrics "
+     "parameter 'labels' got f32[32]", swap_dataset(FloatLabelXOR)),
+]
+
+
+def snapshot(root):
+    return {p: p.read_bytes() for p in sorted(Path(root).rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_refused_with_one_line_and_exit_2(case, tmp_path, monkeypatch, capsys):
+    _, argv, message, setup = case
+    monkeypatch.chdir(tmp_path)
+    if setup is not None:
+        setup(tmp_path, monkeypatch)
+    capsys.readouterr()
+    before = snapshot(tmp_path)
+
+    with pytest.raises(SystemExit) as info:
+        run_main(QUICK + argv)
+
+    assert info.value.code == 2, "a bad input must exit with status 2"
+    err = capsys.readouterr().err.strip()
+    assert message in err
+    errors = [line for line in err.splitlines() if not line.startswith("warning: skipping checkpoint")]
+    assert len(errors) == 1 and ": error: " in errors[0]
+    after = snapshot(tmp_path)
+    assert {p: b for p, b in after.items() if p in before} == before  # nothing written over
+    assert not [p for p in after if p not in before and p.suffix == ".ckpt"]
+
+
+def test_the_table_covers_the_kinds_of_bad_input():
+    assert len(CASES) >= 20

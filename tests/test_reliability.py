@@ -1,0 +1,181 @@
+"""Reliability: bit-identical reruns, resume after SIGKILL, damaged checkpoints, NaNs, bad input."""
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from research.data import DeviceLoader, XORDataset
+from research.nn import MLP
+from research.train import NonFiniteError, RunDir, TrainState, fit, load_checkpoint
+
+ROOT = Path(__file__).parent.parent
+spec = importlib.util.spec_from_file_location("xor_experiment", ROOT / "experiments" / "xor.py")
+xor = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(xor)
+
+TIMING_KEYS = {"steps_per_s"}
+
+
+def run_script(cwd, *args, name="xor", timeout=600):
+    return subprocess.run([sys.executable, str(ROOT / "experiments" / f"{name}.py"), "--no-progress", *args],
+                          cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def payload(path):
+    return path.read_bytes().split(b"\n", 2)[2]
+
+
+def metrics_without_timing(run_dir):
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in RunDir(run_dir).read_metrics()]
+
+
+def final_checkpoint(run_dir):
+    return RunDir(run_dir).checkpoint_paths()[-1]
+
+
+# -- determinism ------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_two_runs_of_the_same_command_are_bit_identical(tmp_path):
+    args = ["--epochs", "20", "--log-every", "19", "--eval-every", "95"]
+    for name in ("a", "b"):
+        assert run_script(tmp_path, *args, "--run-dir", name).returncode == 0
+    assert metrics_without_timing(tmp_path / "a") == metrics_without_timing(tmp_path / "b")
+    assert payload(final_checkpoint(tmp_path / "a")) == payload(final_checkpoint(tmp_path / "b"))
+
+
+# -- kill and resume --------------------------------------------------------------------------------
+def kill_when_checkpointed(cwd, run_dir, args, name="xor", min_checkpoints=2, timeout=300):
+    """Start a run, SIGKILL it once it has written `min_checkpoints` checkpoints; return its run dir."""
+    process = subprocess.Popen([sys.executable, str(ROOT / "experiments" / f"{name}.py"), "--no-progress",
+                                "--run-dir", run_dir, *args], cwd=cwd, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    checkpoints = Path(cwd) / run_dir / "checkpoints"
+    deadline = time.monotonic() + timeout
+    try:
+        while len(list(checkpoints.glob("step_*.ckpt"))) < min_checkpoints:
+            assert process.poll() is None, "the run ended before it could be killed"
+            assert time.monotonic() < deadline, "the run wrote no checkpoints in time"
+            time.sleep(0.01)
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+    return Path(cwd) / run_dir
+
+
+KILL_CASES = {
+    # name: (experiment, args)
+    "xor": ("xor", ["--epochs", "300", "--steps-per-call", "5", "--log-every", "50", "--eval-every", "570",
+                    "--checkpoint-every", "190", "--keep-checkpoints", "2"]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(KILL_CASES))
+def test_a_run_killed_with_sigkill_resumes_to_bit_identical_results(tmp_path, case):
+    experiment, args = KILL_CASES[case]
+    assert run_script(tmp_path, *args, "--run-dir", "straight", name=experiment).returncode == 0
+    killed = kill_when_checkpointed(tmp_path, "killed", args, name=experiment)
+    assert not (killed / "summary.json").exists()
+    result = run_script(tmp_path, *args, "--run-dir", "killed", "--resume", name=experiment)
+    assert result.returncode == 0, result.stderr
+    assert "resuming" in result.stderr
+    assert payload(final_checkpoint(killed)) == payload(final_checkpoint(tmp_path / "straight"))
+    assert metrics_without_timing(killed) == metrics_without_timing(tmp_path / "straight")
+
+
+@pytest.mark.slow
+def test_resume_falls_back_past_a_corrupted_checkpoint(tmp_path):
+    args = ["--epochs", "30", "--checkpoint-every", "95", "--keep-checkpoints", "10", "--log-every", "19"]
+    assert run_script(tmp_path, *args, "--epochs", "10", "--run-dir", "r").returncode == 0  # steps 95, 190
+    assert run_script(tmp_path, *args, "--run-dir", "straight").returncode == 0
+    newest = RunDir(tmp_path / "r").checkpoint_path(190)
+    raw = bytearray(newest.read_bytes())
+    raw[-3] ^= 0x01
+    newest.write_bytes(bytes(raw))
+    result = run_script(tmp_path, *args, "--run-dir", "r", "--resume")
+    assert result.returncode == 0, result.stderr
+    assert "skipping checkpoint r/checkpoints/step_000000190.ckpt is corrupted: checksum mismatch" in result.stderr
+    assert "from step 95" in result.stderr
+    assert payload(final_checkpoint(tmp_path / "r")) == payload(final_checkpoint(tmp_path / "straight"))
+    assert metrics_without_timing(tmp_path / "r") == metrics_without_timing(tmp_path / "straight")
+
+
+def test_pruning_keeps_the_newest_and_the_best(tmp_path):
+    train = DeviceLoader.from_dataset(XORDataset(256, seed=0), 32, seed=0)
+    test = DeviceLoader.from_dataset(XORDataset(128, seed=1), 64, shuffle=False)
+    run = RunDir(tmp_path / "run").create()
+    fit(make_state(), train, num_steps=64, eval_data=test, eval_every=8, checkpoint_every=8, keep_checkpoints=2,
+        log_every=8, run=run, progress=False)
+    kept = run.checkpoint_paths()
+    evals = {r["step"]: r["test/accuracy"] for r in run.read_metrics()}
+    best_step = max(evals, key=lambda s: (evals[s], -s))
+    assert [p.name for p in kept[-2:]] == ["step_000000056.ckpt", "step_000000064.ckpt"]
+    assert run.checkpoint_path(best_step) in kept and len(kept) == (2 if best_step >= 56 else 3)
+
+
+# -- non-finite numbers -----------------------------------------------------------------------------
+def make_state():
+    model_key, train_key = jax.random.split(jax.random.key(0))
+    return TrainState.create(MLP(2, 1, hidden=(8,), key=model_key), optax.sgd(0.1), key=train_key)
+
+
+def poisoned_loader(bad_index=100):
+    data = XORDataset(512, seed=0)
+    inputs = data.inputs.copy()
+    inputs[bad_index] = np.nan
+    return DeviceLoader(inputs, data.labels, 32, seed=0)
+
+
+def first_step_using(loader, index, num_steps):
+    rows = loader.step_indices(0, num_steps)
+    return 1 + next(i for i, row in enumerate(rows) if index in row)
+
+
+def test_a_nan_stops_the_run_naming_the_step_and_keeps_the_good_checkpoints(tmp_path):
+    loader = poisoned_loader()
+    bad_step = first_step_using(loader, 100, 64)
+    run = RunDir(tmp_path / "run").create()
+    with pytest.raises(NonFiniteError, match=f"non-finite loss at step {bad_step};") as info:
+        fit(make_state(), loader, num_steps=64, checkpoint_every=2, log_every=2, steps_per_call=2, run=run,
+            progress=False)
+    good = run.checkpoint_paths()
+    assert good and int(good[-1].stem.split("_")[1]) < bad_step
+    assert str(good[-1]) in str(info.value)
+    restored, header = load_checkpoint(good[-1], make_state())
+    assert header["step"] == int(restored.step) < bad_step
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(restored.model))
+
+
+def test_skip_nonfinite_skips_the_bad_steps_and_finishes(tmp_path):
+    loader = poisoned_loader()
+    run = RunDir(tmp_path / "run").create()
+    result = fit(make_state(), loader, num_steps=64, log_every=64, run=run, skip_nonfinite=True, progress=False)
+    expected = sum(100 in row for row in loader.step_indices(0, 64))
+    assert run.read_metrics()[-1]["train/skipped"] == expected >= 1
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(result.state.model))
+    assert np.isfinite(result.train_metrics["loss"])
+
+
+def test_the_script_exits_nonzero_on_a_nan_with_one_line(tmp_path, monkeypatch, capsys):
+    from research.cli import main_entry
+
+    class NaNXOR(XORDataset):
+        def __init__(self, size, seed, std=0.1):
+            super().__init__(size, seed, std)
+            self.inputs[::7] = np.nan
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(xor, "XORDataset", NaNXOR)
+    with pytest.raises(SystemExit) as info:
+        main_entry(xor.main, xor.Config, ["--epochs", "1", "--no-progress"])
+    assert info.value.code == 1
+    assert "error: non-finite loss at step 1; no checkpoint was written" in capsys.readouterr().err
