@@ -12,7 +12,7 @@ import optax
 
 from research.cli import TrainConfig, main_entry, option, positive
 from research.data import DeviceLoader, TorchLoader, XORDataset, make_dataloader
-from research.experiment import run_experiment
+from research.experiment import Setup, run_experiment
 from research.nn import build_model
 from research.train import TrainState
 
@@ -39,7 +39,8 @@ def build_state(config: Config) -> TrainState:
     return TrainState.create(model, optax.sgd(config.lr), key=train_key)
 
 
-def main(config: Config) -> dict:
+def setup(config: Config) -> Setup:
+    """The state and the data of a run, without training (`scripts/show_jaxpr xor` uses it too)."""
     train_set = XORDataset(config.train_size, seed=config.train_seed)
     test_set = XORDataset(config.test_size, seed=config.test_seed)
     if config.loader == "device":
@@ -48,14 +49,16 @@ def main(config: Config) -> dict:
     else:
         train_data = TorchLoader(train_set, config.batch_size, seed=config.seed)
         test_data = make_dataloader(test_set, min(config.batch_size, len(test_set)), shuffle=False)
-    return run_experiment(
-        "xor",
-        config,
+    return Setup(
         build_state=lambda: build_state(config),
         train_data=train_data,
         eval_data=test_data,
         num_steps=config.epochs * train_data.steps_per_epoch,
     )
+
+
+def main(config: Config) -> dict:
+    return run_experiment("xor", config, setup(config))
 
 
 if __name__ == "__main__":

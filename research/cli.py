@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from .train import tensorboard_problem
+
 C = TypeVar("C", bound="TrainConfig")
 
 
@@ -33,6 +35,10 @@ def non_negative(value: Any) -> str | None:
 
 def unit_interval(value: Any) -> str | None:
     return None if 0 <= value < 1 else "must be in [0, 1)"
+
+
+def _tensorboard_installed(value: bool) -> str | None:
+    return tensorboard_problem() if value else None
 
 
 def option(default: Any, help: str, *, check: Callable[[Any], str | None] | None = None) -> Any:
@@ -60,6 +66,10 @@ class TrainConfig:
     steps_per_call: int = option(1, "training steps per compiled call on device-resident data", check=positive)
     skip_nonfinite: bool = option(False, "skip steps with a NaN/Inf loss or gradient instead of stopping the run")
     progress: bool = option(True, "show a progress bar (plain log lines when not on a terminal)")
+    tensorboard: bool = option(False, "also write TensorBoard event files into the run directory",
+                               check=_tensorboard_installed)
+    debug_nans: bool = option(False, "turn on jax_debug_nans and stop at the first operation that makes a NaN "
+                                     "(one step per compiled call: slow)")
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -69,7 +79,8 @@ class TrainConfig:
             check = field.metadata.get("check")
             problem = check(value) if check is not None and value is not None else None
             if problem:
-                raise ConfigError(f"{flag_name(field.name)} {problem} (got {value!r})")
+                got = "" if isinstance(value, bool) else f" (got {value!r})"
+                raise ConfigError(f"{flag_name(field.name)} {problem}{got}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

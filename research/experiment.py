@@ -1,7 +1,10 @@
-"""What every experiment script does around `fit`: the run directory, resume, the summary."""
+"""What every experiment script does around `fit`: the run directory, resume, the summary, the plot."""
 
+import dataclasses
 import importlib.metadata
+import importlib.util
 import sys
+import types
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -10,14 +13,29 @@ from typing import Any
 import torch.utils.data
 
 from .cli import ConfigError, TrainConfig
-from .data import DeviceLoader, TorchLoader
-from .train import RunDir, TrainState, fit, load_checkpoint
+from .data import Batch, DeviceLoader, TorchLoader
+from .tools.plot_runs import plot_runs
+from .train import LossFn, RunDir, TensorBoardTracker, TrainState, classification_loss, fit, load_checkpoint
 
 RUNS_ROOT = Path("runs")
+EXPERIMENTS_DIR = Path(__file__).resolve().parent.parent / "experiments"
 # Options that may change between a run and its resumption.
 RESUMABLE_OPTIONS = {
     "skip_nonfinite", "resume", "run_dir", "progress", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "epochs", "steps",
+    "tensorboard", "debug_nans",
 }
+
+
+def load_experiment(name: str) -> types.ModuleType:
+    """Import an experiment script by name (`xor` is `experiments/xor.py`) or by path, without running it."""
+    path = Path(name) if name.endswith(".py") or "/" in name else EXPERIMENTS_DIR / f"{name}.py"
+    if not path.is_file():
+        available = " ".join(sorted(p.stem for p in EXPERIMENTS_DIR.glob("*.py")))
+        raise ConfigError(f"no experiment {name!r} ({path} does not exist); available: {available}")
+    spec = importlib.util.spec_from_file_location(f"experiments.{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _versions() -> dict[str, str]:
@@ -57,55 +75,98 @@ def resolve_run_dir(experiment: str, config: TrainConfig) -> tuple[RunDir, Path 
     return RunDir(path), None
 
 
-def run_experiment(
-    experiment: str,
-    config: TrainConfig,
-    *,
-    build_state: Callable[[], TrainState],
-    train_data: DeviceLoader | TorchLoader,
-    eval_data: DeviceLoader | torch.utils.data.DataLoader,
-    num_steps: int,
-    **fit_kwargs: Any,
-) -> dict[str, Any]:
+@dataclasses.dataclass
+class Setup:
+    """What one run trains, built without training: an experiment script's `setup(config)` returns it,
+    its `main` hands it to `run_experiment`, and `scripts/show_jaxpr` uses it to trace one step.
+
+    **Fields:**
+
+    - `build_state`: makes the step-0 TrainState (when resuming, the skeleton a checkpoint fills).
+    - `train_data`: a `DeviceLoader` or a `TorchLoader`.
+    - `eval_data`: a `DeviceLoader` or a torch `DataLoader` of numpy batches.
+    - `num_steps`: the total number of training steps.
+    - `loss_fn`: `(model, model_state, batch, key) -> (loss, (metrics, model_state))`.
+    - `lr_schedule`: the optimizer's learning-rate schedule, when it has one (logged as `lr`).
+    """
+
+    build_state: Callable[[], TrainState]
+    train_data: DeviceLoader | TorchLoader
+    eval_data: DeviceLoader | torch.utils.data.DataLoader
+    num_steps: int
+    loss_fn: LossFn = classification_loss
+    lr_schedule: Callable[[int], Any] | None = None
+
+
+def first_batch(data: DeviceLoader | TorchLoader) -> Batch:
+    """The batch of training step 0, as the train loop would see it."""
+    if isinstance(data, DeviceLoader):
+        index = data.step_indices(0, 1)[0]
+        return Batch(data.arrays.inputs[index], data.arrays.labels[index])
+    return next(data.batches(0))
+
+
+def _setup_from(setup: Setup | None, kwargs: dict[str, Any]) -> tuple[Setup, dict[str, Any]]:
+    """Accept `run_experiment(name, config, setup)` and the older keyword form
+    `run_experiment(name, config, build_state=..., train_data=..., ...)`."""
+    if setup is not None:
+        return setup, kwargs
+    names = {f.name for f in dataclasses.fields(Setup)}
+    return Setup(**{k: v for k, v in kwargs.items() if k in names}), {k: v for k, v in kwargs.items() if k not in names}
+
+
+def run_experiment(experiment: str, config: TrainConfig, setup: Setup | None = None, **kwargs: Any) -> dict[str, Any]:
     """Train, evaluate and record one run; returns (and writes to `summary.json`) its final numbers.
 
-    `build_state()` makes the step-0 TrainState; when resuming it is the skeleton the checkpoint is
-    loaded into. The run directory gets `config.json` (with the resolved step count and library
-    versions), `metrics.jsonl`, `checkpoints/` and `summary.json`.
+    The run directory gets `config.json` (with the resolved step count and library versions),
+    `metrics.jsonl`, `checkpoints/`, `summary.json` and `curves.png` (and TensorBoard event files
+    with `--tensorboard`). Other keyword arguments go to `fit`.
     """
+    setup, fit_kwargs = _setup_from(setup, kwargs)
     run, checkpoint = resolve_run_dir(experiment, config)
-    state = build_state()
+    state = setup.build_state()
+    start_step = 0
     header: dict[str, Any] = {}
     if checkpoint is not None:
         state, header = load_checkpoint(checkpoint, state)
-        run.truncate_metrics(after_step=header["step"])
-        print(f"resuming {run.path} from step {header['step']} ({checkpoint.name})", file=sys.stderr)
+        start_step = header["step"]
+        run.truncate_metrics(after_step=start_step)
+        print(f"resuming {run.path} from step {start_step} ({checkpoint.name})", file=sys.stderr)
     run.create()
     run.write_config({
         "experiment": experiment,
         "config": config.to_dict(),
-        "resolved": {"num_steps": num_steps, "steps_per_epoch": train_data.steps_per_epoch},
+        "resolved": {"num_steps": setup.num_steps, "steps_per_epoch": setup.train_data.steps_per_epoch},
         "versions": _versions(),
         "command": [Path(sys.argv[0]).name, *sys.argv[1:]],
     })
+    tracker = TensorBoardTracker(run.path, purge_step=start_step + 1 if start_step else None) if config.tensorboard else None
     start = time.perf_counter()
-    result = fit(
-        state,
-        train_data,
-        num_steps=num_steps,
-        eval_data=eval_data,
-        eval_every=config.eval_every or None,
-        log_every=config.log_every,
-        steps_per_call=config.steps_per_call,
-        run=run,
-        checkpoint_every=config.checkpoint_every or None,
-        keep_checkpoints=config.keep_checkpoints,
-        checkpoint_header={"experiment": experiment, "config": config.to_dict()},
-        resume_window=header.get("window"),
-        skip_nonfinite=config.skip_nonfinite,
-        progress=config.progress,
-        **fit_kwargs,
-    )
+    try:
+        result = fit(
+            state,
+            setup.train_data,
+            num_steps=setup.num_steps,
+            loss_fn=setup.loss_fn,
+            lr_schedule=setup.lr_schedule,
+            eval_data=setup.eval_data,
+            eval_every=config.eval_every or None,
+            log_every=config.log_every,
+            steps_per_call=config.steps_per_call,
+            run=run,
+            checkpoint_every=config.checkpoint_every or None,
+            keep_checkpoints=config.keep_checkpoints,
+            checkpoint_header={"experiment": experiment, "config": config.to_dict()},
+            resume_window=header.get("window"),
+            skip_nonfinite=config.skip_nonfinite,
+            progress=config.progress,
+            tracker=tracker,
+            debug_nans=config.debug_nans,
+            **fit_kwargs,
+        )
+    finally:
+        if tracker is not None:
+            tracker.finish()
     assert result.eval_metrics is not None
     summary = {
         "experiment": experiment,
@@ -116,9 +177,11 @@ def run_experiment(
         "wall_seconds": time.perf_counter() - start,
     }
     run.write_summary(summary)
+    plot_runs([run.path], run.path / "curves.png")
     print(
         f"{experiment}: test accuracy {100 * summary['test_accuracy']:.2f}% "
         f"(test loss {summary['test_loss']:.4f}, train loss {summary['train_loss']:.4f}) "
-        f"at step {summary['step']}, {summary['wall_seconds']:.1f} s\nrun directory: {run.path}"
+        f"at step {summary['step']}, {summary['wall_seconds']:.1f} s\nrun directory: {run.path} "
+        f"(learning curves: curves.png)"
     )
     return summary

@@ -1,4 +1,5 @@
-"""TrainState, the pure train step and its compiled fast path, evaluation, fit, checkpoints, run dirs."""
+"""TrainState, the pure train step and its compiled fast path, evaluation, fit, checkpoints, run dirs,
+trackers."""
 
 from ._checkpoint import CheckpointError, load_checkpoint, read_header, save_checkpoint
 from ._compiled import CompiledTrainer, compiled_trainer
@@ -6,6 +7,14 @@ from ._evaluate import evaluate
 from ..data import DataError
 from ._fit import FitResult, NonFiniteError, fit
 from ._rundir import RunDir
+from ._tracking import (
+    JsonlTracker,
+    MultiTracker,
+    TensorBoardTracker,
+    Tracker,
+    read_tensorboard_scalars,
+    tensorboard_problem,
+)
 from ._state import (
     LossFn,
     Metrics,
@@ -21,10 +30,14 @@ __all__ = [
     "CompiledTrainer",
     "DataError",
     "FitResult",
+    "JsonlTracker",
     "LossFn",
     "Metrics",
+    "MultiTracker",
     "NonFiniteError",
     "RunDir",
+    "TensorBoardTracker",
+    "Tracker",
     "TrainState",
     "classification_loss",
     "classification_metrics",
@@ -34,6 +47,8 @@ __all__ = [
     "forward",
     "load_checkpoint",
     "read_header",
+    "read_tensorboard_scalars",
     "save_checkpoint",
+    "tensorboard_problem",
     "train_step",
 ]

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..data import Batch
+from ..debug import RetraceLog
 from ..state import RunningMean
 from ..typing import Array, Int
 from ._state import LossFn, Metrics, TrainState, train_step
@@ -66,7 +67,9 @@ class CompiledTrainer:
     With `skip_nonfinite=True` a step whose loss or gradient is NaN/Inf leaves the model, model
     state and optimizer state unchanged (the step counter, key and data still advance).
 
-    `num_traces` counts how many times each function was traced, to catch silent recompilation.
+    `num_traces` counts how many times each function was traced, to catch silent recompilation;
+    `traces` records each trace's abstract signature (argument shapes, dtypes, weak types) and logs,
+    on the first retrace of a function, which argument changed (`traces.explanations`).
     """
 
     def __init__(self, loss_fn: LossFn, static: TrainState, treedef: jax.tree_util.PyTreeDef,
@@ -76,6 +79,8 @@ class CompiledTrainer:
         self._static = static
         self._treedef = treedef
         self.num_traces = {"step": 0, "run": 0}
+        self.traces = RetraceLog()
+        self._leaf_names: list[str] | None = None
         self._metric_shapes: dict[str, Metrics] = {}
         self._step = jax.jit(self._step_impl, donate_argnums=(0, 1))
         self._run = jax.jit(self._run_impl, donate_argnums=(0, 1))
@@ -90,6 +95,21 @@ class CompiledTrainer:
                 f"(expected {self._treedef}, got {treedef})"
             )
         return leaves
+
+    def leaf_names(self) -> list[str]:
+        """`state.model.layers[0].weight`, ...: the TrainState path of each leaf, for messages."""
+        if self._leaf_names is None:
+            skeleton = jax.tree.unflatten(self._treedef, list(range(self._treedef.num_leaves)))
+            paths = jax.tree_util.tree_flatten_with_path(skeleton)[0]
+            self._leaf_names = ["state" + jax.tree_util.keystr(path) for path, _ in paths]
+        return self._leaf_names
+
+    def _record_trace(self, name: str, leaves: Leaves, **arguments) -> None:
+        if not isinstance(leaves[0], jax.core.Tracer):
+            return  # not a trace: jax_debug_nans re-running the step op by op on concrete arrays
+        self.num_traces[name] += 1
+        named_leaves = dict(zip(self.leaf_names(), leaves, strict=True))
+        self.traces.record(f"train {name} function", {**named_leaves, **arguments})
 
     def state(self, leaves: Leaves) -> TrainState:
         return eqx.combine(jax.tree.unflatten(self._treedef, leaves), self._static)
@@ -128,19 +148,24 @@ class CompiledTrainer:
         return leaves, stats.record(step, metrics)
 
     def _step_impl(self, leaves: Leaves, stats: StepStats, batch: Batch) -> tuple[Leaves, StepStats]:
-        self.num_traces["step"] += 1
+        self._record_trace("step", leaves, stats=stats, batch=batch)
         return self._record(leaves, stats, batch)
 
     def _run_impl(
         self, leaves: Leaves, stats: StepStats, data: Batch, indices: jax.Array, num_steps: jax.Array
     ) -> tuple[Leaves, StepStats]:
-        self.num_traces["run"] += 1
+        self._record_trace("run", leaves, stats=stats, data=data, indices=indices, num_steps=num_steps)
 
         def body(i, carry):
             index = indices[i]
             return self._record(*carry, Batch(data.inputs[index], data.labels[index]))
 
         return jax.lax.fori_loop(0, num_steps, body, (leaves, stats))
+
+    def step_jaxpr(self, leaves: Leaves, stats: StepStats, batch: Batch):
+        """The jaxpr of one compiled train step (what `step` runs), for inspection; records no trace.
+        Its inputs are `leaf_names()` in order, then the step statistics, then the batch."""
+        return jax.make_jaxpr(self._record)(leaves, stats, batch)
 
     def step(self, leaves: Leaves, stats: StepStats, batch: Batch) -> tuple[Leaves, StepStats]:
         """One step on a host or device batch; metrics are accumulated in `stats` on the device."""

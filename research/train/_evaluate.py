@@ -1,3 +1,4 @@
+import math
 from collections.abc import Iterable
 
 import equinox as eqx
@@ -7,6 +8,7 @@ import numpy as np
 import torch.utils.data
 
 from ..data import Batch, DeviceLoader
+from ..progress import Progress
 from ..typing import Array, Float, typecheck
 from ._state import classification_metrics, forward
 
@@ -36,11 +38,14 @@ def evaluate(
     model: eqx.Module,
     model_state: eqx.nn.State | None,
     data: DeviceLoader | torch.utils.data.DataLoader,
+    *,
+    progress: bool = False,
 ) -> dict[str, float]:
     """Mean loss and accuracy of a classifier over every example of `data`, in inference mode.
 
     Batches are weighted by their number of examples: a smaller last batch is padded to the full
-    batch size and masked, so the average is exact and the evaluation compiles once.
+    batch size and masked, so the average is exact and the evaluation compiles once. With
+    `progress`, an evaluation that takes over a second shows a bar (batches/s and ETA).
     """
     model = eqx.nn.inference_mode(model)
     if isinstance(data, DeviceLoader):
@@ -49,9 +54,17 @@ def evaluate(
     else:
         batches = _padded(data, data.batch_size)
         size = len(data.dataset)
-    totals = [
-        _eval_sums(model, model_state, Batch(jnp.asarray(b.inputs), jnp.asarray(b.labels)), jnp.asarray(mask))
-        for b, mask in batches
-    ]
+    bar = Progress(math.ceil(size / data.batch_size), desc="eval", unit="batch", enabled=progress, delay=1.0,
+                   leave=False)
+    totals = []
+    try:
+        for b, mask in batches:
+            totals.append(_eval_sums(model, model_state, Batch(jnp.asarray(b.inputs), jnp.asarray(b.labels)),
+                                     jnp.asarray(mask)))
+            if len(totals) > 1:  # keep one batch in flight; the bar then counts finished batches
+                jax.block_until_ready(totals[-2])
+                bar.update(1)
+    finally:
+        bar.close()
     loss, correct = np.sum(jax.device_get(totals), axis=0)
     return {"loss": float(loss / size), "accuracy": float(correct / size)}

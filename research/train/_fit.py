@@ -1,7 +1,9 @@
+import contextlib
 import dataclasses
 import math
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -14,10 +16,12 @@ from ..data import Batch, DataError, DeviceLoader, TorchLoader
 from ..state import RunningMean
 from ._checkpoint import save_checkpoint
 from ._compiled import NONFINITE_NAMES, CompiledTrainer, StepStats, compiled_trainer
+from ..debug import describe_nan_error
+from ..progress import Progress
 from ._evaluate import evaluate
-from ._progress import Progress
 from ._rundir import RunDir
 from ._state import LossFn, TrainState, classification_loss
+from ._tracking import JsonlTracker, MultiTracker, Tracker
 
 
 class NonFiniteError(FloatingPointError):
@@ -76,6 +80,9 @@ def fit(
     resume_window: dict[str, Any] | None = None,
     skip_nonfinite: bool = False,
     progress: bool = True,
+    tracker: Tracker | None = None,
+    lr_schedule: Callable[[int], Any] | None = None,
+    debug_nans: bool = False,
 ) -> FitResult:
     """Train `state` until `state.step == num_steps` on the fast path.
 
@@ -90,7 +97,7 @@ def fit(
     - `eval_data`, `eval_every`: evaluate every `eval_every` steps and at the end.
     - `log_every`: fetch the running means of the train metrics every so many steps; with the
       non-finite check at each cadence boundary, the only host synchronisation. Written to `run`'s
-      `metrics.jsonl`.
+      `metrics.jsonl` and to `tracker`.
     - `run`: where to log and checkpoint (nothing is written when `None`).
     - `checkpoint_every`, `keep_checkpoints`, `checkpoint_header`: checkpoint cadence, how many
       recent ones to keep (the one with the best `test/accuracy` is kept as well), and the JSON
@@ -101,6 +108,12 @@ def fit(
       instead of stopping with `NonFiniteError`, which names the first bad step and quantity and
       leaves the checkpoints written so far untouched.
     - `progress`: show a progress bar (or log lines when not on a terminal).
+    - `tracker`: another destination for the logged records (say a `TensorBoardTracker`); the
+      caller owns it and calls its `finish()`.
+    - `lr_schedule`: the optimizer's learning-rate schedule (`step -> lr`); when given, each record
+      has `lr`, the rate of the last step taken (`lr_schedule(step - 1)`).
+    - `debug_nans`: run with `jax_debug_nans`, one step per call, so that a NaN stops training at
+      the first operation that produced it (`NonFiniteError` names it and its source line); slow.
     """
     start_time = time.perf_counter()
     trainer = compiled_trainer(loss_fn, state, skip_nonfinite=skip_nonfinite)
@@ -121,49 +134,68 @@ def fit(
     stats = fresh_stats if resume_window is None else _window_from_header(resume_window, fresh_stats)
     pending = example if host_batches is not None else None
 
+    trackers = MultiTracker(([JsonlTracker(run)] if run is not None else []) + ([tracker] if tracker else []))
     bar = Progress(num_steps, initial=step, enabled=progress)
     train_metrics: dict[str, float] = {}
     eval_metrics = None
     window_start, window_step = time.perf_counter(), step
+    during = f"training step {step + 1}"  # where a NaN found by debug_nans came from
     try:
-        while step < num_steps:
-            until = int(min(num_steps, _next_multiple(step, log_every), _next_multiple(step, eval_every),
-                            _next_multiple(step, checkpoint_every)))
-            if host_batches is None:
-                leaves, stats = _run_device(trainer, leaves, stats, train_data, step, until, steps_per_call)
-            else:
-                for _ in range(until - step):
-                    batch = pending if pending is not None else next(host_batches)
-                    pending = None
-                    leaves, stats = trainer.step(leaves, stats, batch)
-            bar.update(until - step)
-            step = until
-            if not skip_nonfinite:
-                _raise_if_nonfinite(stats, run)
-            record: dict[str, Any] = {}
-            if step % log_every == 0 or step == num_steps:
-                metrics, skipped = jax.device_get((stats.metrics.mean(), stats.skipped))
-                train_metrics = {k: float(v) for k, v in metrics.items()}
-                now = time.perf_counter()
-                record.update({f"train/{k}": v for k, v in train_metrics.items()})
-                if skip_nonfinite:
-                    record["train/skipped"] = int(skipped)
-                record["steps_per_s"] = (step - window_step) / max(now - window_start, 1e-9)
-                window_start, window_step = now, step
-                stats = StepStats.init(RunningMean.init(fresh_stats.metrics.total))
-            if eval_data is not None and (step == num_steps or (eval_every and step % eval_every == 0)):
-                current = trainer.state(leaves)
-                eval_metrics = evaluate(current.model, current.model_state, eval_data)
-                record.update({f"test/{k}": v for k, v in eval_metrics.items()})
-            if record:
-                bar.report(step, {k: v for k, v in record.items() if k in ("train/loss", "train/accuracy", "test/accuracy")})
-                if run is not None:
-                    run.log({"step": step, **record})
-            if run is not None and (step == num_steps or (checkpoint_every and step % checkpoint_every == 0)):
-                header = {**(checkpoint_header or {}), "step": step, "window": window_to_header(stats),
-                          "eval": {k: v for k, v in record.items() if k.startswith("test/")}}
-                save_checkpoint(run.checkpoint_path(step), trainer.state(leaves), header)
-                run.prune_checkpoints(keep_checkpoints)
+        with jax.debug_nans(True) if debug_nans else contextlib.nullcontext():
+            while step < num_steps:
+                until = int(min(num_steps, _next_multiple(step, log_every), _next_multiple(step, eval_every),
+                                _next_multiple(step, checkpoint_every)))
+                if host_batches is None and not debug_nans:
+                    leaves, stats = _run_device(trainer, leaves, stats, train_data, step, until, steps_per_call)
+                else:
+                    # One compiled step per call: with debug_nans a NaN is then traced back to one op
+                    # (inside a compiled loop it could only be blamed on the loop).
+                    for position in range(step, until):
+                        during = f"training step {position + 1}"
+                        if host_batches is None:
+                            index = train_data.step_indices(position, 1)[0]
+                            batch = Batch(train_data.arrays.inputs[index], train_data.arrays.labels[index])
+                        else:
+                            batch = pending if pending is not None else next(host_batches)
+                            pending = None
+                        leaves, stats = trainer.step(leaves, stats, batch)
+                bar.update(until - step)
+                step = until
+                if not skip_nonfinite:
+                    _raise_if_nonfinite(stats, run)
+                record: dict[str, Any] = {}
+                if step % log_every == 0 or step == num_steps:
+                    metrics, skipped = jax.device_get((stats.metrics.mean(), stats.skipped))
+                    train_metrics = {k: float(v) for k, v in metrics.items()}
+                    now = time.perf_counter()
+                    record.update({f"train/{k}": v for k, v in train_metrics.items()})
+                    if skip_nonfinite:
+                        record["train/skipped"] = int(skipped)
+                    if lr_schedule is not None:
+                        record["lr"] = float(lr_schedule(step - 1))
+                    record["steps_per_s"] = (step - window_step) / max(now - window_start, 1e-9)
+                    window_start, window_step = now, step
+                    stats = StepStats.init(RunningMean.init(fresh_stats.metrics.total))
+                pause_start = time.perf_counter()
+                if eval_data is not None and (step == num_steps or (eval_every and step % eval_every == 0)):
+                    during = f"the evaluation at step {step}"
+                    current = trainer.state(leaves)
+                    eval_metrics = evaluate(current.model, current.model_state, eval_data, progress=progress)
+                    record.update({f"test/{k}": v for k, v in eval_metrics.items()})
+                if record:
+                    shown = ("train/loss", "train/accuracy", "test/accuracy")
+                    bar.report(step, {k: v for k, v in record.items() if k in shown}, rate=record.get("steps_per_s"))
+                    trackers.log(step, record)
+                if run is not None and (step == num_steps or (checkpoint_every and step % checkpoint_every == 0)):
+                    header = {**(checkpoint_header or {}), "step": step, "window": window_to_header(stats),
+                              "eval": {k: v for k, v in record.items() if k.startswith("test/")}}
+                    save_checkpoint(run.checkpoint_path(step), trainer.state(leaves), header)
+                    run.prune_checkpoints(keep_checkpoints)
+                window_start += time.perf_counter() - pause_start  # steps_per_s leaves out eval and checkpoints
+    except FloatingPointError as error:
+        if not debug_nans or isinstance(error, NonFiniteError):
+            raise
+        raise NonFiniteError(describe_nan_error(error, during)) from error
     finally:
         bar.close()
     _warn_on_retrace(trainer, traces_before)
@@ -178,7 +210,8 @@ def _raise_if_nonfinite(stats: StepStats, run: RunDir | None) -> None:
     where = f"; the last good checkpoint is {kept}" if kept else "; no checkpoint was written"
     raise NonFiniteError(
         f"non-finite {NONFINITE_NAMES[quantity]} at step {bad_step + 1}"
-        f"{where}. Lower the learning rate, check the data, or pass --skip-nonfinite to skip such steps"
+        f"{where}. Lower the learning rate, check the data, pass --skip-nonfinite to skip such steps, "
+        "or rerun with --debug-nans to find the operation that made it"
     )
 
 
@@ -200,8 +233,10 @@ def _run_device(trainer: CompiledTrainer, leaves, stats, data: DeviceLoader, ste
 def _warn_on_retrace(trainer: CompiledTrainer, before: dict[str, int]) -> None:
     for name, count in trainer.num_traces.items():
         if count - before[name] > 1:
+            why = trainer.traces.explanations.get(f"train {name} function", "")
             warnings.warn(
                 f"the train {name} function was traced {count - before[name]} times in one fit: "
-                "an input changed shape, dtype or structure between steps, which recompiles",
+                "an input changed shape, dtype or structure between steps, which recompiles"
+                + (f" (first retrace: {why})" if why else ""),
                 stacklevel=3,
             )

@@ -79,7 +79,11 @@ class RunDir:
     def write_summary(self, summary: dict[str, Any]) -> None:
         write_atomic(self.summary_file, (json.dumps(summary, indent=2, sort_keys=True) + "\n").encode())
 
-    # -- checkpoints --------------------------------------------------------------------------
+    def read_summary(self) -> dict[str, Any] | None:
+        """The final numbers of a finished run; `None` while it runs (or if it was killed)."""
+        return json.loads(self.summary_file.read_text()) if self.summary_file.exists() else None
+
+        # -- checkpoints --------------------------------------------------------------------------
     def checkpoint_path(self, step: int) -> Path:
         return self.checkpoints / f"step_{step:09d}.ckpt"
 

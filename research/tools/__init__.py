@@ -1,0 +1,5 @@
+"""The command-line tools behind `scripts/plot_runs`, `scripts/compare_runs` and `scripts/show_jaxpr`.
+
+Each module has a `main(argv)` (run it as `python -m research.tools.NAME`) and a function that does
+the work from Python: `plot_runs`, `compare_runs`, `show_jaxpr`.
+"""
