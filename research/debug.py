@@ -14,6 +14,7 @@ import inspect
 import logging
 import os
 import re
+import sys
 import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -124,6 +125,17 @@ def explain_retraces(name: str | None = None, log: RetraceLog = retrace_log) -> 
 _JAX_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (jax, __import__("jaxlib")))
 
 
+def _short_path(filename: str) -> str:
+    """Relative to the working directory when inside it, else to the `sys.path` entry holding it
+    (`optax/losses/_classification.py`), else absolute."""
+    path = os.path.abspath(filename)
+    relative = os.path.relpath(path)
+    if not relative.startswith(".."):
+        return relative
+    roots = [os.path.abspath(p) + os.sep for p in sys.path if p and path.startswith(os.path.abspath(p) + os.sep)]
+    return path[len(max(roots, key=len)):] if roots else path
+
+
 def describe_nan_error(error: FloatingPointError, during: str | None = None) -> str:
     """One line from the error `jax_debug_nans` raises: the primitive, the calling source line, and
     `during` (say `"training step 7"`)."""
@@ -136,7 +148,7 @@ def describe_nan_error(error: FloatingPointError, during: str | None = None) -> 
     if frames:
         frame = frames[-1]
         source = f" (`{frame.line.strip()}`)" if frame.line else ""
-        where = f" at {os.path.relpath(frame.filename)}:{frame.lineno} in {frame.name}{source}"
+        where = f" at {_short_path(frame.filename)}:{frame.lineno} in {frame.name}{source}"
     backward = " in the backward pass" if "differentiating" in str(error) else ""
     when = f" during {during}" if during else ""
     return f"{what} first produced by {op}{backward}{where}{when} (found with jax_debug_nans)"
