@@ -5,8 +5,10 @@
   cause of a run that is mysteriously slow. `RetraceLog` records each trace's signature and, on the
   first retrace, logs which argument changed and how. `explain_retraces` puts it on any function.
 - **NaNs.** With `jax_debug_nans` on, a jitted call whose output holds a NaN is re-run op by op and
-  raises `FloatingPointError` at the first primitive that produced one. `describe_nan_error` turns
-  that error into one line naming the primitive and the source line that called it.
+  raises `FloatingPointError` at the first primitive that produced one (`fit` also replays op by op,
+  with `jax_debug_infs` too, a step whose loss or gradient went non-finite without reaching an
+  output). `describe_nan_error` turns that error into one line naming the primitive and the source
+  line that called it.
 """
 
 import functools
@@ -122,6 +124,7 @@ def explain_retraces(name: str | None = None, log: RetraceLog = retrace_log) -> 
     return wrap
 
 
+_REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # research/ lives here
 _JAX_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (jax, __import__("jaxlib")))
 
 
@@ -132,7 +135,8 @@ def _short_path(filename: str) -> str:
     relative = os.path.relpath(path)
     if not relative.startswith(".."):
         return relative
-    roots = [os.path.abspath(p) + os.sep for p in sys.path if p and path.startswith(os.path.abspath(p) + os.sep)]
+    candidates = [*sys.path, _REPOSITORY]
+    roots = [os.path.abspath(p) + os.sep for p in candidates if p and path.startswith(os.path.abspath(p) + os.sep)]
     return path[len(max(roots, key=len)):] if roots else path
 
 
@@ -151,4 +155,4 @@ def describe_nan_error(error: FloatingPointError, during: str | None = None) -> 
         where = f" at {_short_path(frame.filename)}:{frame.lineno} in {frame.name}{source}"
     backward = " in the backward pass" if "differentiating" in str(error) else ""
     when = f" during {during}" if during else ""
-    return f"{what} first produced by {op}{backward}{where}{when} (found with jax_debug_nans)"
+    return f"{what} first produced by {op}{backward}{where}{when} (found with --debug-nans)"

@@ -162,6 +162,13 @@ class CompiledTrainer:
 
         return jax.lax.fori_loop(0, num_steps, body, (leaves, stats))
 
+    def replay_eagerly(self, leaves: Leaves, batch: Batch) -> None:
+        """Run one train step op by op (no jit) with `jax_debug_nans` and `jax_debug_infs` on: the
+        first operation that makes a NaN or an Inf raises `FloatingPointError` naming it. Slow; for
+        debugging a step already known to go non-finite."""
+        with jax.disable_jit(), jax.debug_nans(True), jax.debug_infs(True):
+            self._one(leaves, batch)
+
     def step_jaxpr(self, leaves: Leaves, stats: StepStats, batch: Batch):
         """The jaxpr of one compiled train step (what `step` runs), for inspection; records no trace.
         Its inputs are `leaf_names()` in order, then the step statistics, then the batch."""

@@ -1,0 +1,124 @@
+"""The docs cannot rot: every command and code block in README.md and docs/*.md runs here, in order.
+
+- ```bash blocks: each line is a `./scripts/...` command that must exit 0.
+- ```console blocks: `$ command` lines; the lines after one must appear in its output, where `...`
+  stands for any text.
+- ```python blocks run as they are; ```python file=PATH blocks, put together, must be that file.
+
+Commands run in-process (no new interpreter per command: JAX takes seconds to import) in a fresh
+directory per document, with `CI=true` so progress comes as plain lines. `./scripts/test` and
+`./scripts/setup` are what CI itself runs, so they are not repeated here.
+"""
+
+import contextlib
+import io
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from research.cli import main_entry
+from research.experiment import EXPERIMENTS_DIR, load_experiment
+from research.tools import compare_runs, plot_runs, show_jaxpr
+
+ROOT = Path(__file__).parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+BLOCK = re.compile(r"^```(\w*)([^\n]*)\n(.*?)^```\s*$", re.MULTILINE | re.DOTALL)
+RUN_BY_CI = {"./scripts/test", "./scripts/setup"}
+TOOLS = {"./scripts/plot_runs": plot_runs.main, "./scripts/compare_runs": compare_runs.main,
+         "./scripts/show_jaxpr": show_jaxpr.main}
+
+
+def blocks(doc: Path) -> list[tuple[str, str, str]]:
+    return [(lang, info.strip(), body) for lang, info, body in BLOCK.findall(doc.read_text())]
+
+
+def run_command(line: str, monkeypatch) -> tuple[int, str] | None:
+    """Run one documented command in this process; its exit status and its stdout + stderr."""
+    words = shlex.split(line, comments=True)
+    while words and re.fullmatch(r"[A-Z_]+=.*", words[0]):
+        name, value = words.pop(0).split("=", 1)
+        monkeypatch.setenv(name, value)
+    command, args = words[0], words[1:]
+    if command in RUN_BY_CI:
+        return None
+    output = io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
+        try:
+            if command == "./scripts/run":
+                module = load_experiment(args[0])
+                monkeypatch.setattr(sys, "argv", [str(EXPERIMENTS_DIR / f"{args[0]}.py"), *args[1:]])
+                main_entry(module.main, module.Config, args[1:])
+            elif command in TOOLS:
+                TOOLS[command](args)
+            else:
+                raise AssertionError(f"the docs show a command this test does not know how to run: {line}")
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+    return code, output.getvalue()
+
+
+def matches(expected: str, output: str) -> bool:
+    pattern = ".*".join(re.escape(part) for part in expected.split("..."))
+    return any(re.fullmatch(pattern, line.rstrip()) for line in output.splitlines())
+
+
+def check_console(body: str, monkeypatch) -> None:
+    command, expected = None, []
+    for line in [*body.splitlines(), "$ "]:
+        if line.startswith("$ "):
+            if command:
+                code, output = run_command(command, monkeypatch)
+                for want in expected:
+                    assert matches(want, output), f"`{command}` did not print\n{want}\nit printed:\n{output}"
+                assert (code != 0) == any("error:" in want for want in expected), (command, code, output)
+            command, expected = line[2:].strip(), []
+        elif line.strip():
+            expected.append(line)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_every_command_and_code_block_runs_as_shown(doc, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CI", "true")
+    files: dict[str, list[str]] = {}
+    for lang, info, body in blocks(doc):
+        if lang == "bash":
+            for line in body.splitlines():
+                if line.split("#")[0].strip():
+                    result = run_command(line, monkeypatch)
+                    assert result is None or result[0] == 0, f"`{line}` failed:\n{result[1]}"
+        elif lang == "console":
+            check_console(body, monkeypatch)
+        elif lang == "python" and info.startswith("file="):
+            files.setdefault(info.removeprefix("file="), []).append(body)
+        elif lang == "python":
+            with contextlib.redirect_stdout(io.StringIO()):
+                exec(compile(body, f"{doc.name} python block", "exec"), {"__name__": "__doc_block__"})
+    for path, parts in files.items():
+        shown = [line for part in parts for line in part.splitlines() if line.strip()]
+        real = [line for line in (ROOT / path).read_text().splitlines() if line.strip()]
+        assert shown == real, f"the code blocks of {doc.name} no longer match {path}"
+
+
+def test_the_documented_experiment_is_under_60_lines():
+    assert len((ROOT / "experiments/circles.py").read_text().splitlines()) < 60
+
+
+def test_the_script_wrappers_run_their_tools():
+    """scripts/plot_runs, compare_runs and show_jaxpr are the same thin bash wrapper around
+    `python -m research.tools.NAME`; check all three, and run one for real (each costs a JAX import)."""
+    for name in ("plot_runs", "compare_runs", "show_jaxpr"):
+        script = ROOT / "scripts" / name
+        assert os.access(script, os.X_OK) and f"-m research.tools.{name} " in script.read_text(), name
+    result = subprocess.run(["scripts/show_jaxpr", "xor", "--hidden", "2"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("# one train step of xor: ")
+    assert "#   1: state.model.layers[0].weight float32[2,2]" in result.stdout.splitlines()
