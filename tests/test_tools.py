@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from research.progress import Progress, format_duration
+from research.progress import Progress, format_duration, progress_iter
 from research.tools import compare_runs, plot_runs, show_jaxpr
 from research.train import RunDir
 
@@ -100,6 +100,14 @@ def test_progress_off_a_terminal_prints_steps_per_second_and_eta(monkeypatch, ca
     line = capsys.readouterr().err.strip()
     assert line.startswith("[train] step 250/1000 (25%) train/loss=0.5 | 125 steps/s, ETA 0:00:06, elapsed 0:00:0")
     assert format_duration(3725) == "1:02:05" and format_duration(float("inf")) == "?"
+
+
+def test_progress_iter_yields_everything_and_reports_every_n_items_off_a_terminal(monkeypatch, capsys):
+    monkeypatch.setenv("CI", "true")
+    assert list(progress_iter(range(10), total=10, desc="generate", unit="example", report_every=4)) == list(range(10))
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(") ")[0] + ")" for line in lines] == ["[generate] example 4/10 (40%)", "[generate] example 8/10 (80%)"]
+    assert all("examples/s, ETA " in line for line in lines)
 
 
 def test_progress_is_silent_when_disabled(monkeypatch, capsys):
