@@ -13,11 +13,11 @@ import torch.utils.data
 from jaxtyping import TypeCheckError
 
 from ..data import Batch, DataError, DeviceLoader, TorchLoader
+from ..debug import describe_nan_error
+from ..progress import Progress
 from ..state import RunningMean
 from ._checkpoint import save_checkpoint
 from ._compiled import NONFINITE_NAMES, CompiledTrainer, StepStats, compiled_trainer
-from ..debug import describe_nan_error
-from ..progress import Progress
 from ._evaluate import evaluate
 from ._rundir import RunDir
 from ._state import LossFn, TrainState, classification_loss
@@ -140,68 +140,71 @@ def fit(
     eval_metrics = None
     window_start, window_step = time.perf_counter(), step
     during = f"training step {step + 1}"  # where a NaN found by debug_nans came from
+    nan_checks = contextlib.ExitStack()
+    if debug_nans:
+        nan_checks.enter_context(jax.debug_nans(True))
     try:
-        with jax.debug_nans(True) if debug_nans else contextlib.nullcontext():
-            while step < num_steps:
-                until = int(min(num_steps, _next_multiple(step, log_every), _next_multiple(step, eval_every),
-                                _next_multiple(step, checkpoint_every)))
-                if host_batches is None and not debug_nans:
-                    leaves, stats = _run_device(trainer, leaves, stats, train_data, step, until, steps_per_call)
-                else:
-                    # One compiled step per call: with debug_nans a NaN is then traced back to one op
-                    # (inside a compiled loop it could only be blamed on the loop).
-                    for position in range(step, until):
-                        during = f"training step {position + 1}"
-                        if host_batches is None:
-                            index = train_data.step_indices(position, 1)[0]
-                            batch = Batch(train_data.arrays.inputs[index], train_data.arrays.labels[index])
-                        else:
-                            batch = pending if pending is not None else next(host_batches)
-                            pending = None
-                        before = _copy(leaves) if debug_nans else None  # the step donates its inputs
-                        leaves, stats = trainer.step(leaves, stats, batch)
-                        if before is not None and int(stats.first_bad_step) >= 0:
-                            # The statistics hold only finite values, so a NaN loss need not reach any
-                            # output JAX checks: replay the step op by op to find where it came from.
-                            trainer.replay_eagerly(before, batch)
-                bar.update(until - step)
-                step = until
-                if not skip_nonfinite:
-                    _raise_if_nonfinite(stats, run)
-                record: dict[str, Any] = {}
-                if step % log_every == 0 or step == num_steps:
-                    metrics, skipped = jax.device_get((stats.metrics.mean(), stats.skipped))
-                    train_metrics = {k: float(v) for k, v in metrics.items()}
-                    now = time.perf_counter()
-                    record.update({f"train/{k}": v for k, v in train_metrics.items()})
-                    if skip_nonfinite:
-                        record["train/skipped"] = int(skipped)
-                    if lr_schedule is not None:
-                        record["lr"] = float(lr_schedule(step - 1))
-                    record["steps_per_s"] = (step - window_step) / max(now - window_start, 1e-9)
-                    window_start, window_step = now, step
-                    stats = StepStats.init(RunningMean.init(fresh_stats.metrics.total))
-                pause_start = time.perf_counter()
-                if eval_data is not None and (step == num_steps or (eval_every and step % eval_every == 0)):
-                    during = f"the evaluation at step {step}"
-                    current = trainer.state(leaves)
-                    eval_metrics = evaluate(current.model, current.model_state, eval_data, progress=progress)
-                    record.update({f"test/{k}": v for k, v in eval_metrics.items()})
-                if record:
-                    shown = ("train/loss", "train/accuracy", "test/accuracy")
-                    bar.report(step, {k: v for k, v in record.items() if k in shown}, rate=record.get("steps_per_s"))
-                    trackers.log(step, record)
-                if run is not None and (step == num_steps or (checkpoint_every and step % checkpoint_every == 0)):
-                    header = {**(checkpoint_header or {}), "step": step, "window": window_to_header(stats),
-                              "eval": {k: v for k, v in record.items() if k.startswith("test/")}}
-                    save_checkpoint(run.checkpoint_path(step), trainer.state(leaves), header)
-                    run.prune_checkpoints(keep_checkpoints)
-                window_start += time.perf_counter() - pause_start  # steps_per_s leaves out eval and checkpoints
+        while step < num_steps:
+            until = int(min(num_steps, _next_multiple(step, log_every), _next_multiple(step, eval_every),
+                            _next_multiple(step, checkpoint_every)))
+            if host_batches is None and not debug_nans:
+                leaves, stats = _run_device(trainer, leaves, stats, train_data, step, until, steps_per_call)
+            else:
+                # One compiled step per call: with debug_nans a NaN is then traced back to one op
+                # (inside a compiled loop it could only be blamed on the loop).
+                for position in range(step, until):
+                    during = f"training step {position + 1}"
+                    if host_batches is None:
+                        index = train_data.step_indices(position, 1)[0]
+                        batch = Batch(train_data.arrays.inputs[index], train_data.arrays.labels[index])
+                    else:
+                        batch = pending if pending is not None else next(host_batches)
+                        pending = None
+                    before = _copy(leaves) if debug_nans else None  # the step donates its inputs
+                    leaves, stats = trainer.step(leaves, stats, batch)
+                    if before is not None and int(stats.first_bad_step) >= 0:
+                        # The statistics hold only finite values, so a NaN loss need not reach any
+                        # output JAX checks: replay the step op by op to find where it came from.
+                        trainer.replay_eagerly(before, batch)
+            bar.update(until - step)
+            step = until
+            if not skip_nonfinite:
+                _raise_if_nonfinite(stats, run)
+            record: dict[str, Any] = {}
+            if step % log_every == 0 or step == num_steps:
+                metrics, skipped = jax.device_get((stats.metrics.mean(), stats.skipped))
+                train_metrics = {k: float(v) for k, v in metrics.items()}
+                now = time.perf_counter()
+                record.update({f"train/{k}": v for k, v in train_metrics.items()})
+                if skip_nonfinite:
+                    record["train/skipped"] = int(skipped)
+                if lr_schedule is not None:
+                    record["lr"] = float(lr_schedule(step - 1))
+                record["steps_per_s"] = (step - window_step) / max(now - window_start, 1e-9)
+                window_start, window_step = now, step
+                stats = StepStats.init(RunningMean.init(fresh_stats.metrics.total))
+            pause_start = time.perf_counter()
+            if eval_data is not None and (step == num_steps or (eval_every and step % eval_every == 0)):
+                during = f"the evaluation at step {step}"
+                current = trainer.state(leaves)
+                eval_metrics = evaluate(current.model, current.model_state, eval_data, progress=progress)
+                record.update({f"test/{k}": v for k, v in eval_metrics.items()})
+            if record:
+                shown = ("train/loss", "train/accuracy", "test/accuracy")
+                bar.report(step, {k: v for k, v in record.items() if k in shown}, rate=record.get("steps_per_s"))
+                trackers.log(step, record)
+            if run is not None and (step == num_steps or (checkpoint_every and step % checkpoint_every == 0)):
+                header = {**(checkpoint_header or {}), "step": step, "window": window_to_header(stats),
+                          "eval": {k: v for k, v in record.items() if k.startswith("test/")}}
+                save_checkpoint(run.checkpoint_path(step), trainer.state(leaves), header)
+                run.prune_checkpoints(keep_checkpoints)
+            window_start += time.perf_counter() - pause_start  # steps_per_s leaves out eval and checkpoints
     except FloatingPointError as error:
         if not debug_nans or isinstance(error, NonFiniteError):
             raise
         raise NonFiniteError(describe_nan_error(error, during)) from error
     finally:
+        nan_checks.close()
         bar.close()
     _warn_on_retrace(trainer, traces_before)
     return FitResult(trainer.state(leaves), train_metrics, eval_metrics, time.perf_counter() - start_time)
