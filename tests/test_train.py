@@ -103,6 +103,26 @@ def test_compiled_run_of_many_steps_equals_single_steps(xor):
     assert float(many_sums.metrics.weight) == 10
 
 
+def test_a_one_row_run_is_one_step_without_a_loop_and_zero_steps_change_nothing(xor):
+    _, loader = xor
+    state = make_state()
+    trainer = compiled_trainer(classification_loss, state)
+    example = Batch(loader.arrays.inputs[:64], loader.arrays.labels[:64])
+    index = loader.step_indices(0, 1)
+
+    def fresh():  # the compiled calls donate their inputs
+        leaves = [x.copy() for x in trainer.leaves(state)]
+        return leaves, trainer.init_stats(leaves, example)
+
+    leaves, sums = trainer.step(*fresh(), Batch(loader.arrays.inputs[index[0]], loader.arrays.labels[index[0]]))
+    run_leaves, run_sums = trainer.run(*fresh(), loader.arrays, index, 1)
+    assert_trees_close(trainer.state(run_leaves), trainer.state(leaves))
+    assert_trees_close(run_sums.metrics.mean(), sums.metrics.mean())
+    idle_leaves, idle_sums = trainer.run(*fresh(), loader.arrays, index, 0)
+    assert_trees_close(trainer.state(idle_leaves), state)
+    assert float(idle_sums.metrics.weight) == 0
+
+
 def test_fit_is_independent_of_steps_per_call_and_leaves_the_input_state_usable(xor):
     _, loader = xor
     state = make_state()
