@@ -1,5 +1,5 @@
 from collections.abc import Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import numpy as np
@@ -158,3 +158,50 @@ class DeviceLoader:
             mask = index < self.size
             index = np.where(mask, index, 0)
             yield Batch(self.host.inputs[index], self.host.labels[index]), mask.astype(np.float32)
+
+
+class ArrayDataset(torch.utils.data.Dataset):
+    """In-memory examples `(inputs[i], labels[i])` as a torch Dataset (`dataset_arrays` reads the arrays whole)."""
+
+    def __init__(self, inputs: np.ndarray, labels: np.ndarray):
+        if len(inputs) != len(labels):
+            raise ValueError(f"inputs and labels differ in length: {len(inputs)} vs {len(labels)}")
+        self.inputs = inputs
+        self.labels = labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[np.ndarray, Any]:
+        return self.inputs[index], self.labels[index]
+
+
+def train_and_eval_loaders(
+    train: Batch,
+    test: Batch,
+    batch_size: int,
+    *,
+    seed: int,
+    kind: Literal["device", "torch"] = "device",
+    eval_batch_size: int | None = None,
+) -> tuple[DeviceLoader | TorchLoader, DeviceLoader | torch.utils.data.DataLoader]:
+    """The training and evaluation loaders of an in-memory data set, the two ways `fit` accepts.
+
+    `kind="device"`: `DeviceLoader`s (arrays on the device, several steps per compiled call);
+    `kind="torch"`: a `TorchLoader` and a torch `DataLoader` with numpy collate. Both shuffle the
+    training set by `seed` and keep the test set in order (in batches of `eval_batch_size`, default
+    `batch_size`).
+    """
+    eval_batch_size = eval_batch_size or batch_size
+    if kind == "device":
+        return (
+            DeviceLoader(train.inputs, train.labels, batch_size, seed=seed),
+            DeviceLoader(test.inputs, test.labels, min(eval_batch_size, len(test.labels)), shuffle=False),
+        )
+    if kind == "torch":
+        test_set = ArrayDataset(test.inputs, test.labels)
+        return (
+            TorchLoader(ArrayDataset(train.inputs, train.labels), batch_size, seed=seed),
+            make_dataloader(test_set, min(eval_batch_size, len(test_set)), shuffle=False),
+        )
+    raise ValueError(f"unknown loader kind {kind!r}; expected 'device' or 'torch'")

@@ -1,0 +1,124 @@
+"""MNIST-1D (Greydanus, "Scaling Down Deep Learning"), generated locally and cached as `.npz`.
+
+The `mnist1d` package builds the data set from ten 1-D templates with numpy's legacy global RNG
+(`np.random.seed`, plus `random.seed`). We call its generator, never its download path, and put
+both global RNG states back afterwards so that importing the data changes nothing else.
+"""
+
+import os
+import random
+import tempfile
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+from ..typing import Float, Int, typecheck
+from ._loaders import Batch
+
+MNIST1D_LENGTH = 40
+MNIST1D_CLASSES = 10
+MNIST1D_TRAIN_SIZE = 4000
+MNIST1D_TEST_SIZE = 1000
+MNIST1D_SEED = 42  # the published data set's seed
+_ARRAYS = ("train_inputs", "train_labels", "test_inputs", "test_labels")
+# A fixed timestamp for every zip member: `np.savez` stamps the current time, so its bytes differ per call.
+_ZIP_TIME = (1980, 1, 1, 0, 0, 0)
+
+
+@typecheck
+def generate_mnist1d(seed: int = MNIST1D_SEED) -> tuple[Batch, Batch]:
+    """Generate MNIST-1D with the `mnist1d` package's default arguments (as published) and `seed`.
+
+    Returns `(train, test)` `Batch`es of numpy arrays: inputs `float32` of shape `(examples, 40)`,
+    labels `int32`. Numpy's and Python's global RNG states are restored afterwards.
+    """
+    import mnist1d.data  # imported here: it pulls in matplotlib and scipy
+
+    args = mnist1d.data.get_dataset_args()
+    args.seed = seed
+    numpy_state, python_state = np.random.get_state(), random.getstate()
+    try:
+        data = mnist1d.data.make_dataset(args)
+    finally:
+        np.random.set_state(numpy_state)
+        random.setstate(python_state)
+    train = Batch(data["x"].astype(np.float32), data["y"].astype(np.int32))
+    test = Batch(data["x_test"].astype(np.float32), data["y_test"].astype(np.int32))
+    return train, test
+
+
+def cache_path(data_dir: str | os.PathLike, seed: int = MNIST1D_SEED) -> Path:
+    return Path(data_dir) / f"mnist1d-seed{seed}.npz"
+
+
+@typecheck
+def load_mnist1d(data_dir: str | os.PathLike = "data", *, seed: int = MNIST1D_SEED) -> tuple[Batch, Batch]:
+    """MNIST-1D's `(train, test)` numpy arrays, generated on first use and cached in `data_dir`.
+
+    **Arguments:**
+
+    - `data_dir`: directory of the cache file `mnist1d-seed<seed>.npz` (created if missing).
+    - `seed`: the generator's seed; 42 is the published data set.
+
+    The cache is a plain `.npz` (no pickle), written atomically, byte-for-byte the same on every
+    generation; a file that does not hold what is expected is refused with the path to delete.
+    """
+    path = cache_path(data_dir, seed)
+    if not path.exists():
+        train, test = generate_mnist1d(seed)
+        _write_npz(path, dict(zip(_ARRAYS, (*train, *test))))
+    with np.load(path, allow_pickle=False) as archive:
+        arrays = {name: archive[name] for name in archive.files}
+    _check_arrays(path, arrays)
+    return (
+        _as_batch(arrays["train_inputs"], arrays["train_labels"]),
+        _as_batch(arrays["test_inputs"], arrays["test_labels"]),
+    )
+
+
+@typecheck
+def _as_batch(
+    inputs: Float[np.ndarray, "examples 40"], labels: Int[np.ndarray, " examples"]
+) -> Batch:
+    return Batch(inputs, labels)
+
+
+def _check_arrays(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    expected = {
+        "train_inputs": ((MNIST1D_TRAIN_SIZE, MNIST1D_LENGTH), np.float32),
+        "train_labels": ((MNIST1D_TRAIN_SIZE,), np.int32),
+        "test_inputs": ((MNIST1D_TEST_SIZE, MNIST1D_LENGTH), np.float32),
+        "test_labels": ((MNIST1D_TEST_SIZE,), np.int32),
+    }
+    for name, (shape, dtype) in expected.items():
+        got = arrays.get(name)
+        if got is None or got.shape != shape or got.dtype != dtype:
+            found = "missing" if got is None else f"{got.dtype}{list(got.shape)}"
+            raise ValueError(
+                f"{path}: array {name!r} should be {np.dtype(dtype)}{list(shape)}, found {found}; "
+                "delete the file to regenerate it"
+            )
+    for name in ("train_labels", "test_labels"):
+        if arrays[name].min() < 0 or arrays[name].max() >= MNIST1D_CLASSES:
+            raise ValueError(f"{path}: {name} outside 0..{MNIST1D_CLASSES - 1}; delete the file to regenerate it")
+
+
+def _write_npz(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    """Write an uncompressed `.npz` with fixed member timestamps: temporary file, fsync, rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as file:
+            with zipfile.ZipFile(file, "w", zipfile.ZIP_STORED) as archive:
+                for name in sorted(arrays):
+                    info = zipfile.ZipInfo(name + ".npy", date_time=_ZIP_TIME)
+                    with archive.open(info, "w", force_zip64=True) as member:
+                        np.lib.format.write_array(member, np.ascontiguousarray(arrays[name]), allow_pickle=False)
+            file.flush()
+            os.fsync(file.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache is ordinary data
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
