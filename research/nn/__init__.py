@@ -1,6 +1,29 @@
-"""Typed `eqx.Module` models. Each takes ONE example; batch with `jax.vmap`."""
+"""Typed `eqx.Module` models. Each takes ONE example; batch with `jax.vmap`.
 
+Registered names (`build_model(name, key=..., **hparams)`): `logistic`, `mlp`, `cnn`, `gru`,
+`resnet` (stateful: built with its `eqx.nn.State`), `transformer`, and `linear_sigmoid`.
+"""
+
+from ._cnn import CNN1d
+from ._gru import GRUClassifier
+from ._logistic import Logistic
 from ._mlp import ACTIVATIONS, MLP, LinearSigmoid
 from ._registry import build_model, model_names, register_model
+from ._resnet import ResidualBlock, ResNet1d
+from ._transformer import TransformerBlock, TransformerClassifier
 
-__all__ = ["ACTIVATIONS", "MLP", "LinearSigmoid", "build_model", "model_names", "register_model"]
+__all__ = [
+    "ACTIVATIONS",
+    "CNN1d",
+    "GRUClassifier",
+    "Logistic",
+    "MLP",
+    "LinearSigmoid",
+    "ResNet1d",
+    "ResidualBlock",
+    "TransformerBlock",
+    "TransformerClassifier",
+    "build_model",
+    "model_names",
+    "register_model",
+]

@@ -4,7 +4,12 @@ from typing import Any
 import equinox as eqx
 
 from ..typing import PRNGKeyArray
+from ._cnn import CNN1d
+from ._gru import GRUClassifier
+from ._logistic import Logistic
 from ._mlp import MLP, LinearSigmoid
+from ._resnet import ResNet1d
+from ._transformer import TransformerClassifier
 
 ModelAndState = tuple[eqx.Module, eqx.nn.State | None]
 
@@ -38,3 +43,8 @@ def build_model(name: str, *, key: PRNGKeyArray, **hparams: Any) -> ModelAndStat
 
 register_model("mlp", MLP)
 register_model("linear_sigmoid", LinearSigmoid)
+register_model("logistic", Logistic)
+register_model("cnn", CNN1d)
+register_model("gru", GRUClassifier)
+register_model("resnet", ResNet1d)
+register_model("transformer", TransformerClassifier)
