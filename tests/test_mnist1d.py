@@ -1,0 +1,150 @@
+"""MNIST-1D: the generated, cached data, its loaders, and the experiment script for every model."""
+
+import hashlib
+import importlib.util
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from research.cli import ConfigError, build_parser
+from research.data import (
+    DeviceLoader,
+    TorchLoader,
+    generate_mnist1d,
+    load_mnist1d,
+    train_and_eval_loaders,
+)
+from research.data._mnist1d import cache_path
+
+ROOT = Path(__file__).parent.parent
+spec = importlib.util.spec_from_file_location("mnist1d_experiment", ROOT / "experiments" / "mnist1d.py")
+mnist1d = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mnist1d)
+
+# sha256 of data/mnist1d-seed42.npz with the pinned mnist1d, numpy and scipy. If a dependency update
+# changes it, results before and after are not on the same data: say so in docs/results.md.
+EXPECTED_SHA256 = "5e08680b0ba986dcff32fb06f6ad58fd0369178ee6e8e8c6dd1b87e60c1d82b4"
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data")
+    load_mnist1d(path)
+    return path
+
+
+def test_generation_is_byte_identical_and_has_the_published_shapes(data_dir, tmp_path):
+    numpy_state, python_state = np.random.get_state(), random.getstate()
+    train, test = load_mnist1d(tmp_path / "again")
+    assert (tmp_path / "again" / "mnist1d-seed42.npz").read_bytes() == cache_path(data_dir).read_bytes()
+    assert hashlib.sha256(cache_path(data_dir).read_bytes()).hexdigest() == EXPECTED_SHA256
+    # The package reseeds numpy's and Python's global RNGs; we put them back.
+    assert np.array_equal(np.random.get_state()[1], numpy_state[1]) and random.getstate() == python_state
+
+    assert train.inputs.shape == (4000, 40) and test.inputs.shape == (1000, 40)
+    assert train.inputs.dtype == test.inputs.dtype == np.float32
+    assert train.labels.dtype == test.labels.dtype == np.int32
+    assert set(np.unique(train.labels)) == set(np.unique(test.labels)) == set(range(10))
+    assert 350 < np.bincount(train.labels).min() and np.bincount(train.labels).max() < 450
+    # The generator standardises the whole set (train and test together) to mean 0, std 1.
+    everything = np.concatenate([train.inputs, test.inputs])
+    assert abs(everything.mean()) < 1e-3 and abs(everything.std() - 1) < 1e-3
+
+
+def test_the_cache_is_read_back_and_a_bad_one_is_refused(data_dir, tmp_path):
+    train, test = load_mnist1d(data_dir)
+    fresh_train, _ = generate_mnist1d()
+    np.testing.assert_array_equal(train.inputs, fresh_train.inputs)
+    np.testing.assert_array_equal(train.labels, fresh_train.labels)
+
+    bad = cache_path(tmp_path)
+    np.savez(bad, train_inputs=train.inputs[:10], train_labels=train.labels, test_inputs=test.inputs,
+             test_labels=test.labels)
+    with pytest.raises(ValueError, match=r"'train_inputs' should be float32\[4000, 40\], found float32\[10, 40\]; "
+                                         "delete the file"):
+        load_mnist1d(tmp_path)
+    np.savez(bad, train_inputs=np.array([object()], dtype=object))
+    with pytest.raises(ValueError, match="allow_pickle"):  # object arrays are never unpickled
+        load_mnist1d(tmp_path)
+
+
+def test_loaders_serve_the_same_examples_on_the_device_and_through_torch(data_dir):
+    train, test = load_mnist1d(data_dir)
+    device_train, device_test = train_and_eval_loaders(train, test, 100, seed=3, eval_batch_size=1000)
+    torch_train, torch_test = train_and_eval_loaders(train, test, 100, seed=3, kind="torch", eval_batch_size=1000)
+    assert isinstance(device_train, DeviceLoader) and isinstance(torch_train, TorchLoader)
+    assert device_train.steps_per_epoch == torch_train.steps_per_epoch == 40
+
+    # Evaluation: every test example once, in order, either way.
+    [(batch, mask)] = list(device_test.padded_batches())
+    [(inputs, labels)] = list(torch_test)
+    np.testing.assert_array_equal(batch.inputs, test.inputs)
+    np.testing.assert_array_equal(inputs, test.inputs)
+    np.testing.assert_array_equal(labels, test.labels)
+    assert mask.sum() == 1000
+
+    # Training: an epoch of either loader is a permutation of the training set.
+    epoch = device_train.step_indices(0, 40).ravel()
+    assert sorted(epoch) == list(range(4000))
+    batches = torch_train.batches(0)
+    torch_inputs = np.concatenate([next(batches).inputs for _ in range(40)])
+    assert sorted(map(bytes, torch_inputs)) == sorted(map(bytes, train.inputs))
+
+
+def test_config_resolves_the_per_model_recipe_and_refuses_unknown_models():
+    cnn = mnist1d.Config(model="cnn").resolved()
+    assert (cnn.lr, cnn.batch_size, cnn.steps, cnn.weight_decay, cnn.steps_per_call) == (1e-2, 100, 8000, 0.0, 1)
+    mine = mnist1d.Config(model="transformer", lr=3e-4, steps=10).resolved()
+    assert (mine.lr, mine.steps, mine.batch_size) == (3e-4, 10, 100)
+    with pytest.raises(ConfigError, match="--model must be one of logistic, mlp, cnn, gru, resnet, transformer"):
+        mnist1d.Config(model="vgg")
+    with pytest.raises(ConfigError, match="--weight-decay must be >= 0"):
+        mnist1d.Config(weight_decay=-1.0)
+
+
+# Few steps, and a transformer without dropout (each random draw adds about a second of XLA
+# compilation on this CPU): this checks each family learns, not the recipes.
+LEARNING = {  # model -> (steps, accuracy it must beat; chance is 0.1)
+    "logistic": (300, 0.22),
+    "mlp": (300, 0.4),
+    "cnn": (300, 0.5),
+    "gru": (300, 0.4),
+    "resnet": (200, 0.5),
+    "transformer": (300, 0.3),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", list(LEARNING))
+def test_each_model_learns_mnist1d(model, data_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(mnist1d.MODEL_HPARAMS, "transformer", {**mnist1d.MODEL_HPARAMS["transformer"], "dropout": 0.0})
+    monkeypatch.setitem(mnist1d.MODEL_HPARAMS, "resnet", {"widths": (16, 32)})
+    monkeypatch.setitem(mnist1d.MODEL_HPARAMS, "gru", {"hidden_size": 32})
+    steps, floor = LEARNING[model]
+    config = mnist1d.Config(model=model, steps=steps, run_dir="run", progress=False, data_dir=str(data_dir))
+    summary = mnist1d.main(config)
+    assert summary["test_accuracy"] > floor, f"{model}: {summary['test_accuracy']:.3f} after {steps} steps"
+    assert summary["step"] == steps
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert saved["config"]["model"] == model and saved["config"]["lr"] == mnist1d.RECIPES[model]["lr"]
+
+
+@pytest.mark.slow
+def test_the_script_trains_the_cnn_and_prints_the_summary(data_dir, tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "experiments/mnist1d.py"), "--model", "cnn", "--steps", "200",
+         "--data-dir", str(data_dir), "--run-dir", "r", "--no-progress"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((tmp_path / "r/summary.json").read_text())
+    assert f"mnist1d: test accuracy {100 * summary['test_accuracy']:.2f}%" in result.stdout
+    assert summary["step"] == 200 and summary["test_accuracy"] > 0.5
+    help_text = build_parser(mnist1d.Config).format_help()
+    assert "{logistic,mlp,cnn,gru,resnet,transformer}" in help_text and "default: per model" in help_text
