@@ -13,6 +13,7 @@ import pytest
 
 from research.cli import ConfigError, build_parser
 from research.data import (
+    DataError,
     DeviceLoader,
     TorchLoader,
     generate_mnist1d,
@@ -65,11 +66,14 @@ def test_the_cache_is_read_back_and_a_bad_one_is_refused(data_dir, tmp_path):
     bad = cache_path(tmp_path)
     np.savez(bad, train_inputs=train.inputs[:10], train_labels=train.labels, test_inputs=test.inputs,
              test_labels=test.labels)
-    with pytest.raises(ValueError, match=r"'train_inputs' should be float32\[4000, 40\], found float32\[10, 40\]; "
+    with pytest.raises(DataError, match=r"'train_inputs' should be float32\[4000, 40\], found float32\[10, 40\]; "
                                          "delete the file"):
         load_mnist1d(tmp_path)
     np.savez(bad, train_inputs=np.array([object()], dtype=object))
-    with pytest.raises(ValueError, match="allow_pickle"):  # object arrays are never unpickled
+    with pytest.raises(DataError, match="allow_pickle"):  # object arrays are never unpickled
+        load_mnist1d(tmp_path)
+    bad.write_bytes(b"not a zip")
+    with pytest.raises(DataError, match="not a readable MNIST-1D cache.*delete the file"):
         load_mnist1d(tmp_path)
 
 

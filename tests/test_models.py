@@ -64,13 +64,23 @@ def num_params(model):
 
 
 @names
-def test_one_example_in_float32_logits_out_and_batches_with_forward(name, getkey):
+def test_one_example_in_float32_logits_out_traced_once_and_equal_to_the_batched_forward(name, getkey):
     model, state = build(name, getkey())
-    logits = call_one(model, state, jax.random.normal(getkey(), (40,)), key=getkey())
-    assert logits.shape == (10,) and logits.dtype == jnp.float32
-    batch, new_state = forward(model, state, jax.random.normal(getkey(), (7, 40)), key=getkey())
-    assert batch.shape == (7, 10) and batch.dtype == jnp.float32
-    assert (new_state is None) == (state is None)
+    traces = []
+
+    @eqx.filter_jit
+    def apply(model, state, x):
+        traces.append(1)  # runs only while tracing: the checks run then, and never again
+        return eager_call_one(model, state, x)
+
+    xs = jax.random.normal(getkey(), (7, 40))
+    outputs = [apply(model, state, x) for x in xs]
+    assert len(traces) == 1
+    assert all(o.shape == (10,) and o.dtype == jnp.float32 for o in outputs)
+    inference = state is not None  # single examples ran on the running statistics
+    batch, new_state = forward(eqx.nn.inference_mode(model, inference), state, xs, key=None)
+    assert batch.shape == (7, 10) and batch.dtype == jnp.float32 and (new_state is None) == (state is None)
+    np.testing.assert_allclose(jnp.stack(outputs), batch, rtol=1e-5, atol=1e-5)
 
 
 @names
@@ -92,22 +102,6 @@ def test_a_wrong_dtype_fails_at_trace_time(name, getkey):
     with pytest.raises(TypeCheckError) as info:
         call_one(model, state, jnp.ones(40, jnp.int32))
     assert "parameter 'x'" in str(info.value) and "i32[40]" in str(info.value)
-
-
-@names
-def test_checks_run_once_per_trace_under_jit(name, getkey):
-    model, state = build(name, getkey())
-    traces = []
-
-    @eqx.filter_jit
-    def apply(model, state, x):
-        traces.append(1)
-        return eager_call_one(model, state, x)
-
-    xs = jax.random.normal(getkey(), (5, 40))
-    outputs = [apply(model, state, x) for x in xs]
-    assert len(traces) == 1
-    np.testing.assert_allclose(outputs[3], call_one(model, state, xs[3]), rtol=1e-5, atol=1e-5)
 
 
 @names
@@ -219,7 +213,8 @@ def test_resnet_reduces_batch_statistics_over_several_named_axes(getkey):
     model, state = build_model("resnet", widths=(4,), axis_name=("devices", "batch"), key=key)
     inputs = jax.random.normal(getkey(), (2, 3, 40))
     per_device = jax.vmap(lambda x, s: model(x, s), in_axes=(0, None), out_axes=(0, None), axis_name="batch")
-    logits, _ = jax.vmap(per_device, in_axes=(0, None), out_axes=(0, None), axis_name="devices")(inputs, state)
+    logits, _ = jax.jit(jax.vmap(per_device, in_axes=(0, None), out_axes=(0, None), axis_name="devices"))(
+        inputs, state)
     # Statistics over all 6 examples: the same as one vmap over a flat batch with a single-name model.
     flat_model, flat_state = build_model("resnet", widths=(4,), key=key)  # the same parameters
     flat, _ = forward(flat_model, flat_state, inputs.reshape(6, 40), key=None)

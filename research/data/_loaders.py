@@ -165,7 +165,7 @@ class ArrayDataset(torch.utils.data.Dataset):
 
     def __init__(self, inputs: np.ndarray, labels: np.ndarray):
         if len(inputs) != len(labels):
-            raise ValueError(f"inputs and labels differ in length: {len(inputs)} vs {len(labels)}")
+            raise DataError(f"inputs and labels differ in length: {len(inputs)} vs {len(labels)}")
         self.inputs = inputs
         self.labels = labels
 

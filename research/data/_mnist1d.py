@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from ..typing import Float, Int, typecheck
-from ._loaders import Batch
+from ._loaders import Batch, DataError
 
 MNIST1D_LENGTH = 40
 MNIST1D_CLASSES = 10
@@ -68,8 +68,11 @@ def load_mnist1d(data_dir: str | os.PathLike = "data", *, seed: int = MNIST1D_SE
     if not path.exists():
         train, test = generate_mnist1d(seed)
         _write_npz(path, dict(zip(_ARRAYS, (*train, *test))))
-    with np.load(path, allow_pickle=False) as archive:
-        arrays = {name: archive[name] for name in archive.files}
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            arrays = {name: archive[name] for name in archive.files}
+    except (OSError, ValueError, zipfile.BadZipFile) as error:  # truncated, not a zip, or pickled objects
+        raise DataError(f"{path}: not a readable MNIST-1D cache ({error}); delete the file to regenerate it") from None
     _check_arrays(path, arrays)
     return (
         _as_batch(arrays["train_inputs"], arrays["train_labels"]),
@@ -95,13 +98,13 @@ def _check_arrays(path: Path, arrays: dict[str, np.ndarray]) -> None:
         got = arrays.get(name)
         if got is None or got.shape != shape or got.dtype != dtype:
             found = "missing" if got is None else f"{got.dtype}{list(got.shape)}"
-            raise ValueError(
+            raise DataError(
                 f"{path}: array {name!r} should be {np.dtype(dtype)}{list(shape)}, found {found}; "
                 "delete the file to regenerate it"
             )
     for name in ("train_labels", "test_labels"):
         if arrays[name].min() < 0 or arrays[name].max() >= MNIST1D_CLASSES:
-            raise ValueError(f"{path}: {name} outside 0..{MNIST1D_CLASSES - 1}; delete the file to regenerate it")
+            raise DataError(f"{path}: {name} outside 0..{MNIST1D_CLASSES - 1}; delete the file to regenerate it")
 
 
 def _write_npz(path: Path, arrays: dict[str, np.ndarray]) -> None:
