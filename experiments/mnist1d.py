@@ -7,6 +7,8 @@ Run `./scripts/run mnist1d --help` for the options.
 """
 
 import dataclasses
+import sys
+from pathlib import Path
 from typing import Any, Literal
 
 import jax
@@ -17,6 +19,11 @@ from research.data import MNIST1D_CLASSES, MNIST1D_LENGTH, load_mnist1d, train_a
 from research.experiment import run_experiment
 from research.nn import build_model, model_names
 from research.train import TrainState
+
+# Python puts this script's directory first on sys.path, and there this file would shadow the
+# `mnist1d` package that generates the data.
+if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    del sys.path[0]
 
 ModelName = Literal["logistic", "mlp", "cnn", "gru", "resnet", "transformer"]
 

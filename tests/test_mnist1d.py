@@ -6,6 +6,7 @@ import json
 import random
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -77,6 +78,15 @@ def test_the_cache_is_read_back_and_a_bad_one_is_refused(data_dir, tmp_path):
         load_mnist1d(tmp_path)
 
 
+def test_a_script_named_mnist1d_shadowing_the_package_is_named_in_the_error(monkeypatch):
+    shadow = types.ModuleType("mnist1d")
+    shadow.__file__ = "/somewhere/mnist1d.py"
+    monkeypatch.setitem(sys.modules, "mnist1d", shadow)
+    monkeypatch.delitem(sys.modules, "mnist1d.data", raising=False)
+    with pytest.raises(ImportError, match="/somewhere/mnist1d.py shadows the mnist1d package"):
+        generate_mnist1d()
+
+
 def test_loaders_serve_the_same_examples_on_the_device_and_through_torch(data_dir):
     train, test = load_mnist1d(data_dir)
     device_train, device_test = train_and_eval_loaders(train, test, 100, seed=3, eval_batch_size=1000)
@@ -113,13 +123,13 @@ def test_config_resolves_the_per_model_recipe_and_refuses_unknown_models():
 
 # Few steps, and a transformer without dropout (each random draw adds about a second of XLA
 # compilation on this CPU): this checks each family learns, not the recipes.
-LEARNING = {  # model -> (steps, accuracy it must beat; chance is 0.1)
-    "logistic": (300, 0.22),
-    "mlp": (300, 0.4),
-    "cnn": (300, 0.5),
+LEARNING = {  # model -> (steps, accuracy it must beat; chance is 0.1). Measured: .302 .593 .761 .539 .908 .697
+    "logistic": (300, 0.25),
+    "mlp": (300, 0.45),
+    "cnn": (300, 0.6),
     "gru": (300, 0.4),
-    "resnet": (200, 0.5),
-    "transformer": (300, 0.3),
+    "resnet": (200, 0.7),
+    "transformer": (300, 0.5),
 }
 
 
@@ -140,13 +150,14 @@ def test_each_model_learns_mnist1d(model, data_dir, tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_the_script_trains_the_cnn_and_prints_the_summary(data_dir, tmp_path):
-    result = subprocess.run(
+def test_the_script_generates_the_data_trains_the_cnn_and_prints_the_summary(data_dir, tmp_path):
+    result = subprocess.run(  # from the script's default data dir (./data), so it generates the data
         [sys.executable, str(ROOT / "experiments/mnist1d.py"), "--model", "cnn", "--steps", "200",
-         "--data-dir", str(data_dir), "--run-dir", "r", "--no-progress"],
+         "--run-dir", "r", "--no-progress"],
         cwd=tmp_path, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr
+    assert cache_path(tmp_path / "data").read_bytes() == cache_path(data_dir).read_bytes()
     summary = json.loads((tmp_path / "r/summary.json").read_text())
     assert f"mnist1d: test accuracy {100 * summary['test_accuracy']:.2f}%" in result.stdout
     assert summary["step"] == 200 and summary["test_accuracy"] > 0.5

@@ -7,6 +7,7 @@ both global RNG states back afterwards so that importing the data changes nothin
 
 import os
 import random
+import sys
 import tempfile
 import zipfile
 from pathlib import Path
@@ -33,7 +34,16 @@ def generate_mnist1d(seed: int = MNIST1D_SEED) -> tuple[Batch, Batch]:
     Returns `(train, test)` `Batch`es of numpy arrays: inputs `float32` of shape `(examples, 40)`,
     labels `int32`. Numpy's and Python's global RNG states are restored afterwards.
     """
-    import mnist1d.data  # imported here: it pulls in matplotlib and scipy
+    try:
+        import mnist1d.data  # imported here: it pulls in matplotlib and scipy
+    except ModuleNotFoundError as error:
+        shadow = getattr(sys.modules.get("mnist1d"), "__file__", None)
+        if shadow is None or error.name != "mnist1d.data":
+            raise
+        raise ImportError(
+            f"{shadow} shadows the mnist1d package that generates the data: rename it, or take its "
+            "directory off sys.path before loading MNIST-1D"
+        ) from None
 
     args = mnist1d.data.get_dataset_args()
     args.seed = seed
