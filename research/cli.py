@@ -70,6 +70,21 @@ class TrainConfig:
                                check=_tensorboard_installed)
     debug_nans: bool = option(False, "turn on jax_debug_nans and stop at the first operation that makes a NaN "
                                      "(one step per compiled call: slow)")
+    # -- devices and processes (research.parallel); none of them changes the numbers -------------
+    devices: int = option(1, "devices per process; on the CPU, simulated host devices "
+                             "(XLA_FLAGS=--xla_force_host_platform_device_count=N)", check=positive)
+    parallel: Literal["auto", "none", "pmap", "sharded"] = option(
+        "auto", "data parallelism: none (one device), pmap, sharded (jit over a device mesh); "
+                "auto: none on one device, sharded otherwise")
+    coordinator_address: str | None = option(
+        None, "host:port of process 0 in a multi-process run (default: $JAX_COORDINATOR_ADDRESS)")
+    num_processes: int | None = option(None, "processes in the run (default: $JAX_NUM_PROCESSES, else 1)",
+                                       check=positive)
+    process_id: int | None = option(None, "this process's index, 0 .. processes-1 (default: $JAX_PROCESS_ID)",
+                                    check=non_negative)
+    distributed_timeout: int = option(
+        60, "seconds to wait for all processes to start, and for a silent process before the others stop",
+        check=positive)
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -81,6 +96,15 @@ class TrainConfig:
             if problem:
                 got = "" if isinstance(value, bool) else f" (got {value!r})"
                 raise ConfigError(f"{flag_name(field.name)} {problem}{got}")
+        devices = self.devices * (self.num_processes or 1)
+        if self.parallel == "none" and devices > 1:
+            raise ConfigError(f"--parallel none trains on one device, not {devices}; pass --parallel sharded or pmap")
+        if self.batch_size % devices:
+            raise ConfigError(
+                f"--batch-size {self.batch_size} is not divisible by the {devices} devices; pick a multiple of {devices}"
+            )
+        if self.process_id is not None and self.num_processes is not None and self.process_id >= self.num_processes:
+            raise ConfigError(f"--process-id must be below --num-processes {self.num_processes} (got {self.process_id})")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -164,16 +188,23 @@ def parse_config(config_class: type[C], argv: Sequence[str] | None = None, prog:
 def main_entry(main: Callable[[C], Any], config_class: type[C], argv: Sequence[str] | None = None) -> None:
     """Run `main(parse_config(...))` as a script. Bad input found inside `main` (`--resume` with no
     checkpoint, data that does not fit the model, a damaged or foreign checkpoint) exits with status 2,
-    a non-finite loss with status 1, each with one line on stderr."""
+    a non-finite loss with status 1, each with one line on stderr.
+
+    Before `main`, `research.parallel.setup_devices` applies `--devices` (simulated CPU devices must be
+    requested before JAX creates its first array) and joins the other processes of a multi-process
+    run (`jax.distributed.initialize`)."""
+    from .parallel import exit_together, setup_devices  # imports jax; its backends start after setup_devices
     from .train import CheckpointError, DataError  # the CLI layer sits above train
 
     config = parse_config(config_class, argv)
     prog = Path(sys.argv[0]).name
-    try:
-        main(config)
-    except (ConfigError, DataError, CheckpointError) as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
-    except FloatingPointError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        raise SystemExit(1) from None
+    with exit_together(prog):
+        try:
+            setup_devices(config)
+            main(config)
+        except (ConfigError, DataError, CheckpointError) as e:
+            print(f"{prog}: error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+        except FloatingPointError as e:
+            print(f"{prog}: error: {e}", file=sys.stderr)
+            raise SystemExit(1) from None

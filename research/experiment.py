@@ -10,19 +10,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import jax
 import torch.utils.data
 
 from .cli import ConfigError, TrainConfig
 from .data import Batch, DeviceLoader, TorchLoader
+from .parallel import check_device_count, make_strategy
 from .tools.plot_runs import plot_runs
 from .train import LossFn, RunDir, TensorBoardTracker, TrainState, classification_loss, fit, load_checkpoint
 
 RUNS_ROOT = Path("runs")
 EXPERIMENTS_DIR = Path(__file__).resolve().parent.parent / "experiments"
-# Options that may change between a run and its resumption.
+# Options that may change between a run and its resumption (a run may continue on other devices).
 RESUMABLE_OPTIONS = {
     "skip_nonfinite", "resume", "run_dir", "progress", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "epochs", "steps",
     "tensorboard", "debug_nans",
+    "devices", "parallel", "coordinator_address", "num_processes", "process_id", "distributed_timeout",
 }
 
 
@@ -48,11 +51,11 @@ def _config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[
     return [f"{k}: saved {saved.get(k)!r}, now {current.get(k)!r}" for k in keys if saved.get(k) != current.get(k)]
 
 
-def resolve_run_dir(experiment: str, config: TrainConfig) -> tuple[RunDir, Path | None]:
+def resolve_run_dir(experiment: str, config: TrainConfig, *, writer: bool = True) -> tuple[RunDir, Path | None]:
     """The run directory to use and, when resuming, the checkpoint to resume from.
 
     Refuses (with `ConfigError`) to resume without a checkpoint, to resume with a different config,
-    and to start a new run in a directory that already holds one.
+    and (for the `writer`, process 0) to start a new run in a directory that already holds one.
     """
     if config.resume:
         path = Path(config.run_dir) if config.run_dir else RunDir.latest(RUNS_ROOT, experiment)
@@ -70,7 +73,7 @@ def resolve_run_dir(experiment: str, config: TrainConfig) -> tuple[RunDir, Path 
             raise ConfigError(f"--resume: the config differs from the run in {path}: " + "; ".join(differences))
         return run, checkpoint
     path = Path(config.run_dir) if config.run_dir else RunDir.new_path(RUNS_ROOT, experiment)
-    if (path / "config.json").exists():
+    if writer and (path / "config.json").exists():
         raise ConfigError(f"--run-dir {path} already holds a run; pass --resume to continue it, or pick a new directory")
     return RunDir(path), None
 
@@ -121,26 +124,40 @@ def run_experiment(experiment: str, config: TrainConfig, setup: Setup | None = N
     The run directory gets `config.json` (with the resolved step count and library versions),
     `metrics.jsonl`, `checkpoints/`, `summary.json` and `curves.png` (and TensorBoard event files
     with `--tensorboard`). Other keyword arguments go to `fit`.
+
+    Training runs on `config.devices` devices per process with the `config.parallel` strategy (build
+    BatchNorm layers with `research.parallel.batch_axis_name(config.parallel)`). With several
+    processes every process trains and evaluates, and only process 0 writes the run directory.
     """
     setup, fit_kwargs = _setup_from(setup, kwargs)
-    run, checkpoint = resolve_run_dir(experiment, config)
+    check_device_count(config.devices)
+    strategy = make_strategy(config.parallel, config.devices)
+    strategy.check_batch_size(config.batch_size)
+    if config.debug_nans and strategy.name != "none":
+        raise ConfigError("--debug-nans replays steps op by op on one device; drop --devices and --parallel")
+    writer = jax.process_index() == 0
+    run, checkpoint = resolve_run_dir(experiment, config, writer=writer)
     state = setup.build_state()
     start_step = 0
     header: dict[str, Any] = {}
     if checkpoint is not None:
         state, header = load_checkpoint(checkpoint, state)
         start_step = header["step"]
-        run.truncate_metrics(after_step=start_step)
-        print(f"resuming {run.path} from step {start_step} ({checkpoint.name})", file=sys.stderr)
-    run.create()
-    run.write_config({
-        "experiment": experiment,
-        "config": config.to_dict(),
-        "resolved": {"num_steps": setup.num_steps, "steps_per_epoch": setup.train_data.steps_per_epoch},
-        "versions": _versions(),
-        "command": [Path(sys.argv[0]).name, *sys.argv[1:]],
-    })
-    tracker = TensorBoardTracker(run.path, purge_step=start_step + 1 if start_step else None) if config.tensorboard else None
+        if writer:
+            run.truncate_metrics(after_step=start_step)
+            print(f"resuming {run.path} from step {start_step} ({checkpoint.name})", file=sys.stderr)
+    if writer:
+        run.create()
+        run.write_config({
+            "experiment": experiment,
+            "config": config.to_dict(),
+            "resolved": {"num_steps": setup.num_steps, "steps_per_epoch": setup.train_data.steps_per_epoch},
+            "versions": _versions(),
+            "command": [Path(sys.argv[0]).name, *sys.argv[1:]],
+        })
+    tracker = None
+    if config.tensorboard and writer:
+        tracker = TensorBoardTracker(run.path, purge_step=start_step + 1 if start_step else None)
     start = time.perf_counter()
     try:
         result = fit(
@@ -153,13 +170,14 @@ def run_experiment(experiment: str, config: TrainConfig, setup: Setup | None = N
             eval_every=config.eval_every or None,
             log_every=config.log_every,
             steps_per_call=config.steps_per_call,
-            run=run,
+            run=run if writer else None,
             checkpoint_every=config.checkpoint_every or None,
             keep_checkpoints=config.keep_checkpoints,
             checkpoint_header={"experiment": experiment, "config": config.to_dict()},
             resume_window=header.get("window"),
             skip_nonfinite=config.skip_nonfinite,
-            progress=config.progress,
+            progress=config.progress and writer,
+            parallel=strategy,
             tracker=tracker,
             debug_nans=config.debug_nans,
             **fit_kwargs,
@@ -176,12 +194,13 @@ def run_experiment(experiment: str, config: TrainConfig, setup: Setup | None = N
         "step": int(result.state.step),
         "wall_seconds": time.perf_counter() - start,
     }
-    run.write_summary(summary)
-    plot_runs([run.path], run.path / "curves.png")
-    print(
-        f"{experiment}: test accuracy {100 * summary['test_accuracy']:.2f}% "
-        f"(test loss {summary['test_loss']:.4f}, train loss {summary['train_loss']:.4f}) "
-        f"at step {summary['step']}, {summary['wall_seconds']:.1f} s\nrun directory: {run.path} "
-        f"(learning curves: curves.png)"
-    )
+    if writer:
+        run.write_summary(summary)
+        plot_runs([run.path], run.path / "curves.png")
+        print(
+            f"{experiment}: test accuracy {100 * summary['test_accuracy']:.2f}% "
+            f"(test loss {summary['test_loss']:.4f}, train loss {summary['train_loss']:.4f}) "
+            f"at step {summary['step']}, {summary['wall_seconds']:.1f} s\nrun directory: {run.path} "
+            f"(learning curves: curves.png)"
+        )
     return summary

@@ -70,7 +70,13 @@ class CompiledTrainer:
     `num_traces` counts how many times each function was traced, to catch silent recompilation;
     `traces` records each trace's abstract signature (argument shapes, dtypes, weak types) and logs,
     on the first retrace of a function, which argument changed (`traces.explanations`).
+
+    This trainer runs on one device. The data-parallel trainers of `research.parallel` subclass it
+    and override the placement methods (`place`, `state`, `init_stats`, `put_stats`, `put_batch`,
+    `put_data`, `put_indices`, `host`), which are all `fit` uses to move things between host and devices.
     """
+
+    parallel = False  # True for the multi-device subclasses
 
     def __init__(self, loss_fn: LossFn, static: TrainState, treedef: jax.tree_util.PyTreeDef,
                  skip_nonfinite: bool = False):
@@ -78,6 +84,7 @@ class CompiledTrainer:
         self.skip_nonfinite = skip_nonfinite
         self._static = static
         self._treedef = treedef
+        self.axis_name: str | None = None  # a device axis to average gradients over (pmap), see train_step
         self.num_traces = {"step": 0, "run": 0}
         self.traces = RetraceLog()
         self._leaf_names: list[str] | None = None
@@ -112,7 +119,37 @@ class CompiledTrainer:
         self.traces.record(f"train {name} function", {**named_leaves, **arguments})
 
     def state(self, leaves: Leaves) -> TrainState:
+        """The TrainState of `leaves`, usable on the host: to evaluate, save or return."""
+        return self._combine(leaves)
+
+    def _combine(self, leaves: Leaves) -> TrainState:
         return eqx.combine(jax.tree.unflatten(self._treedef, leaves), self._static)
+
+    # -- placement: where leaves, batches and statistics live ------------------------------------
+    def place(self, state: TrainState) -> Leaves:
+        """Fresh leaves of `state` on the trainer's devices. The compiled steps donate their inputs;
+        a copy keeps the caller's state (and model) valid."""
+        return _copy(self.leaves(state))
+
+    def put_stats(self, stats: StepStats) -> StepStats:
+        """Step statistics made on the host (a resumed window) as the compiled steps' input."""
+        return stats
+
+    def put_batch(self, batch: Batch) -> Batch:
+        """A host batch (the global batch) as the compiled step's input."""
+        return batch
+
+    def put_data(self, host: Batch, device: Batch) -> Batch:
+        """A whole device-resident data set (`DeviceLoader`: `host` numpy, `device` arrays) for `run`."""
+        return device
+
+    def put_indices(self, indices: np.ndarray) -> np.ndarray | jax.Array:
+        """The `[steps, global batch]` example indices of a `run` call."""
+        return indices
+
+    def host(self, tree):
+        """One copy of values the compiled steps keep on every device (statistics), readable on the host."""
+        return tree
 
     def init_stats(self, leaves: Leaves, batch: Batch) -> StepStats:
         """Zeroed step statistics with the structure of the step's metrics."""
@@ -125,8 +162,8 @@ class CompiledTrainer:
 
     # -- compiled functions ------------------------------------------------------------------
     def _one(self, leaves: Leaves, batch: Batch) -> tuple[Leaves, Metrics]:
-        old = self.state(leaves)
-        new, metrics = train_step(old, batch, self.loss_fn)
+        old = self._combine(leaves)
+        new, metrics = train_step(old, batch, self.loss_fn, axis_name=self.axis_name)
         if self.skip_nonfinite:
             ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
             keep = lambda n, o: jax.tree.map(lambda a, b: jnp.where(ok, a, b), n, o)  # noqa: E731
@@ -143,7 +180,7 @@ class CompiledTrainer:
         return flat, metrics
 
     def _record(self, leaves: Leaves, stats: StepStats, batch: Batch) -> tuple[Leaves, StepStats]:
-        step = self.state(leaves).step
+        step = self._combine(leaves).step
         leaves, metrics = self._one(leaves, batch)
         return leaves, stats.record(step, metrics)
 
@@ -189,6 +226,11 @@ class CompiledTrainer:
         """`num_steps` steps in one compiled call on device-resident `data`; step `i` uses the examples
         `indices[i]`. `indices` has a fixed number of rows (>= num_steps) so the call compiles once."""
         return self._run(leaves, stats, data, indices, jnp.asarray(num_steps, jnp.int32))
+
+
+@jax.jit
+def _copy(leaves: Leaves) -> Leaves:
+    return [x.copy() for x in leaves]
 
 
 _cache: dict[tuple, CompiledTrainer] = {}

@@ -17,7 +17,7 @@ from ..debug import describe_nan_error
 from ..progress import Progress
 from ..state import RunningMean
 from ._checkpoint import save_checkpoint
-from ._compiled import NONFINITE_NAMES, CompiledTrainer, StepStats, compiled_trainer
+from ._compiled import NONFINITE_NAMES, CompiledTrainer, StepStats, _copy, compiled_trainer
 from ._evaluate import evaluate
 from ._rundir import RunDir
 from ._state import LossFn, TrainState, classification_loss
@@ -83,6 +83,7 @@ def fit(
     tracker: Tracker | None = None,
     lr_schedule: Callable[[int], Any] | None = None,
     debug_nans: bool = False,
+    parallel: Any = None,
 ) -> FitResult:
     """Train `state` until `state.step == num_steps` on the fast path.
 
@@ -114,15 +115,23 @@ def fit(
       has `lr`, the rate of the last step taken (`lr_schedule(step - 1)`).
     - `debug_nans`: run with `jax_debug_nans`, one step per call, so that a NaN stops training at
       the first operation that produced it (`NonFiniteError` names it and its source line); slow.
+    - `parallel`: a data-parallel strategy from `research.parallel` (`Pmap`, `Sharded`, ...), whose
+      `trainer(loss_fn, state)` places the state, batches and statistics on its devices; `None` trains
+      on one device. `train_data` always yields global batches; results do not depend on it.
     """
     start_time = time.perf_counter()
-    trainer = compiled_trainer(loss_fn, state, skip_nonfinite=skip_nonfinite)
+    if parallel is None:
+        trainer = compiled_trainer(loss_fn, state, skip_nonfinite=skip_nonfinite)
+    else:
+        trainer = parallel.trainer(loss_fn, state, skip_nonfinite=skip_nonfinite)
+    if debug_nans and trainer.parallel:
+        raise ValueError("debug_nans replays steps op by op on one device; train without a parallel strategy")
     traces_before = dict(trainer.num_traces)
     step = int(state.step)
-    # The compiled steps donate their inputs; copy once so the caller's state (and model) stay valid.
-    leaves = _copy(trainer.leaves(state))
+    leaves = trainer.place(state)  # fresh copies: the compiled steps donate them
     if isinstance(train_data, DeviceLoader):
-        example = Batch(*(a[: train_data.batch_size] for a in train_data.arrays))
+        example = Batch(*(a[: train_data.batch_size] for a in train_data.host))
+        device_data = trainer.put_data(train_data.host, train_data.arrays)
         host_batches = None
     else:
         host_batches = train_data.batches(step)
@@ -131,7 +140,9 @@ def fit(
         fresh_stats = trainer.init_stats(leaves, example)
     except TypeCheckError as e:
         raise DataError(_summarise_type_error(e)) from None
-    stats = fresh_stats if resume_window is None else _window_from_header(resume_window, fresh_stats)
+    if resume_window is not None:
+        fresh_stats = trainer.put_stats(_window_from_header(resume_window, trainer.host(fresh_stats)))
+    stats = fresh_stats
     pending = example if host_batches is not None else None
 
     trackers = MultiTracker(([JsonlTracker(run)] if run is not None else []) + ([tracker] if tracker else []))
@@ -148,7 +159,8 @@ def fit(
             until = int(min(num_steps, _next_multiple(step, log_every), _next_multiple(step, eval_every),
                             _next_multiple(step, checkpoint_every)))
             if host_batches is None and not debug_nans:
-                leaves, stats = _run_device(trainer, leaves, stats, train_data, step, until, steps_per_call)
+                leaves, stats = _run_device(trainer, leaves, stats, train_data, device_data, step, until,
+                                            steps_per_call)
             else:
                 # One compiled step per call: with debug_nans a NaN is then traced back to one op
                 # (inside a compiled loop it could only be blamed on the loop).
@@ -161,7 +173,7 @@ def fit(
                         batch = pending if pending is not None else next(host_batches)
                         pending = None
                     before = _copy(leaves) if debug_nans else None  # the step donates its inputs
-                    leaves, stats = trainer.step(leaves, stats, batch)
+                    leaves, stats = trainer.step(leaves, stats, trainer.put_batch(batch))
                     if before is not None and int(stats.first_bad_step) >= 0:
                         # The statistics hold only finite values, so a NaN loss need not reach any
                         # output JAX checks: replay the step op by op to find where it came from.
@@ -169,10 +181,11 @@ def fit(
             bar.update(until - step)
             step = until
             if not skip_nonfinite:
-                _raise_if_nonfinite(stats, run)
+                _raise_if_nonfinite(trainer.host(stats), run)
             record: dict[str, Any] = {}
             if step % log_every == 0 or step == num_steps:
-                metrics, skipped = jax.device_get((stats.metrics.mean(), stats.skipped))
+                local = trainer.host(stats)
+                metrics, skipped = jax.device_get((local.metrics.mean(), local.skipped))
                 train_metrics = {k: float(v) for k, v in metrics.items()}
                 now = time.perf_counter()
                 record.update({f"train/{k}": v for k, v in train_metrics.items()})
@@ -182,7 +195,7 @@ def fit(
                     record["lr"] = float(lr_schedule(step - 1))
                 record["steps_per_s"] = (step - window_step) / max(now - window_start, 1e-9)
                 window_start, window_step = now, step
-                stats = StepStats.init(RunningMean.init(fresh_stats.metrics.total))
+                stats = trainer.init_stats(leaves, example)
             pause_start = time.perf_counter()
             if eval_data is not None and (step == num_steps or (eval_every and step % eval_every == 0)):
                 during = f"the evaluation at step {step}"
@@ -194,7 +207,7 @@ def fit(
                 bar.report(step, {k: v for k, v in record.items() if k in shown}, rate=record.get("steps_per_s"))
                 trackers.log(step, record)
             if run is not None and (step == num_steps or (checkpoint_every and step % checkpoint_every == 0)):
-                header = {**(checkpoint_header or {}), "step": step, "window": window_to_header(stats),
+                header = {**(checkpoint_header or {}), "step": step, "window": window_to_header(trainer.host(stats)),
                           "eval": {k: v for k, v in record.items() if k.startswith("test/")}}
                 save_checkpoint(run.checkpoint_path(step), trainer.state(leaves), header)
                 run.prune_checkpoints(keep_checkpoints)
@@ -223,17 +236,13 @@ def _raise_if_nonfinite(stats: StepStats, run: RunDir | None) -> None:
     )
 
 
-@jax.jit
-def _copy(leaves):
-    return [x.copy() for x in leaves]
-
-
-def _run_device(trainer: CompiledTrainer, leaves, stats, data: DeviceLoader, step: int, until: int, steps_per_call: int):
+def _run_device(trainer: CompiledTrainer, leaves, stats, loader: DeviceLoader, data: Batch, step: int, until: int,
+                steps_per_call: int):
     while step < until:
         n = min(steps_per_call, until - step)
-        indices = np.zeros((steps_per_call, data.batch_size), np.int32)
-        indices[:n] = data.step_indices(step, n)
-        leaves, stats = trainer.run(leaves, stats, data.arrays, indices, n)
+        indices = np.zeros((steps_per_call, loader.batch_size), np.int32)
+        indices[:n] = loader.step_indices(step, n)
+        leaves, stats = trainer.run(leaves, stats, data, trainer.put_indices(indices), n)
         step += n
     return leaves, stats
 

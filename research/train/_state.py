@@ -1,10 +1,13 @@
-from collections.abc import Callable
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
+from jaxtyping import Key
 
 from ..data import Batch
 from ..typing import Array, Bool, Float, Int, KeyData, PRNGKeyArray, PyTree, typecheck
@@ -56,6 +59,30 @@ class TrainState(eqx.Module):
         )
 
 
+# The named device axis of a data-parallel program that sees one slice of the batch per device
+# (`jax.pmap`), set by `train_step(..., axis_name=...)` while tracing. `forward` then gives every
+# example the key it would get in the whole batch, so dropout masks do not depend on the device count.
+_device_axis: contextvars.ContextVar[str | None] = contextvars.ContextVar("device_axis", default=None)
+
+
+@contextlib.contextmanager
+def _batch_split_over(axis_name: str | None) -> Iterator[None]:
+    token = _device_axis.set(axis_name)
+    try:
+        yield
+    finally:
+        _device_axis.reset(token)
+
+
+def _example_keys(key: PRNGKeyArray, count: int) -> Key[Array, " {count}"]:
+    axis = _device_axis.get()
+    if axis is None:
+        return jax.random.split(key, count)
+    # split(key, n)[i] does not depend on n (partitionable threefry), so this is the global batch's keys.
+    keys = jax.random.split(key, count * jax.lax.axis_size(axis))
+    return jax.lax.dynamic_slice_in_dim(keys, jax.lax.axis_index(axis) * count, count)
+
+
 @typecheck
 def forward(
     model: eqx.Module,
@@ -71,7 +98,7 @@ def forward(
     as `model(x, state, key=...)` with the state shared (not mapped) and batch statistics reduced
     over `axis_name`.
     """
-    keys = None if key is None else jax.random.split(key, inputs.shape[0])
+    keys = None if key is None else _example_keys(key, inputs.shape[0])
     if model_state is None:
         outputs = jax.vmap(lambda x, k: model(x, key=k))(inputs, keys)
         return outputs, None
@@ -109,15 +136,25 @@ def classification_loss(
     return loss, ({"loss": loss, "accuracy": jnp.mean(correct.astype(jnp.float32))}, model_state)
 
 
-def train_step(state: TrainState, batch: Batch, loss_fn: LossFn = classification_loss) -> tuple[TrainState, Metrics]:
+def train_step(
+    state: TrainState, batch: Batch, loss_fn: LossFn = classification_loss, *, axis_name: str | None = None
+) -> tuple[TrainState, Metrics]:
     """One optimizer step: a pure function `TrainState, Batch -> TrainState, Metrics`.
 
     The gradient is taken directly on the model object with `eqx.filter_value_and_grad`; metrics
     gain `grad_norm`, the global norm of the gradient.
+
+    `axis_name` names a device axis (`jax.pmap`) over which `batch` is split: gradients and metrics
+    are then averaged over it with `lax.pmean` before the update, and each example keeps the key it
+    has in the whole batch. (BatchNorm layers must reduce over that axis too: build them with
+    `axis_name=(device_axis, "batch")`.)
     """
     key, step_key = jax.random.split(jax.random.wrap_key_data(state.key))
     grad_fn = eqx.filter_value_and_grad(loss_fn, has_aux=True)
-    (_, (metrics, model_state)), grads = grad_fn(state.model, state.model_state, batch, step_key)
+    with _batch_split_over(axis_name):
+        (_, (metrics, model_state)), grads = grad_fn(state.model, state.model_state, batch, step_key)
+    if axis_name is not None:
+        grads, metrics = jax.lax.pmean((grads, metrics), axis_name)
     params = eqx.filter(state.model, eqx.is_inexact_array)
     updates, opt_state = state.optimizer.update(grads, state.opt_state, params)
     new_state = TrainState(

@@ -1,0 +1,162 @@
+"""Several processes through JAX's own runtime (`jax.distributed`), with gloo collectives on the CPU.
+
+Every process runs the same script with the same flags, plus its own `--process-id` (or the
+environment variables `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`, which is how
+`scripts/launch` starts them). Process 0 hosts the coordination service. A process that dies stops
+sending heartbeats; after `--distributed-timeout` seconds the service tells the others, which then
+exit with an error instead of waiting forever in a collective.
+"""
+
+import contextlib
+import dataclasses
+import ipaddress
+import os
+import sys
+import traceback
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+
+from ..cli import ConfigError
+from ._devices import check_device_count, simulate_cpu_devices
+
+ENVIRONMENT = {
+    "coordinator_address": "JAX_COORDINATOR_ADDRESS",
+    "num_processes": "JAX_NUM_PROCESSES",
+    "process_id": "JAX_PROCESS_ID",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessGroup:
+    coordinator_address: str
+    num_processes: int
+    process_id: int
+
+
+def process_group(
+    coordinator_address: str | None = None, num_processes: int | None = None, process_id: int | None = None
+) -> ProcessGroup | None:
+    """The multi-process setup from the flags, else the environment; `None` for a single process."""
+    given: dict[str, Any] = {"coordinator_address": coordinator_address, "num_processes": num_processes,
+                             "process_id": process_id}
+    for name, variable in ENVIRONMENT.items():
+        if given[name] is None and os.environ.get(variable):
+            value = os.environ[variable]
+            try:
+                given[name] = value if name == "coordinator_address" else int(value)
+            except ValueError:
+                raise ConfigError(f"${variable} must be an integer (got {value!r})") from None
+    if (given["num_processes"] or 1) == 1:
+        return None
+    missing = [f"--{name.replace('_', '-')} (or ${ENVIRONMENT[name]})" for name, v in given.items() if v is None]
+    if missing:
+        raise ConfigError(f"a run of {given['num_processes']} processes needs " + " and ".join(missing))
+    if not 0 <= given["process_id"] < given["num_processes"]:
+        raise ConfigError(f"the process id must be in 0 .. {given['num_processes'] - 1} (got {given['process_id']})")
+    if ":" not in given["coordinator_address"]:
+        raise ConfigError(f"the coordinator address must be host:port (got {given['coordinator_address']!r})")
+    return ProcessGroup(**given)
+
+
+def _is_loopback(address: str) -> bool:
+    host = address.rsplit(":", 1)[0].strip("[]")
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def join(group: ProcessGroup, timeout_seconds: int) -> None:
+    """`jax.distributed.initialize` with gloo CPU collectives. With a loopback coordinator address
+    (a local run) the coordination service and gloo's sockets listen on loopback only; by default the
+    service listens on every interface and gloo on the address of the machine's host name."""
+    loopback = _is_loopback(group.coordinator_address)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=group.coordinator_address,
+        num_processes=group.num_processes,
+        process_id=group.process_id,
+        coordinator_bind_address=group.coordinator_address if loopback else None,
+        initialization_timeout=timeout_seconds,
+        heartbeat_timeout_seconds=timeout_seconds,
+        shutdown_timeout_seconds=timeout_seconds,
+    )
+    if loopback:
+        _gloo_on_loopback()
+
+
+def _gloo_on_loopback() -> None:
+    # JAX builds gloo without a host name (so gloo resolves the machine's); no public option sets it,
+    # so register the CPU backend with gloo collectives bound to 127.0.0.1 before the backend starts.
+    import functools
+
+    from jax._src import distributed, xla_bridge
+    from jax._src.lib import _jax
+
+    collectives = _jax.make_gloo_tcp_collectives(distributed_client=distributed.global_state.client,
+                                                 hostname="127.0.0.1")
+    xla_bridge.register_backend_factory(
+        "cpu", functools.partial(xla_bridge.make_cpu_client, collectives=collectives), priority=0, fail_quietly=False)
+
+
+def setup_devices(config: Any) -> None:
+    """Apply a `TrainConfig`'s device and process options before any JAX array exists: simulate
+    `--devices` CPU devices, join the other processes, and refuse (`ConfigError`) a batch size the
+    global device count does not divide, or more devices than this process has."""
+    group = process_group(config.coordinator_address, config.num_processes, config.process_id)
+    simulate_cpu_devices(config.devices)
+    if group is not None:
+        global_devices = config.devices * group.num_processes
+        if config.batch_size % global_devices:
+            raise ConfigError(
+                f"--batch-size {config.batch_size} is not divisible by the {global_devices} devices "
+                f"({group.num_processes} processes x {config.devices}); pick a multiple of {global_devices}"
+            )
+        if config.parallel == "none":
+            raise ConfigError("--parallel none trains in one process; pass --parallel sharded or pmap")
+        join(group, config.distributed_timeout)
+        if group.process_id != 0:
+            print(f"process {group.process_id} of {group.num_processes}: joined {group.coordinator_address}",
+                  file=sys.stderr)
+    check_device_count(config.devices)
+
+
+def _collective_failure(error: BaseException) -> str | None:
+    """The cause of a failed cross-process collective, or `None` for any other error."""
+    text = str(error)
+    if not isinstance(error, jax.errors.JaxRuntimeError) or ("Gloo" not in text and "collective" not in text.lower()):
+        return None
+    # Asynchronously dispatched steps nest "Error dispatching computation: " once per pending step.
+    return text.rsplit("Error dispatching computation: ", 1)[-1].splitlines()[0]
+
+
+@contextlib.contextmanager
+def exit_together(prog: str) -> Iterator[None]:
+    """In a multi-process run, turn any error into an immediate exit of this process.
+
+    A normal exit waits in JAX's shutdown barrier for the other processes, which may be blocked in a
+    collective waiting for this one; exiting at once closes this process's connections so that the
+    others fail fast too (and a lost peer is reported in one line instead of a C++ abort).
+    """
+    try:
+        yield
+    except BaseException as error:
+        if not jax.distributed.is_initialized():
+            raise
+        status = error.code if isinstance(error, SystemExit) else 1
+        status = status if isinstance(status, int) else 1
+        if status != 0:
+            where = f"process {jax.process_index()} of {jax.process_count()}"
+            cause = _collective_failure(error)
+            if cause is not None:
+                print(f"{prog}: error: {where}: lost contact with another process, which probably died or was "
+                      f"killed; see its output for the cause ({cause})", file=sys.stderr)
+            elif not isinstance(error, SystemExit):
+                traceback.print_exception(error)
+                print(f"{prog}: error: {where} failed; stopping it without waiting for the others", file=sys.stderr)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
+        raise

@@ -1,0 +1,107 @@
+"""Start N local processes of one experiment on 127.0.0.1 (`scripts/launch`).
+
+    scripts/launch --num-processes 2 -- mnist1d --model cnn [flags]
+
+Each process runs `experiments/EXPERIMENT.py [flags]` (or a script path) with
+`JAX_COORDINATOR_ADDRESS=127.0.0.1:PORT`, `JAX_NUM_PROCESSES=N` and `JAX_PROCESS_ID=i`, which the
+experiment's `research.cli.main_entry` turns into `jax.distributed.initialize` with gloo collectives.
+When one process fails, the others are stopped and the launcher exits with that process's status;
+Ctrl-C stops them all.
+"""
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def script_path(experiment: str) -> Path:
+    path = Path(experiment)
+    if path.suffix == ".py" and path.is_file():
+        return path
+    path = ROOT / "experiments" / f"{experiment}.py"
+    if not path.is_file():
+        names = " ".join(sorted(p.stem for p in (ROOT / "experiments").glob("*.py")))
+        raise SystemExit(f"launch: no experiment '{experiment}'; available: {names}")
+    return path
+
+
+def _describe(status: int) -> str:
+    if status < 0:
+        return f"was killed by {signal.Signals(-status).name}"
+    return f"exited with status {status}"
+
+
+def stop(processes: list[subprocess.Popen], grace_seconds: float = 5.0) -> None:
+    for p in processes:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + grace_seconds
+    for p in processes:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def launch(num_processes: int, command: list[str], *, port: int | None = None) -> int:
+    """Run `command` (an experiment and its flags) in `num_processes` processes; return the exit status."""
+    script = script_path(command[0])
+    address = f"127.0.0.1:{port or free_port()}"
+    processes = []
+    for index in range(num_processes):
+        env = {**os.environ, "JAX_COORDINATOR_ADDRESS": address, "JAX_NUM_PROCESSES": str(num_processes),
+               "JAX_PROCESS_ID": str(index)}
+        processes.append(subprocess.Popen([sys.executable, str(script), *command[1:]], env=env))
+    try:
+        while True:
+            statuses = [p.poll() for p in processes]
+            failed = [(i, s) for i, s in enumerate(statuses) if s not in (None, 0)]
+            if failed:
+                index, status = failed[0]
+                running = [i for i, s in enumerate(statuses) if s is None]
+                if running:
+                    print(f"launch: process {index} {_describe(status)}; stopping process(es) "
+                          f"{', '.join(map(str, running))}", file=sys.stderr)
+                stop(processes)
+                return status if status > 0 else 128 - status
+            if all(s == 0 for s in statuses):
+                return 0
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        print("launch: interrupted; stopping every process", file=sys.stderr)
+        stop(processes)
+        return 130
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    own, command = (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    parser = argparse.ArgumentParser(
+        prog="launch", usage="scripts/launch --num-processes N [--port PORT] -- EXPERIMENT [flags]",
+        description="Run an experiment in N local processes (jax.distributed over 127.0.0.1, gloo collectives).")
+    parser.add_argument("--num-processes", type=int, required=True, help="number of processes to start")
+    parser.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
+    args = parser.parse_args(own)
+    if args.num_processes < 1:
+        parser.exit(2, "launch: error: --num-processes must be positive\n")
+    if not command:
+        parser.exit(2, "launch: error: name an experiment after '--', e.g. scripts/launch --num-processes 2 -- xor\n")
+    raise SystemExit(launch(args.num_processes, command, port=args.port))
+
+
+if __name__ == "__main__":
+    main()
