@@ -21,6 +21,10 @@ import jax
 from ..cli import ConfigError
 from ._devices import check_device_count, simulate_cpu_devices
 
+# The exit status of a process that stops because another one died (EX_TEMPFAIL), so that a launcher
+# can tell the cause of a failed run from its consequences.
+LOST_PEER_STATUS = 75
+
 ENVIRONMENT = {
     "coordinator_address": "JAX_COORDINATOR_ADDRESS",
     "num_processes": "JAX_NUM_PROCESSES",
@@ -151,6 +155,7 @@ def exit_together(prog: str) -> Iterator[None]:
             where = f"process {jax.process_index()} of {jax.process_count()}"
             cause = _collective_failure(error)
             if cause is not None:
+                status = LOST_PEER_STATUS
                 print(f"{prog}: error: {where}: lost contact with another process, which probably died or was "
                       f"killed; see its output for the cause ({cause})", file=sys.stderr)
             elif not isinstance(error, SystemExit):

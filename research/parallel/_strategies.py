@@ -16,6 +16,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from ..train import CompiledTrainer, LossFn, TrainState, compiled_trainer
+from ..train._compiled import static_key
 from ._devices import DeviceError, check_device_count
 from ._trainers import DATA_AXIS, DEVICE_AXIS, PmapTrainer, ShardedTrainer, check_batch_norm
 
@@ -57,7 +58,7 @@ class Strategy:
         check_batch_norm(state.model, self.batch_axis, under_pmap=self.name == "pmap")
         dynamic, static = eqx.partition(state, eqx.is_array)
         treedef = jax.tree.structure(dynamic)
-        key = (self, loss_fn, treedef, static, skip_nonfinite)
+        key = (self, loss_fn, treedef, *static_key(static), skip_nonfinite)
         with _cache_lock:
             try:
                 return _cache[key]

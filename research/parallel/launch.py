@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from ._distributed import LOST_PEER_STATUS
+
 ROOT = Path(__file__).resolve().parent.parent.parent
 
 
@@ -71,11 +73,11 @@ def launch(num_processes: int, command: list[str], *, port: int | None = None) -
             statuses = [p.poll() for p in processes]
             failed = [(i, s) for i, s in enumerate(statuses) if s not in (None, 0)]
             if failed:
-                index, status = failed[0]
+                # A process that lost a peer is a consequence; report the cause when it is known.
+                index, status = min(failed, key=lambda f: f[1] == LOST_PEER_STATUS)
                 running = [i for i, s in enumerate(statuses) if s is None]
-                if running:
-                    print(f"launch: process {index} {_describe(status)}; stopping process(es) "
-                          f"{', '.join(map(str, running))}", file=sys.stderr)
+                print(f"launch: process {index} {_describe(status)}"
+                      + (f"; stopping process(es) {', '.join(map(str, running))}" if running else ""), file=sys.stderr)
                 stop(processes)
                 return status if status > 0 else 128 - status
             if all(s == 0 for s in statuses):

@@ -237,12 +237,19 @@ _cache: dict[tuple, CompiledTrainer] = {}
 _cache_lock = threading.Lock()
 
 
+def static_key(static: TrainState) -> tuple:
+    """A cache key for the non-array part of a state. Flattened, because `eqx.nn.State` hashes by
+    identity and `eqx.partition` makes a new one on every call; its tree structure compares by value."""
+    leaves, structure = jax.tree.flatten(static)
+    return structure, tuple(leaves)
+
+
 def compiled_trainer(loss_fn: LossFn, state: TrainState, *, skip_nonfinite: bool = False) -> CompiledTrainer:
     """The `CompiledTrainer` for this loss, this state's structure and this non-finite policy, built
     once and reused, so a second `fit` with the same model, optimizer object and loss starts warm."""
     dynamic, static = eqx.partition(state, eqx.is_array)
     treedef = jax.tree.structure(dynamic)
-    key = (loss_fn, treedef, static, skip_nonfinite)
+    key = (loss_fn, treedef, *static_key(static), skip_nonfinite)
     with _cache_lock:
         try:
             return _cache[key]

@@ -1,0 +1,113 @@
+"""A small experiment script for tests/test_parallel.py, run in subprocesses (simulated devices must
+be set before JAX starts) and under `scripts/launch`.
+
+    python tests/_parallel_worker.py [flags] [+ [flags] ...]
+
+Each `+`-separated group is one run (`research.cli` flags plus the ones below), all in this process,
+one after the other; `--devices` of the group with the most devices sets up the process. Every run
+goes through `research.experiment.run_experiment`, so it writes a normal run directory.
+"""
+
+import dataclasses
+import functools
+import sys
+from typing import Literal
+
+from jaxtyping import install_import_hook
+
+with install_import_hook("research", "beartype.beartype"):  # the same shape checks as the test suite
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from research.cli import ConfigError, TrainConfig, option, parse_config
+    from research.data import DeviceLoader, TorchLoader, XORDataset
+    from research.experiment import run_experiment
+    from research.nn import MLP
+    from research.parallel import batch_axis_name, exit_together, setup_devices
+    from research.train import TrainState
+    from research.typing import Array, Float, PRNGKeyArray
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+class BatchNormNet(eqx.Module):
+    """Linear -> BatchNorm (batch statistics over `axis_name`) -> tanh -> dropout -> Linear."""
+
+    first: eqx.nn.Linear
+    norm: eqx.nn.BatchNorm
+    dropout: eqx.nn.Dropout
+    last: eqx.nn.Linear
+    stateful = True
+
+    def __init__(self, axis_name: str | tuple[str, ...], *, key: PRNGKeyArray):
+        k1, k2 = jax.random.split(key)
+        # No bias before BatchNorm: its true gradient is zero, so Adam would amplify rounding noise.
+        self.first = eqx.nn.Linear(2, 16, use_bias=False, key=k1)
+        self.norm = eqx.nn.BatchNorm(16, axis_name=axis_name, mode="batch")
+        self.dropout = eqx.nn.Dropout(0.2)
+        self.last = eqx.nn.Linear(16, 1, key=k2)
+
+    def __call__(
+        self, x: Float[Array, "2"], state: eqx.nn.State, *, key: PRNGKeyArray | None = None
+    ) -> tuple[Float[Array, "1"], eqx.nn.State]:
+        h, state = self.norm(self.first(x), state)
+        h = self.dropout(jnp.tanh(h), key=key, inference=key is None)
+        return self.last(h), state
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(TrainConfig):
+    model: Literal["mlp", "batchnorm"] = option("mlp", "mlp (stateless) or batchnorm (BatchNorm + dropout)")
+    loader: Literal["device", "torch"] = option("device", "device-resident batches or a torch DataLoader")
+    steps: int = option(20, "training steps")
+    batch_size: int = option(32, "examples per step")
+    lr: float = option(0.01, "Adam learning rate")
+    log_every: int = option(1, "steps between logged metrics")
+
+
+def build_state(config: Config) -> TrainState:
+    return _build_state(config.model, config.parallel, config.lr, config.seed)
+
+
+@functools.cache
+def _build_state(model_name: str, parallel: str, lr: float, seed: int) -> TrainState:
+    # One state object per setting: a fresh eqx.nn.State hashes differently each time, which would make
+    # every run of this process compile its train step again (fit leaves the state it is given intact).
+    model_key, train_key = jax.random.split(jax.random.key(seed))
+    if model_name == "mlp":
+        model, model_state = MLP(2, 1, hidden=(8,), key=model_key), None
+    else:
+        model, model_state = eqx.nn.make_with_state(BatchNormNet)(batch_axis_name(parallel), key=model_key)
+    return TrainState.create(model, optax.adam(lr), key=train_key, model_state=model_state)
+
+
+def main(config: Config) -> dict:
+    train = XORDataset(256, seed=42)
+    if config.loader == "device":
+        train_data = DeviceLoader.from_dataset(train, config.batch_size, seed=config.seed)
+    else:
+        train_data = TorchLoader(train, config.batch_size, seed=config.seed)
+    test_data = DeviceLoader.from_dataset(XORDataset(100, seed=7), 50, shuffle=False)
+    return run_experiment("worker", config, build_state=lambda: build_state(config), train_data=train_data,
+                          eval_data=test_data, num_steps=config.steps)
+
+
+if __name__ == "__main__":
+    groups, group = [], []
+    for arg in sys.argv[1:]:
+        if arg == "+":
+            groups.append(group)
+            group = []
+        else:
+            group.append(arg)
+    configs = [parse_config(Config, g) for g in [*groups, group]]
+    with exit_together("worker"):
+        try:
+            setup_devices(max(configs, key=lambda c: c.devices))
+            for config in configs:
+                main(config)
+        except ConfigError as e:
+            print(f"worker: error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None

@@ -1,0 +1,260 @@
+"""Data parallelism gives the numbers of one device: pmap, sharded jit, several processes.
+
+Simulated CPU devices must be requested before JAX starts, and this pytest process has started it
+with one device, so the multi-device runs happen in subprocesses of `tests/_parallel_worker.py`
+(a small experiment script); the one-device checks of each strategy run here, under the suite's
+shape checks.
+"""
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import numpy as np
+import pytest
+
+from research.cli import ConfigError
+from research.data import DeviceLoader, XORDataset
+from research.parallel import (
+    DeviceError,
+    Pmap,
+    Sharded,
+    SingleDevice,
+    batch_axis_name,
+    make_strategy,
+    process_group,
+    process_rows,
+    simulate_cpu_devices,
+)
+from research.parallel.launch import launch
+from research.train import classification_loss, fit, load_checkpoint
+
+ROOT = Path(__file__).parent.parent
+WORKER = Path(__file__).parent / "_parallel_worker.py"
+spec = importlib.util.spec_from_file_location("parallel_worker", WORKER)
+worker = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(worker)
+
+TOLERANCE = 1e-5
+
+
+def worker_args(*groups: list[str]) -> list[str]:
+    return [a for i, g in enumerate(groups) for a in ([] if i == 0 else ["+"]) + g]
+
+
+def run_worker(cwd: Path, *groups: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, str(WORKER), *worker_args(*groups)], cwd=cwd, capture_output=True,
+                            text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def losses(run: Path) -> list[float]:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, len(records) + 1))  # one writer, one record a step
+    return [r["train/loss"] for r in records]
+
+
+def final_state(run: Path, model: str, step: int = 20):
+    skeleton = worker.build_state(worker.Config(model=model))
+    state, _ = load_checkpoint(run / "checkpoints" / f"step_{step:09d}.ckpt", skeleton)
+    return state
+
+
+def assert_same_run(run: Path, reference: Path, model: str) -> None:
+    np.testing.assert_allclose(losses(run), losses(reference), rtol=0, atol=TOLERANCE)
+    a, b = final_state(run, model), final_state(reference, model)
+    assert int(a.step) == int(b.step) == 20
+    for x, y in zip(jax.tree.leaves(eqx.filter(a, eqx.is_array)), jax.tree.leaves(eqx.filter(b, eqx.is_array)), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=TOLERANCE)
+
+
+def group(model: str, parallel: str, devices: int, run_dir: Path, *extra: str) -> list[str]:
+    loader = "torch" if model == "mlp" else "device"  # both data paths: host batches and device-resident data
+    return ["--model", model, "--loader", loader, "--parallel", parallel, "--devices", str(devices),
+            "--run-dir", str(run_dir), "--no-progress", *extra]
+
+
+@pytest.fixture(scope="module")
+def one_process_runs(tmp_path_factory):
+    """In one process with 4 simulated devices: each model on 1 device, with pmap and sharded on 4,
+    and a BatchNorm run moved between 4 devices and 1 device at step 10 through its checkpoint."""
+    root = tmp_path_factory.mktemp("parallel")
+    groups = []
+    for model in ("mlp", "batchnorm"):
+        for parallel, devices in (("none", 1), ("pmap", 4), ("sharded", 4)):
+            groups.append(group(model, parallel, devices, root / f"{model}-{parallel}"))
+    groups += [
+        group("batchnorm", "sharded", 4, root / "4-then-1", "--steps", "10"),
+        group("batchnorm", "none", 1, root / "4-then-1", "--resume"),
+        group("batchnorm", "none", 1, root / "1-then-4", "--steps", "10"),
+        group("batchnorm", "pmap", 4, root / "1-then-4", "--resume"),
+    ]
+    run_worker(root, *groups)
+    return root
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["mlp", "batchnorm"])
+@pytest.mark.parametrize("parallel", ["pmap", "sharded"])
+def test_four_devices_give_the_losses_and_parameters_of_one(one_process_runs, model, parallel):
+    assert_same_run(one_process_runs / f"{model}-{parallel}", one_process_runs / f"{model}-none", model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", ["4-then-1", "1-then-4"])
+def test_a_checkpoint_continues_on_another_number_of_devices(one_process_runs, run):
+    assert_same_run(one_process_runs / run, one_process_runs / "batchnorm-none", "batchnorm")
+
+
+@pytest.mark.slow
+def test_two_processes_give_the_same_numbers_and_stop_together_when_one_dies(one_process_runs, tmp_path):
+    """`scripts/launch` with 2 processes x 1 device (each feeds its half of every batch): the runs
+    match one device, only process 0 writes; then a third, endless run loses process 1 (SIGKILL)
+    and process 0 exits at once with a clear error instead of waiting in a collective."""
+    groups = [
+        group("batchnorm", "sharded", 1, tmp_path / "batchnorm-sharded"),  # device-resident data
+        group("mlp", "pmap", 1, tmp_path / "mlp-pmap"),  # host batches from a torch DataLoader
+        group("mlp", "sharded", 1, tmp_path / "endless", "--steps", "10000000", "--log-every", "20"),
+    ]
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "research.parallel.launch", "--num-processes", "2", "--", str(WORKER),
+         *worker_args(*groups)],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not (tmp_path / "endless" / "metrics.jsonl").exists():
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[1][-3000:]
+            time.sleep(0.5)
+        process_1 = next(pid for pid in _children(launcher.pid) if b"JAX_PROCESS_ID=1\0" in _environ(pid))
+        os.kill(process_1, signal.SIGKILL)
+        killed = time.monotonic()
+        out, err = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+    assert time.monotonic() - killed < 60 and launcher.returncode == 137
+    assert "launch: process 1 was killed by SIGKILL" in err
+    assert "worker: error: process 0 of 2: lost contact with another process" in err
+    assert "process 1 of 2: joined 127.0.0.1:" in err
+
+    assert_same_run(tmp_path / "batchnorm-sharded", one_process_runs / "batchnorm-none", "batchnorm")
+    assert_same_run(tmp_path / "mlp-pmap", one_process_runs / "mlp-none", "mlp")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["batchnorm-sharded", "endless", "mlp-pmap"]
+    assert out.count("test accuracy") == 2  # only process 0 reports
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def _environ(pid: int) -> bytes:
+    return Path(f"/proc/{pid}/environ").read_bytes() + b"\0"
+
+
+# -- in this process (one device) ----------------------------------------------------------------------
+
+def test_each_strategy_on_one_device_matches_the_plain_fast_path():
+    train = XORDataset(256, seed=42)
+    results = {}
+    for name, strategy in (("none", None), ("pmap", Pmap(1)), ("sharded", Sharded(1))):
+        config = worker.Config(model="batchnorm", parallel=name)
+        results[name] = fit(worker.build_state(config), DeviceLoader.from_dataset(train, 32, seed=0), num_steps=4,
+                            log_every=2, steps_per_call=2, progress=False, parallel=strategy)
+    for name, result in results.items():
+        assert result.train_metrics == pytest.approx(results["none"].train_metrics, abs=1e-6)
+        assert int(result.state.step) == 4
+        for x, y in zip(jax.tree.leaves(eqx.filter(result.state, eqx.is_array)),
+                        jax.tree.leaves(eqx.filter(results["none"].state, eqx.is_array)), strict=True):
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=1e-6)
+
+
+def test_batch_norm_layers_must_reduce_over_the_strategys_axes():
+    state = worker.build_state(worker.Config(model="batchnorm", parallel="none"))  # axis "batch"
+    with pytest.raises(ValueError, match=r"needs \('devices', 'batch'\)"):
+        Pmap(1).trainer(classification_loss, state)
+    ema = eqx.nn.make_with_state(eqx.nn.BatchNorm)(4, axis_name=batch_axis_name("pmap"), mode="ema")[0]
+    with pytest.raises(ValueError, match='mode="ema"'):
+        Pmap(1).trainer(classification_loss, eqx.tree_at(lambda s: s.model, state, ema))
+
+
+def test_a_batch_the_devices_do_not_divide_is_refused():
+    with pytest.raises(ConfigError, match="--batch-size 128 is not divisible by the 3 devices"):
+        worker.TrainConfig(devices=3)
+    with pytest.raises(ConfigError, match="not divisible by the 6 devices"):
+        worker.TrainConfig(devices=3, num_processes=2, batch_size=9)
+    with pytest.raises(ConfigError, match="--parallel none trains on one device"):
+        worker.TrainConfig(devices=2, parallel="none")
+    with pytest.raises(DeviceError, match="--batch-size 33 is not divisible by the 2 devices"):
+        Sharded(2).check_batch_size(33)
+
+
+def test_more_devices_than_exist_are_refused_before_any_work(tmp_path):
+    assert jax.device_count() == 1  # this pytest process
+    config = worker.Config(devices=2, run_dir=str(tmp_path / "run"))
+    with pytest.raises(DeviceError, match="--devices 2: only 1 cpu device"):
+        worker.main(config)
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(DeviceError, match="JAX already started with 1 CPU device"):
+        simulate_cpu_devices(2)
+    with pytest.raises(DeviceError, match="--parallel none trains on one device"):
+        make_strategy("none", 2)
+    assert make_strategy("auto", 1) == SingleDevice(1) and make_strategy("auto", 4) == Sharded(4)
+
+
+def test_the_script_refuses_an_indivisible_batch_in_one_line(tmp_path):
+    result = subprocess.run([sys.executable, str(ROOT / "experiments" / "xor.py"), "--devices", "3"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "xor.py: error: --batch-size 128 is not divisible by the 3 devices; pick a multiple of 3")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_process_group_comes_from_flags_or_the_environment(monkeypatch):
+    for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        monkeypatch.delenv(name, raising=False)
+    assert process_group() is None
+    assert process_group(num_processes=1) is None
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:1234")
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "4")
+    monkeypatch.setenv("JAX_PROCESS_ID", "3")
+    group = process_group()
+    assert (group.coordinator_address, group.num_processes, group.process_id) == ("10.0.0.1:1234", 4, 3)
+    assert process_group(process_id=1).process_id == 1  # a flag wins over the environment
+    monkeypatch.delenv("JAX_PROCESS_ID")
+    with pytest.raises(ConfigError, match=r"needs --process-id \(or \$JAX_PROCESS_ID\)"):
+        process_group()
+    with pytest.raises(ConfigError, match="must be in 0 .. 3"):
+        process_group(process_id=4)
+
+
+def test_process_rows_split_a_batch_into_contiguous_shares():
+    batch = np.arange(12).reshape(6, 2)
+    np.testing.assert_array_equal(process_rows(batch), batch)  # one process: everything
+    np.testing.assert_array_equal(process_rows(batch.T, axis=1), batch.T)
+
+
+def test_the_launcher_stops_every_process_when_one_fails(tmp_path, capfd):
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "print('started', os.environ['JAX_PROCESS_ID'], os.environ['JAX_NUM_PROCESSES'],"
+        " os.environ['JAX_COORDINATOR_ADDRESS'].split(':')[0], flush=True)\n"
+        "if os.environ['JAX_PROCESS_ID'] == '2': sys.exit(3)\n"
+        "time.sleep(120)\n"
+    )
+    start = time.monotonic()
+    assert launch(3, [str(script)]) == 3
+    assert time.monotonic() - start < 60
+    out, err = capfd.readouterr()
+    assert sorted(out.splitlines()) == [f"started {i} 3 127.0.0.1" for i in range(3)]
+    assert "launch: process 2 exited with status 3; stopping process(es) 0, 1" in err
