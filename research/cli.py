@@ -77,10 +77,10 @@ class TrainConfig:
         "auto", "data parallelism: none (one device), pmap, sharded (jit over a device mesh); "
                 "auto: none on one device, sharded otherwise")
     coordinator_address: str | None = option(
-        None, "host:port of process 0 in a multi-process run (default: $JAX_COORDINATOR_ADDRESS)")
-    num_processes: int | None = option(None, "processes in the run (default: $JAX_NUM_PROCESSES, else 1)",
+        None, "host:port of process 0 in a multi-process run; unset: $JAX_COORDINATOR_ADDRESS")
+    num_processes: int | None = option(None, "processes in the run; unset: $JAX_NUM_PROCESSES, else 1",
                                        check=positive)
-    process_id: int | None = option(None, "this process's index, 0 .. processes-1 (default: $JAX_PROCESS_ID)",
+    process_id: int | None = option(None, "this process's index, 0 .. processes-1; unset: $JAX_PROCESS_ID",
                                     check=non_negative)
     distributed_timeout: int = option(
         60, "seconds to wait for all processes to start, and for a silent process before the others stop",

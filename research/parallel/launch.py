@@ -36,7 +36,8 @@ def script_path(experiment: str) -> Path:
     path = ROOT / "experiments" / f"{experiment}.py"
     if not path.is_file():
         names = " ".join(sorted(p.stem for p in (ROOT / "experiments").glob("*.py")))
-        raise SystemExit(f"launch: no experiment '{experiment}'; available: {names}")
+        print(f"launch: error: no experiment '{experiment}'; available: {names}", file=sys.stderr)
+        raise SystemExit(2)
     return path
 
 
