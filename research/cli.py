@@ -99,7 +99,7 @@ class TrainConfig:
         devices = self.devices * (self.num_processes or 1)
         if self.parallel == "none" and devices > 1:
             raise ConfigError(f"--parallel none trains on one device, not {devices}; pass --parallel sharded or pmap")
-        if self.batch_size % devices:
+        if self.batch_size is not None and self.batch_size % devices:  # None: an experiment's default, checked later
             raise ConfigError(
                 f"--batch-size {self.batch_size} is not divisible by the {devices} devices; pick a multiple of {devices}"
             )

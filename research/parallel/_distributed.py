@@ -113,7 +113,7 @@ def setup_devices(config: Any) -> None:
     simulate_cpu_devices(config.devices)
     if group is not None:
         global_devices = config.devices * group.num_processes
-        if config.batch_size % global_devices:
+        if config.batch_size is not None and config.batch_size % global_devices:
             raise ConfigError(
                 f"--batch-size {config.batch_size} is not divisible by the {global_devices} devices "
                 f"({group.num_processes} processes x {config.devices}); pick a multiple of {global_devices}"
