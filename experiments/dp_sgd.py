@@ -30,24 +30,24 @@ def open_unit_interval(value: Any) -> str | None:
 class Config(TrainConfig):
     """Train the MNIST-1D CNN with DP-SGD; print the test accuracy and the privacy spent (epsilon at delta)."""
 
-    noise_multiplier: float = option(1.0, "sigma: noise std on the clipped sum, in units of --clip-norm",
+    noise_multiplier: float = option(2.0, "sigma: noise std on the clipped sum, in units of --clip-norm",
                                      check=non_negative)
     clip_norm: float = option(1.0, "C: every per-example gradient is clipped to this L2 norm", check=positive)
     delta: float = option(1e-5, "the delta epsilon is reported at (well below 1 / 4000 examples)",
                           check=open_unit_interval)
-    batch_size: int = option(128, "expected examples per step (Poisson sampling)", check=positive)
+    batch_size: int = option(512, "expected examples per step (Poisson sampling)", check=positive)
     max_batch_size: int = option(0, "rows of a compiled batch (0: expected + 4 std + 4); larger draws are "
                                     "truncated to a random subset, which the accounting includes", check=non_negative)
-    epochs: int = option(40, "expected passes over the training set: steps = epochs * 4000 / batch_size",
+    epochs: int = option(100, "expected passes over the training set: steps = epochs * round(4000 / batch_size)",
                          check=positive)
     optimizer: Literal["adam", "sgd"] = option("adam", "adam (DP-Adam) or sgd with momentum 0.9 (DP-SGD)")
-    lr: float = option(3e-3, "learning rate", check=positive)
+    lr: float = option(3e-2, "learning rate", check=positive)
     channels: int = option(25, "channels of the CNN's convolutions", check=positive)
-    chunk_size: int = option(0, "per-example gradients this many examples at a time (0: the whole batch)",
+    chunk_size: int = option(64, "per-example gradients this many examples at a time (0: the whole batch)",
                              check=non_negative)
     data_dir: str = option("data", "where MNIST-1D is generated and cached")
-    steps_per_call: int = option(125, "training steps per compiled call", check=positive)
-    log_every: int = option(250, "steps between logged training metrics", check=positive)
+    steps_per_call: int = option(100, "training steps per compiled call", check=positive)
+    log_every: int = option(100, "steps between logged training metrics", check=positive)
 
 
 def build_state(config: Config) -> TrainState:

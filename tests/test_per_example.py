@@ -6,7 +6,7 @@ import optax
 import pytest
 
 from research.data import Batch, DeviceLoader, XORDataset
-from research.nn import MLP
+from research.nn import MLP, build_model
 from research.per_example import (
     PADDING_LABEL,
     DPSGDLoss,
@@ -36,23 +36,6 @@ class DropoutMLP(eqx.Module):
     @typecheck
     def __call__(self, x: Float[Array, "2"], *, key: PRNGKeyArray | None = None) -> Float[Array, "3"]:
         return self.mlp(self.dropout(x * 3.0, key=key, inference=key is None))
-
-
-class BatchNormMLP(eqx.Module):
-    linear: eqx.nn.Linear
-    norm: eqx.nn.BatchNorm
-    head: eqx.nn.Linear
-    stateful = True
-
-    def __init__(self, *, key):
-        k1, k2 = jax.random.split(key)
-        self.linear = eqx.nn.Linear(2, 8, key=k1)
-        self.norm = eqx.nn.BatchNorm(8, axis_name="batch")
-        self.head = eqx.nn.Linear(8, 1, key=k2)
-
-    def __call__(self, x, state, *, key=None):
-        h, state = self.norm(self.linear(x), state)
-        return self.head(jnp.tanh(h)), state
 
 
 def xor_batch(size=12, seed=0):
@@ -147,18 +130,6 @@ def test_chunked_equals_direct(getkey):
     assert_trees_close(summed[0], jax.tree.map(lambda g: jnp.sum(g[:20], axis=0), clipped))
 
 
-def test_batch_norm_is_refused_in_training_mode_and_works_in_inference(getkey):
-    model, state = eqx.nn.make_with_state(BatchNormMLP)(key=getkey())
-    batch = xor_batch(16)
-    with pytest.raises(ValueError, match="batch statistics.*inference_mode"):
-        per_example_grads(model, state, batch)
-    with pytest.raises(ValueError, match="BatchNorm in training mode"):
-        DPSGDLoss(1.0, 1.0, 16).value_and_grad(model, state, batch, getkey())
-    model = eqx.nn.inference_mode(model)
-    grads, _, looped, _ = vmapped_loop_and_batch(model, state, batch, getkey())
-    assert_trees_close(grads, looped)
-
-
 @eqx.filter_jit
 def exact_noisy_and_reference(model, batch, key, clip, sigma):
     (_, (metrics, _)), exact = DPSGDLoss(clip, 0.0, 64).value_and_grad(model, None, batch, key)
@@ -237,15 +208,43 @@ def test_poisson_loader_samples_each_example_with_probability_q_and_is_reproduci
 def test_epsilon_from_dp_accounting():
     import dp_accounting
 
-    args = dict(dataset_size=60000, expected_batch_size=256, steps=1000, delta=1e-5)
+    args = dict(dataset_size=60000, expected_batch_size=256, steps=300, delta=1e-5)
     eps = {sigma: dp_sgd_epsilon(noise_multiplier=sigma, max_batch_size=400, **args) for sigma in (0.8, 1.1, 2.0)}
     assert eps[0.8] > eps[1.1] > eps[2.0] > 0
     # A cap 9 standard deviations above the mean truncates (almost) never: plain Poisson sampling's epsilon.
     poisson = dp_accounting.PoissonSampledDpEvent(256 / 60000, dp_accounting.GaussianDpEvent(1.1))
     pld = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-3)
-    assert eps[1.1] == pytest.approx(pld.compose(poisson, 1000).get_epsilon(1e-5), rel=1e-3)
+    assert eps[1.1] == pytest.approx(pld.compose(poisson, 300).get_epsilon(1e-5), rel=1e-3)
     # ... and the (looser) RDP accountant bounds it from above.
-    assert eps[1.1] <= dp_accounting.rdp.RdpAccountant().compose(poisson, 1000).get_epsilon(1e-5)
+    assert eps[1.1] <= dp_accounting.rdp.RdpAccountant().compose(poisson, 300).get_epsilon(1e-5)
     # A tight cap truncates often, which the accounting reflects.
     assert dp_sgd_epsilon(noise_multiplier=1.1, max_batch_size=250, **args) != pytest.approx(eps[1.1], rel=1e-3)
     assert dp_sgd_epsilon(noise_multiplier=0.0, max_batch_size=400, **args) == float("inf")
+
+
+# Small versions of the zoo's models; ResNet1d has BatchNorm, so it is checked in inference mode.
+ZOO = {
+    "cnn": dict(channels=4),
+    "gru": dict(hidden_size=8, chunk=4),
+    "resnet": dict(widths=(4,)),
+    "transformer": dict(patch=8, dim=8, depth=1, heads=2, mlp_dim=16),
+}
+
+
+@eqx.filter_jit
+def vmapped_and_loop(model, model_state, batch, key):
+    return per_example_grads(model, model_state, batch, key)[0], loop_grads(model, model_state, batch, key)
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_zoo_models_per_example_grads_equal_a_loop(name, getkey):
+    model, state = build_model(name, key=getkey(), **ZOO[name])
+    batch = Batch(jax.random.normal(getkey(), (2, 40)), jnp.asarray([3, 7], jnp.int32))
+    if state is not None:
+        with pytest.raises(ValueError, match="batch statistics.*BatchNorm in training mode.*inference_mode"):
+            per_example_grads(model, state, batch)
+        with pytest.raises(ValueError, match="BatchNorm in training mode"):
+            DPSGDLoss(1.0, 1.0, 2).value_and_grad(model, state, batch, getkey())
+        model = eqx.nn.inference_mode(model)  # running statistics: every example on its own again
+    grads, looped = vmapped_and_loop(model, state, batch, getkey())
+    assert_trees_close(grads, looped, atol=1e-6)
