@@ -22,7 +22,7 @@ from jaxtyping import Key, UInt32
 from .data import Batch, DeviceLoader
 from .state import RunningMean
 from .train import LossFn, TrainState, classification_loss, classification_metrics, forward, train_step
-from .train._progress import Progress
+from .progress import Progress
 from .typing import Array, Float, Int, PRNGKeyArray, typecheck
 
 # One value per member.
