@@ -118,8 +118,16 @@ def _setup_from(setup: Setup | None, kwargs: dict[str, Any]) -> tuple[Setup, dic
     return Setup(**{k: v for k, v in kwargs.items() if k in names}), {k: v for k, v in kwargs.items() if k not in names}
 
 
-def run_experiment(experiment: str, config: TrainConfig, setup: Setup | None = None, **kwargs: Any) -> dict[str, Any]:
-    """Train, evaluate and record one run; returns (and writes to `summary.json`) its final numbers.
+def run_experiment(
+    experiment: str,
+    config: TrainConfig,
+    setup: Setup | None = None,
+    *,
+    summary_extra: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> dict[str, Any]:
+    """Train, evaluate and record one run; returns (and writes to `summary.json`) its final numbers,
+    with `summary_extra` (say, the privacy spent) added.
 
     The run directory gets `config.json` (with the resolved step count and library versions),
     `metrics.jsonl`, `checkpoints/`, `summary.json` and `curves.png` (and TensorBoard event files
@@ -193,6 +201,7 @@ def run_experiment(experiment: str, config: TrainConfig, setup: Setup | None = N
         "train_loss": result.train_metrics.get("loss"),
         "step": int(result.state.step),
         "wall_seconds": time.perf_counter() - start,
+        **(summary_extra or {}),
     }
     if writer:
         run.write_summary(summary)

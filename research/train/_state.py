@@ -13,7 +13,9 @@ from ..data import Batch
 from ..typing import Array, Bool, Float, Int, KeyData, PRNGKeyArray, PyTree, typecheck
 
 Metrics = dict[str, Float[Array, ""]]
-# loss_fn(model, model_state, batch, key) -> (loss, (metrics, new_model_state))
+# loss_fn(model, model_state, batch, key) -> (loss, (metrics, new_model_state)). A loss object may also
+# define `value_and_grad` with the signature and output of `eqx.filter_value_and_grad(loss_fn, has_aux=True)`;
+# `train_step` then uses it instead of differentiating the mean loss (DP-SGD's privatised gradient does this).
 LossFn = Callable[[eqx.Module, Any, Batch, PRNGKeyArray], tuple[Float[Array, ""], tuple[Metrics, Any]]]
 
 
@@ -141,8 +143,9 @@ def train_step(
 ) -> tuple[TrainState, Metrics]:
     """One optimizer step: a pure function `TrainState, Batch -> TrainState, Metrics`.
 
-    The gradient is taken directly on the model object with `eqx.filter_value_and_grad`; metrics
-    gain `grad_norm`, the global norm of the gradient.
+    The gradient is taken directly on the model object with `eqx.filter_value_and_grad` (or by the
+    loss's own `value_and_grad`, when it has one, as DP-SGD's does); metrics gain `grad_norm`, the
+    global norm of the gradient.
 
     `axis_name` names a device axis (`jax.pmap`) over which `batch` is split: gradients and metrics
     are then averaged over it with `lax.pmean` before the update, and each example keeps the key it
@@ -150,7 +153,7 @@ def train_step(
     `axis_name=(device_axis, "batch")`.)
     """
     key, step_key = jax.random.split(jax.random.wrap_key_data(state.key))
-    grad_fn = eqx.filter_value_and_grad(loss_fn, has_aux=True)
+    grad_fn = getattr(loss_fn, "value_and_grad", None) or eqx.filter_value_and_grad(loss_fn, has_aux=True)
     with _batch_split_over(axis_name):
         (_, (metrics, model_state)), grads = grad_fn(state.model, state.model_state, batch, step_key)
     if axis_name is not None:

@@ -1,0 +1,111 @@
+"""DP-SGD (Abadi et al. 2016) as a loss whose gradient is privatised, for the ordinary train step.
+
+`DPSGDLoss` plugs into `research.train` unchanged: `train_step` (and so `fit`, the compiled
+trainer and `run_experiment`) calls its `value_and_grad`, which clips every example's gradient to
+`clip_norm`, sums, adds Gaussian noise of standard deviation `noise_multiplier * clip_norm` and
+divides by the expected batch size; i.e. the noisy mean has noise std
+`noise_multiplier * clip_norm / expected_batch_size`. The noise key is split from the step key, which
+comes from the TrainState's key (no global RNG). The result goes to the TrainState's Optax
+optimizer like any gradient: `optax.sgd` gives DP-SGD, `optax.adam` DP-Adam.
+
+Padding: examples labelled `PADDING_LABEL` (what `PoissonLoader` fills its fixed-size batches
+with) get weight 0; they contribute nothing to the sum, the metrics or the batch size.
+"""
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from ..data import Batch
+from ..train import Metrics
+from ..typing import Array, Float, PRNGKeyArray, PyTree, typecheck
+from ._grads import ExampleLossFn, classification_example_loss, clipped_gradient_sum, per_example_losses
+
+PADDING_LABEL = -1
+
+
+@typecheck
+def add_gaussian_noise(tree: PyTree, key: PRNGKeyArray, std: float | Float[Array, ""]) -> PyTree:
+    """`tree + std * N(0, I)`, an independent draw for every array leaf (each leaf its own key)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    keys = jax.random.split(key, max(len(leaves), 1))
+    noisy = [x + std * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
+    return jax.tree.unflatten(treedef, noisy)
+
+
+def _real_examples(batch: Batch) -> tuple[Batch, Float[Array, " batch"]]:
+    """The batch with padding labels replaced by a valid class (so their gradients stay finite) and
+    the 0/1 weights that drop them."""
+    real = batch.labels != PADDING_LABEL
+    return Batch(batch.inputs, jnp.where(real, batch.labels, 0)), real.astype(jnp.float32)
+
+
+def _weighted_means(values: dict[str, Array], weights: Float[Array, " batch"]) -> Metrics:
+    count = jnp.maximum(jnp.sum(weights), 1.0)
+    return {k: jnp.sum(v.astype(jnp.float32) * weights) / count for k, v in values.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class DPSGDLoss:
+    """The loss of a DP-SGD run: pass it as `loss_fn` to `fit` / `run_experiment` / `train_step`.
+
+    **Arguments:**
+
+    - `clip_norm`: C, the bound every per-example gradient is clipped to.
+    - `noise_multiplier`: sigma; the noise added to the clipped sum has standard deviation sigma * C.
+    - `expected_batch_size`: the divisor of the noisy sum: the expected number of real examples per
+      step (`PoissonLoader.expected_batch_size`); with fixed-size batches, the batch size.
+    - `example_loss`: the loss of one example (default: classification cross-entropy).
+    - `chunk_size`: accumulate the clipped sum this many examples at a time (bounds memory; chunks
+      that are all padding are skipped); `None`: the whole batch in one vmap.
+
+    Calling it gives the (non-private) mean loss over the real examples, like any `LossFn`. The
+    training metrics it reports (loss, accuracy, `clipped_fraction`, `example_grad_norm`,
+    `batch_size`) are computed from the private batch and are not themselves privatised.
+    """
+
+    clip_norm: float | int
+    noise_multiplier: float | int
+    expected_batch_size: float | int
+    example_loss: ExampleLossFn = classification_example_loss
+    chunk_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.clip_norm > 0:
+            raise ValueError(f"DPSGDLoss: clip_norm must be positive, got {self.clip_norm}")
+        if not self.noise_multiplier >= 0:
+            raise ValueError(f"DPSGDLoss: noise_multiplier must be >= 0, got {self.noise_multiplier}")
+        if not self.expected_batch_size > 0:
+            raise ValueError(f"DPSGDLoss: expected_batch_size must be positive, got {self.expected_batch_size}")
+
+    def __call__(
+        self, model: eqx.Module, model_state: eqx.nn.State | None, batch: Batch, key: PRNGKeyArray
+    ) -> tuple[Float[Array, ""], tuple[Metrics, eqx.nn.State | None]]:
+        example_key, _ = jax.random.split(key)
+        batch, weights = _real_examples(batch)
+        losses = per_example_losses(model, model_state, batch, example_key, loss_fn=self.example_loss,
+                                    chunk_size=self.chunk_size)
+        loss = _weighted_means({"loss": losses}, weights)["loss"]
+        return loss, ({"loss": loss}, model_state)
+
+    def value_and_grad(
+        self, model: eqx.Module, model_state: eqx.nn.State | None, batch: Batch, key: PRNGKeyArray
+    ) -> tuple[tuple[Float[Array, ""], tuple[Metrics, eqx.nn.State | None]], PyTree]:
+        """The privatised gradient `(sum_i clip(g_i) + N(0, (sigma C)^2 I)) / expected_batch_size`,
+        in the output format of `eqx.filter_value_and_grad(loss, has_aux=True)`."""
+        example_key, noise_key = jax.random.split(key)
+        batch, weights = _real_examples(batch)
+        summed, norms, example_metrics = clipped_gradient_sum(
+            model, model_state, batch, example_key, clip_norm=self.clip_norm, weights=weights,
+            loss_fn=self.example_loss, chunk_size=self.chunk_size,
+        )
+        noisy = add_gaussian_noise(summed, noise_key, self.noise_multiplier * self.clip_norm)
+        grads = jax.tree.map(lambda g: g / self.expected_batch_size, noisy)
+        metrics = _weighted_means(
+            {**example_metrics, "clipped_fraction": norms > self.clip_norm, "example_grad_norm": norms}, weights
+        )
+        metrics["batch_size"] = jnp.sum(weights)
+        # The model state is returned unchanged: per-example gradients need a model without batch statistics.
+        return (metrics["loss"], (metrics, model_state)), grads

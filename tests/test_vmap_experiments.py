@@ -1,0 +1,60 @@
+"""End to end: the DP-SGD and ensemble experiments run, report what they promise, and agree with the library."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from research.data import load_mnist1d
+from research.per_example import default_max_batch_size, dp_sgd_epsilon
+
+ROOT = Path(__file__).parent.parent
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(f"{name}_experiment", ROOT / "experiments" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data")
+    load_mnist1d(path)
+    return str(path)
+
+
+@pytest.mark.slow
+def test_dp_sgd_reports_accuracy_and_the_accountants_epsilon(data_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    dp_sgd = load("dp_sgd")
+    config = dp_sgd.Config(data_dir=data_dir, run_dir="run", epochs=2, batch_size=256, lr=1e-2, channels=8,
+                           noise_multiplier=2.0, chunk_size=128, progress=False)
+    summary = dp_sgd.main(config)
+    steps = 2 * round(4000 / 256)
+    assert summary["step"] == steps and summary["test_accuracy"] > 0.15  # 10 classes: chance is 0.1
+    expected = dp_sgd_epsilon(noise_multiplier=2.0, dataset_size=4000, expected_batch_size=256,
+                              max_batch_size=default_max_batch_size(4000, 256), steps=steps, delta=1e-5)
+    assert summary["epsilon"] == pytest.approx(expected) and summary["delta"] == 1e-5
+    assert json.loads((tmp_path / "run/summary.json").read_text()) == summary
+    out = capsys.readouterr().out
+    assert "test accuracy" in out and f"({expected:.2f}, 1e-05)-DP" in out
+    metrics = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert 200 < metrics[-1]["train/batch_size"] < 310  # Poisson batches of 256 on average
+
+
+@pytest.mark.slow
+def test_ensemble_members_match_sequential_runs_and_the_ensemble_is_reported(data_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    ensemble = load("ensemble")
+    config = ensemble.Config(data_dir=data_dir, run_dir="run", num_members=3, epochs=1, hidden=32,
+                             compare_sequential=True, progress=False)
+    summary = ensemble.main(config)
+    assert len(summary["member_test_accuracy"]) == 3 and summary["ensemble_test_accuracy"] > 0.15
+    assert summary["max_parameter_difference"] < 1e-5  # vmapped members == members trained alone
+    assert summary["vmapped_wall_seconds"] > 0 and summary["sequential_wall_seconds"] > 0
+    assert json.loads((tmp_path / "run/summary.json").read_text()) == summary
+    assert "member test accuracy" in capsys.readouterr().out
+    assert any((tmp_path / "run/checkpoints").glob("step_*.ckpt"))
