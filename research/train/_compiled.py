@@ -195,7 +195,11 @@ def compiled_trainer(loss_fn: LossFn, state: TrainState, *, skip_nonfinite: bool
     once and reused, so a second `fit` with the same model, optimizer object and loss starts warm."""
     dynamic, static = eqx.partition(state, eqx.is_array)
     treedef = jax.tree.structure(dynamic)
-    key = (loss_fn, treedef, static, skip_nonfinite)
+    # Keyed by the static part's leaves and structure, not the object itself: an `eqx.nn.State` in it
+    # (a stateful model's `model_state`, or inside an EMA) hashes by identity, so every new state
+    # object would miss the cache and compile again.
+    static_leaves, static_treedef = jax.tree.flatten(static)
+    key = (loss_fn, treedef, static_treedef, tuple(static_leaves), skip_nonfinite)
     with _cache_lock:
         try:
             return _cache[key]
