@@ -121,12 +121,17 @@ def run_experiment(experiment: str, config: TrainConfig, setup: Setup | None = N
     The run directory gets `config.json` (with the resolved step count and library versions),
     `metrics.jsonl`, `checkpoints/`, `summary.json` and `curves.png` (and TensorBoard event files
     with `--tensorboard`). Other keyword arguments go to `fit`.
+    With `config.ema_decay > 0` the state gets an EMA of the model (unless `build_state` gave it
+    one): `test_accuracy`/`test_loss` are then the EMA model's, and `test_raw_accuracy`/
+    `test_raw_loss` the trained model's.
     """
     setup, fit_kwargs = _setup_from(setup, kwargs)
     run, checkpoint = resolve_run_dir(experiment, config)
     state = setup.build_state()
     start_step = 0
     header: dict[str, Any] = {}
+    if config.ema_decay and state.ema is None:
+        state = state.with_ema(config.ema_decay)
     if checkpoint is not None:
         state, header = load_checkpoint(checkpoint, state)
         start_step = header["step"]
@@ -176,10 +181,15 @@ def run_experiment(experiment: str, config: TrainConfig, setup: Setup | None = N
         "step": int(result.state.step),
         "wall_seconds": time.perf_counter() - start,
     }
+    raw = ""
+    if result.raw_eval_metrics is not None:
+        summary["test_raw_accuracy"] = result.raw_eval_metrics["accuracy"]
+        summary["test_raw_loss"] = result.raw_eval_metrics["loss"]
+        raw = f", without EMA {100 * summary['test_raw_accuracy']:.2f}%"
     run.write_summary(summary)
     plot_runs([run.path], run.path / "curves.png")
     print(
-        f"{experiment}: test accuracy {100 * summary['test_accuracy']:.2f}% "
+        f"{experiment}: test accuracy {100 * summary['test_accuracy']:.2f}%{raw} "
         f"(test loss {summary['test_loss']:.4f}, train loss {summary['train_loss']:.4f}) "
         f"at step {summary['step']}, {summary['wall_seconds']:.1f} s\nrun directory: {run.path} "
         f"(learning curves: curves.png)"
