@@ -200,7 +200,7 @@ def test_each_step_draws_a_new_dropout_mask(getkey):
     leaves = trainer.leaves(jax.tree.map(lambda x: x.copy() if eqx.is_array(x) else x, state))
     weights = [np.asarray(state.model.linear.weight)]
     for _ in range(6):
-        leaves, _ = trainer.step(leaves, trainer.init_metrics(leaves, batch), batch)
+        leaves, _ = trainer.step(leaves, trainer.init_stats(leaves, batch), batch)
         weights.append(np.asarray(trainer.state(leaves).model.linear.weight))
     masks = [tuple((after != before).any(axis=0)) for before, after in zip(weights[:-1], weights[1:])]
     assert len(set(masks)) == 6  # no two steps share a mask (a repeat has probability ~2^-32)
@@ -227,3 +227,32 @@ def test_states_of_one_stateful_model_share_one_compiled_trainer(trained):
     with_ema = compiled_trainer(classification_loss, bn_state(ema_decay=0.5))
     assert with_ema is compiled_trainer(classification_loss, bn_state(seed=4, ema_decay=0.5))
     assert with_ema is not compiled_trainer(classification_loss, bn_state(ema_decay=0.9))  # decay is static
+
+
+@pytest.mark.slow
+def test_an_experiment_with_ema_reports_both_models_and_resumes_bitwise(tmp_path, monkeypatch):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("xor_ema", Path(__file__).parent.parent / "experiments" / "xor.py")
+    xor = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(xor)
+    monkeypatch.chdir(tmp_path)
+    options = dict(ema_decay=0.9, progress=False, log_every=19)
+    summary = xor.main(xor.Config(run_dir="straight", epochs=4, **options))
+    xor.main(xor.Config(run_dir="resumed", epochs=2, **options))
+    xor.main(xor.Config(run_dir="resumed", epochs=4, resume=True, **options))
+    a, b = ((tmp_path / name / "checkpoints/step_000000076.ckpt").read_bytes() for name in ("straight", "resumed"))
+    assert a.split(b"\n", 2)[2] == b.split(b"\n", 2)[2]  # identical payloads: EMA included
+
+    last = json.loads((tmp_path / "straight/metrics.jsonl").read_text().splitlines()[-1])
+    assert last["test/accuracy"] == summary["test_accuracy"] and last["test_raw/accuracy"] == summary["test_raw_accuracy"]
+    config = xor.Config(epochs=4, **options)
+    restored, _ = load_checkpoint(tmp_path / "straight/checkpoints/step_000000076.ckpt",
+                                  xor.build_state(config).with_ema(config.ema_decay))
+    test = DeviceLoader.from_dataset(xor.XORDataset(500, seed=123), 128, shuffle=False)
+    assert evaluate(*restored.averaged_model(), test) == {"loss": summary["test_loss"], "accuracy": summary["test_accuracy"]}
+    assert evaluate(restored.model, None, test) == {"loss": summary["test_raw_loss"],
+                                                    "accuracy": summary["test_raw_accuracy"]}
+    assert int(restored.ema.count) == 76
