@@ -98,6 +98,15 @@ class Setup:
     lr_schedule: Callable[[int], Any] | None = None
 
 
+def initial_state(setup: Setup, config: TrainConfig) -> TrainState:
+    """The step-0 TrainState a run trains (and the skeleton its checkpoints restore into):
+    `setup.build_state()`, with an EMA of the model when `config.ema_decay > 0` (unless it has one)."""
+    state = setup.build_state()
+    if config.ema_decay and state.ema is None:
+        state = state.with_ema(config.ema_decay)
+    return state
+
+
 def first_batch(data: DeviceLoader | TorchLoader) -> Batch:
     """The batch of training step 0, as the train loop would see it."""
     if isinstance(data, DeviceLoader):
@@ -127,11 +136,9 @@ def run_experiment(experiment: str, config: TrainConfig, setup: Setup | None = N
     """
     setup, fit_kwargs = _setup_from(setup, kwargs)
     run, checkpoint = resolve_run_dir(experiment, config)
-    state = setup.build_state()
+    state = initial_state(setup, config)
     start_step = 0
     header: dict[str, Any] = {}
-    if config.ema_decay and state.ema is None:
-        state = state.with_ema(config.ema_decay)
     if checkpoint is not None:
         state, header = load_checkpoint(checkpoint, state)
         start_step = header["step"]
