@@ -65,6 +65,8 @@ class TrainConfig:
     keep_checkpoints: int = option(3, "number of most recent checkpoints kept", check=positive)
     steps_per_call: int = option(1, "training steps per compiled call on device-resident data", check=positive)
     skip_nonfinite: bool = option(False, "skip steps with a NaN/Inf loss or gradient instead of stopping the run")
+    ema_decay: float = option(0.0, "decay of an EMA of the weights (and BatchNorm statistics) that is evaluated as "
+                                   "test/*, the trained model as test_raw/* (0: no EMA)", check=unit_interval)
     progress: bool = option(True, "show a progress bar (plain log lines when not on a terminal)")
     tensorboard: bool = option(False, "also write TensorBoard event files into the run directory",
                                check=_tensorboard_installed)

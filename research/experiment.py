@@ -101,6 +101,15 @@ class Setup:
     lr_schedule: Callable[[int], Any] | None = None
 
 
+def initial_state(setup: Setup, config: TrainConfig) -> TrainState:
+    """The step-0 TrainState a run trains (and the skeleton its checkpoints restore into):
+    `setup.build_state()`, with an EMA of the model when `config.ema_decay > 0` (unless it has one)."""
+    state = setup.build_state()
+    if config.ema_decay and state.ema is None:
+        state = state.with_ema(config.ema_decay)
+    return state
+
+
 def first_batch(data: DeviceLoader | TorchLoader) -> Batch:
     """The batch of training step 0, as the train loop would see it."""
     if isinstance(data, DeviceLoader):
@@ -133,6 +142,10 @@ def run_experiment(
     `metrics.jsonl`, `checkpoints/`, `summary.json` and `curves.png` (and TensorBoard event files
     with `--tensorboard`). Other keyword arguments go to `fit`.
 
+    With `config.ema_decay > 0` the state gets an EMA of the model (unless `build_state` gave it
+    one): `test_accuracy`/`test_loss` are then the EMA model's, and `test_raw_accuracy`/
+    `test_raw_loss` the trained model's.
+
     Training runs on `config.devices` devices per process with the `config.parallel` strategy (build
     BatchNorm layers with `research.parallel.batch_axis_name(config.parallel)`). With several
     processes every process trains and evaluates, and only process 0 writes the run directory.
@@ -145,7 +158,7 @@ def run_experiment(
         raise ConfigError("--debug-nans replays steps op by op on one device; drop --devices and --parallel")
     writer = jax.process_index() == 0
     run, checkpoint = resolve_run_dir(experiment, config, writer=writer)
-    state = setup.build_state()
+    state = initial_state(setup, config)
     start_step = 0
     header: dict[str, Any] = {}
     if checkpoint is not None:
@@ -203,11 +216,16 @@ def run_experiment(
         "wall_seconds": time.perf_counter() - start,
         **(summary_extra or {}),
     }
+    raw = ""
+    if result.raw_eval_metrics is not None:
+        summary["test_raw_accuracy"] = result.raw_eval_metrics["accuracy"]
+        summary["test_raw_loss"] = result.raw_eval_metrics["loss"]
+        raw = f", without EMA {100 * summary['test_raw_accuracy']:.2f}%"
     if writer:
         run.write_summary(summary)
         plot_runs([run.path], run.path / "curves.png")
         print(
-            f"{experiment}: test accuracy {100 * summary['test_accuracy']:.2f}% "
+            f"{experiment}: test accuracy {100 * summary['test_accuracy']:.2f}%{raw} "
             f"(test loss {summary['test_loss']:.4f}, train loss {summary['train_loss']:.4f}) "
             f"at step {summary['step']}, {summary['wall_seconds']:.1f} s\nrun directory: {run.path} "
             f"(learning curves: curves.png)"

@@ -42,6 +42,8 @@ def test_help_lists_every_option_with_its_default():
         (["--batch-size", "0"], "--batch-size must be positive (got 0)"),
         (["--lr", "-0.1"], "--lr must be positive (got -0.1)"),
         (["--width", "-2"], "--width must be positive (got -2)"),
+        (["--ema-decay", "1"], "--ema-decay must be in [0, 1) (got 1.0)"),
+        (["--ema-decay", "-0.5"], "--ema-decay must be in [0, 1) (got -0.5)"),
         (["--kind", "c"], "argument --kind: invalid choice: 'c'"),
         (["--batch-size", "many"], "argument --batch-size: invalid int value: 'many'"),
         (["--bogus"], "unrecognized arguments: --bogus"),

@@ -155,13 +155,17 @@ def test_a_nan_stops_the_run_naming_the_step_and_keeps_the_good_checkpoints(tmp_
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(restored.model))
 
 
-def test_skip_nonfinite_skips_the_bad_steps_and_finishes(tmp_path):
+@pytest.mark.parametrize("ema_decay", [0.0, 0.9])
+def test_skip_nonfinite_skips_the_bad_steps_and_finishes(tmp_path, ema_decay):
     loader = poisoned_loader()
     run = RunDir(tmp_path / "run").create()
-    result = fit(make_state(), loader, num_steps=64, log_every=64, run=run, skip_nonfinite=True, progress=False)
+    state = make_state().with_ema(ema_decay) if ema_decay else make_state()
+    result = fit(state, loader, num_steps=64, log_every=64, run=run, skip_nonfinite=True, progress=False)
     expected = sum(100 in row for row in loader.step_indices(0, 64))
     assert run.read_metrics()[-1]["train/skipped"] == expected >= 1
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(result.state.model))
+    if ema_decay:  # the skipped steps did not reach the EMA either
+        assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(result.state.ema))
     assert np.isfinite(result.train_metrics["loss"])
 
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from ..cli import ConfigError, parse_config
 from ..debug import signature
-from ..experiment import first_batch, load_experiment
+from ..experiment import first_batch, initial_state, load_experiment
 from ..train import compiled_trainer
 from ._runs import fail
 
@@ -26,7 +26,7 @@ def show_jaxpr(experiment: str, argv: Sequence[str] = ()) -> str:
                           "see docs/adding_an_experiment.md")
     config = parse_config(module.Config, list(argv), prog=f"show_jaxpr {experiment}")
     setup = module.setup(config)
-    state = setup.build_state()
+    state = initial_state(setup, config)
     trainer = compiled_trainer(setup.loss_fn, state)
     leaves = trainer.leaves(state)
     batch = first_batch(setup.train_data)

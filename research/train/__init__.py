@@ -3,7 +3,7 @@ trackers."""
 
 from ._checkpoint import CheckpointError, load_checkpoint, read_header, save_checkpoint
 from ._compiled import CompiledTrainer, compiled_trainer
-from ._evaluate import evaluate
+from ._evaluate import evaluate, evaluate_state
 from ..data import DataError
 from ._fit import FitResult, NonFiniteError, fit
 from ._rundir import RunDir
@@ -43,6 +43,7 @@ __all__ = [
     "classification_metrics",
     "compiled_trainer",
     "evaluate",
+    "evaluate_state",
     "fit",
     "forward",
     "load_checkpoint",

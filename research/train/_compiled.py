@@ -65,7 +65,7 @@ class CompiledTrainer:
     `step`/`run` are donated: do not use them (or a state built from them) afterwards.
 
     With `skip_nonfinite=True` a step whose loss or gradient is NaN/Inf leaves the model, model
-    state and optimizer state unchanged (the step counter, key and data still advance).
+    state, optimizer state and EMA unchanged (the step counter, key and data still advance).
 
     `num_traces` counts how many times each function was traced, to catch silent recompilation;
     `traces` records each trace's abstract signature (argument shapes, dtypes, weak types) and logs,
@@ -168,9 +168,10 @@ class CompiledTrainer:
             ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
             keep = lambda n, o: jax.tree.map(lambda a, b: jnp.where(ok, a, b), n, o)  # noqa: E731
             new = eqx.tree_at(
-                lambda s: (s.model, s.model_state, s.opt_state),
+                lambda s: (s.model, s.model_state, s.opt_state, s.ema),
                 new,
-                (keep(new.model, old.model), keep(new.model_state, old.model_state), keep(new.opt_state, old.opt_state)),
+                (keep(new.model, old.model), keep(new.model_state, old.model_state), keep(new.opt_state, old.opt_state),
+                 keep(new.ema, old.ema)),  # a NaN folded into the EMA would stay there for good
                 is_leaf=lambda x: x is None,
             )
         new_leaves, _ = eqx.partition(new, eqx.is_array)

@@ -10,7 +10,7 @@ import torch.utils.data
 from ..data import Batch, DeviceLoader
 from ..progress import Progress
 from ..typing import Array, Float, typecheck
-from ._state import classification_metrics, forward
+from ._state import TrainState, classification_metrics, forward
 
 
 @eqx.filter_jit
@@ -68,3 +68,15 @@ def evaluate(
         bar.close()
     loss, correct = np.sum(jax.device_get(totals), axis=0)
     return {"loss": float(loss / size), "accuracy": float(correct / size)}
+
+
+def evaluate_state(
+    state: TrainState, data: DeviceLoader | torch.utils.data.DataLoader, *, progress: bool = False
+) -> tuple[dict[str, float], dict[str, float] | None]:
+    """`(metrics, raw_metrics)` of a TrainState: `metrics` of the model it stands for (the EMA
+    `(model, model_state)` when `state.ema` is set, else the trained model) and `raw_metrics` of the
+    trained model when there is an EMA (else `None`). `fit` logs them as `test/...` and `test_raw/...`."""
+    raw = evaluate(state.model, state.model_state, data, progress=progress)
+    if state.ema is None:
+        return raw, None
+    return evaluate(*state.averaged_model(), data, progress=progress), raw

@@ -18,7 +18,7 @@ from ..progress import Progress
 from ..state import RunningMean
 from ._checkpoint import save_checkpoint
 from ._compiled import NONFINITE_NAMES, CompiledTrainer, StepStats, _copy, compiled_trainer
-from ._evaluate import evaluate
+from ._evaluate import evaluate, evaluate_state
 from ._rundir import RunDir
 from ._state import LossFn, TrainState, classification_loss
 from ._tracking import JsonlTracker, MultiTracker, Tracker
@@ -32,8 +32,9 @@ class NonFiniteError(FloatingPointError):
 class FitResult:
     state: TrainState
     train_metrics: dict[str, float]  # means over the last logging window
-    eval_metrics: dict[str, float] | None  # at the final step
+    eval_metrics: dict[str, float] | None  # at the final step; of the EMA model when the state keeps one
     wall_seconds: float
+    raw_eval_metrics: dict[str, float] | None = None  # of the trained (not averaged) model, when EMA is on
 
 
 def _next_multiple(step: int, every: int | None) -> int | float:
@@ -95,7 +96,9 @@ def fit(
       Batch order is a pure function of the seed and the step, so a resumed run sees the same data.
     - `num_steps`: the total number of steps (not the number still to take).
     - `loss_fn`: `(model, model_state, batch, key) -> (loss, (metrics, model_state))`.
-    - `eval_data`, `eval_every`: evaluate every `eval_every` steps and at the end.
+    - `eval_data`, `eval_every`: evaluate every `eval_every` steps and at the end, in inference mode
+      (BatchNorm uses its running statistics, dropout is off). When `state.ema` is set, `test/...`
+      are the EMA model's metrics and `test_raw/...` the trained model's.
     - `log_every`: fetch the running means of the train metrics every so many steps; with the
       non-finite check at each cadence boundary, the only host synchronisation. Written to `run`'s
       `metrics.jsonl` and to `tracker`.
@@ -148,7 +151,7 @@ def fit(
     trackers = MultiTracker(([JsonlTracker(run)] if run is not None else []) + ([tracker] if tracker else []))
     bar = Progress(num_steps, initial=step, enabled=progress)
     train_metrics: dict[str, float] = {}
-    eval_metrics = None
+    eval_metrics = raw_eval_metrics = None
     window_start, window_step = time.perf_counter(), step
     during = f"training step {step + 1}"  # where a NaN found by debug_nans came from
     nan_checks = contextlib.ExitStack()
@@ -199,9 +202,9 @@ def fit(
             pause_start = time.perf_counter()
             if eval_data is not None and (step == num_steps or (eval_every and step % eval_every == 0)):
                 during = f"the evaluation at step {step}"
-                current = trainer.state(leaves)
-                eval_metrics = evaluate(current.model, current.model_state, eval_data, progress=progress)
+                eval_metrics, raw_eval_metrics = evaluate_state(trainer.state(leaves), eval_data, progress=progress)
                 record.update({f"test/{k}": v for k, v in eval_metrics.items()})
+                record.update({f"test_raw/{k}": v for k, v in (raw_eval_metrics or {}).items()})
             if record:
                 shown = ("train/loss", "train/accuracy", "test/accuracy")
                 bar.report(step, {k: v for k, v in record.items() if k in shown}, rate=record.get("steps_per_s"))
@@ -220,7 +223,8 @@ def fit(
         nan_checks.close()
         bar.close()
     _warn_on_retrace(trainer, traces_before)
-    return FitResult(trainer.state(leaves), train_metrics, eval_metrics, time.perf_counter() - start_time)
+    return FitResult(trainer.state(leaves), train_metrics, eval_metrics, time.perf_counter() - start_time,
+                     raw_eval_metrics)
 
 
 def _raise_if_nonfinite(stats: StepStats, run: RunDir | None) -> None:

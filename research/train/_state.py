@@ -1,5 +1,6 @@
 import contextlib
 import contextvars
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -10,6 +11,7 @@ import optax
 from jaxtyping import Key
 
 from ..data import Batch
+from ..state import EMA
 from ..typing import Array, Bool, Float, Int, KeyData, PRNGKeyArray, PyTree, typecheck
 
 Metrics = dict[str, Float[Array, ""]]
@@ -30,6 +32,9 @@ class TrainState(eqx.Module):
     - `opt_state`: the Optax optimizer state.
     - `key`: raw PRNG key data (`jax.random.key_data`), split once per step.
     - `optimizer`: the Optax `GradientTransformation` (static: not a leaf).
+    - `ema`: `None`, or an `EMA` of `(model, model_state)` updated after every step (Polyak
+      averaging; BatchNorm statistics are averaged along with the weights). `None` adds no leaves,
+      so a state without EMA has exactly the leaves it had before this field existed.
     """
 
     step: Int[Array, ""]
@@ -38,6 +43,7 @@ class TrainState(eqx.Module):
     opt_state: PyTree
     key: KeyData
     optimizer: optax.GradientTransformation = eqx.field(static=True)
+    ema: EMA | None = None
 
     @classmethod
     def create(
@@ -47,18 +53,42 @@ class TrainState(eqx.Module):
         *,
         key: PRNGKeyArray,
         model_state: eqx.nn.State | None = None,
+        ema_decay: float = 0.0,
     ) -> "TrainState":
-        """A fresh state at step 0; the optimizer is initialised on the model's floating-point arrays."""
+        """A fresh state at step 0; the optimizer is initialised on the model's floating-point arrays.
+        `ema_decay > 0` also keeps a debiased EMA of the model (see `with_ema`)."""
         if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
             key = jax.random.key_data(key)
-        return cls(
+        state = cls(
             step=jnp.zeros((), jnp.int32),
             model=model,
-            model_state=model_state,
+            model_state=_strong(model_state),
             opt_state=optimizer.init(eqx.filter(model, eqx.is_inexact_array)),
             key=jnp.asarray(key, jnp.uint32),
             optimizer=optimizer,
         )
+        return state.with_ema(ema_decay) if ema_decay else state
+
+    def with_ema(self, decay: float, *, debias: bool = True) -> "TrainState":
+        """This state with an EMA of `(model, model_state)` starting here (`decay` in [0, 1)).
+
+        Debiased (the default), the average after `n` more steps is a weighted mean of those `n`
+        models only, so it does not matter where it starts.
+        """
+        return dataclasses.replace(self, ema=EMA.init((self.model, self.model_state), decay, debias=debias))
+
+    def averaged_model(self) -> tuple[eqx.Module, eqx.nn.State | None]:
+        """`(model, model_state)` of the EMA; what evaluation uses when the EMA is on."""
+        if self.ema is None:
+            raise ValueError("this TrainState keeps no EMA of the model; build it with ema_decay > 0 or with_ema(...)")
+        return self.ema.average
+
+
+def _strong(tree: PyTree) -> PyTree:
+    """`tree` with weakly typed arrays made strong (same values and dtypes). Equinox creates some
+    state leaves (BatchNorm's counter) weakly typed, but a checkpoint restores them strong: without
+    this, a resumed run would compile its step again."""
+    return jax.tree.map(lambda x: jnp.asarray(x, dtype=x.dtype) if eqx.is_array(x) and x.weak_type else x, tree)
 
 
 # The named device axis of a data-parallel program that sees one slice of the batch per device
@@ -104,9 +134,11 @@ def forward(
     if model_state is None:
         outputs = jax.vmap(lambda x, k: model(x, key=k))(inputs, keys)
         return outputs, None
-    return jax.vmap(lambda x, k: model(x, model_state, key=k), axis_name=axis_name, out_axes=(0, None))(
-        inputs, keys
-    )
+    # The state goes in as an argument (not closed over) so that the model works on a copy: an
+    # `eqx.nn.State` invalidates itself once `set` is called on it, which would break the caller's.
+    return jax.vmap(
+        lambda x, k, s: model(x, s, key=k), in_axes=(0, 0, None), out_axes=(0, None), axis_name=axis_name
+    )(inputs, keys, model_state)
 
 
 @typecheck
@@ -145,7 +177,9 @@ def train_step(
 
     The gradient is taken directly on the model object with `eqx.filter_value_and_grad` (or by the
     loss's own `value_and_grad`, when it has one, as DP-SGD's does); metrics gain `grad_norm`, the
-    global norm of the gradient.
+    global norm of the gradient. The step's key is split from `state.key` (so no two steps share
+    dropout masks) and the new model state (BatchNorm statistics) comes out of the loss. When
+    `state.ema` is set, it is updated with the new `(model, model_state)`.
 
     `axis_name` names a device axis (`jax.pmap`) over which `batch` is split: gradients and metrics
     are then averaged over it with `lax.pmean` before the update, and each example keeps the key it
@@ -160,12 +194,15 @@ def train_step(
         grads, metrics = jax.lax.pmean((grads, metrics), axis_name)
     params = eqx.filter(state.model, eqx.is_inexact_array)
     updates, opt_state = state.optimizer.update(grads, state.opt_state, params)
+    model = eqx.apply_updates(state.model, updates)
+    ema = None if state.ema is None else state.ema.update((model, model_state))[0]
     new_state = TrainState(
         step=state.step + 1,
-        model=eqx.apply_updates(state.model, updates),
+        model=model,
         model_state=model_state,
         opt_state=opt_state,
         key=jax.random.key_data(key),
         optimizer=state.optimizer,
+        ema=ema,
     )
     return new_state, {**metrics, "grad_norm": optax.tree.norm(grads)}
