@@ -1,0 +1,75 @@
+"""`python -m benchmarks [--quick] [--cases a,b,c,d] [--out DIR]`: run the benchmark suite side by
+side and write DIR/benchmarks.md, DIR/benchmarks.png and DIR/benchmarks.json."""
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+CASES = {"a": "xor", "b": "mlp", "c": "cnn", "d": "per_example"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="scripts/bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a smoke run of a few seconds a case (not a measurement)")
+    parser.add_argument("--cases", default="a,b,c,d", help="comma-separated subset of a,b,c,d (default: all)")
+    parser.add_argument("--out", default=None, help="output directory (default: docs, or runs/bench-quick with --quick)")
+    args = parser.parse_args(argv)
+    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        parser.error(f"unknown case(s) {unknown}; expected a subset of {','.join(CASES)}")
+    out = Path(args.out or ("runs/bench-quick" if args.quick else "docs"))
+    out.mkdir(parents=True, exist_ok=True)
+
+    from . import _cnn, _frameworks, _mlp, _per_example, _report, _xor
+
+    modules = {"xor": _xor, "mlp": _mlp, "cnn": _cnn, "per_example": _per_example}
+    start = time.perf_counter()
+    info = _report.machine()
+    info["load_before"] = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    info["torch_threads"] = (_frameworks.calibrate_torch_threads(args.quick) if _frameworks.have_mnist1d()
+                             else "PyTorch threads: default (no calibration without mnist1d)")
+    print(info["torch_threads"], flush=True)
+    results = {}
+    skipped = {}
+    for case in cases:
+        name = CASES[case]
+        if name in ("cnn", "per_example") and not _frameworks.have_mnist1d():
+            skipped[case] = "skipped: the mnist1d package is not installed (run scripts/setup)"
+            print(f"case ({case}) {name}: {skipped[case]}", file=sys.stderr)
+            continue
+        case_start = time.perf_counter()
+        results[name] = modules[name].run(args.quick)
+        print(f"case ({case}) {name}: {time.perf_counter() - case_start:.0f} s", flush=True)
+    info["skipped"] = skipped
+    info["load_after"] = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    seconds = time.perf_counter() - start
+    findings = (Path(__file__).parent / "findings.md").read_text()
+    _report.write_markdown(out / "benchmarks.md", results, info, args.quick, seconds, findings)
+    problem = _report.write_chart(out / "benchmarks.png", results)
+    if problem:
+        print(problem, file=sys.stderr)
+    (out / "benchmarks.json").write_text(json.dumps(
+        {"info": info, "quick": args.quick, "seconds": seconds,
+         "results": {k: _jsonable(v) for k, v in results.items()}}, indent=1))
+    for row in _report.targets(results):
+        print(" | ".join(str(x) for x in row))
+    print(f"wrote {out / 'benchmarks.md'} in {seconds:.0f} s")
+    return 0
+
+
+def _jsonable(value):
+    if hasattr(value, "to_dict"):
+        return value.to_dict()
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+if __name__ == "__main__":
+    sys.exit(main())

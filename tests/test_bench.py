@@ -1,0 +1,30 @@
+"""`scripts/bench --quick` runs end to end and writes a complete report (no timing assertions)."""
+
+import json
+
+import jax
+import pytest
+
+from benchmarks.__main__ import main
+
+
+@pytest.mark.slow
+def test_quick_benchmark_run_writes_the_report_with_every_case(tmp_path, capsys):
+    with jax.numpy_rank_promotion("allow"):  # the other frameworks' idioms broadcast (x @ w + b)
+        assert main(["--quick", "--out", str(tmp_path)]) == 0
+    report = (tmp_path / "benchmarks.md").read_text()
+    results = json.loads((tmp_path / "benchmarks.json").read_text())
+    for heading in ["## Targets (issue 6)", "## (a) XOR MLP", "## (b) Compute-bound MLP"]:
+        assert heading in report
+    xor = results["results"]["xor"]
+    names = {row["name"] for row in xor["step"]}
+    assert {"ours: CompiledTrainer.step", "pure JAX (jit, donated)", "eqx.filter_jit", "PyTorch eager"} <= names
+    assert all(row["median"] > 0 and row["repeats"] >= 2 for row in xor["step"] + xor["fit"])
+    assert all(0.4 <= row["accuracy"] <= 1 for row in xor["fit"])  # 2 epochs: learning has started
+    mlp = results["results"]["mlp"]
+    assert mlp["peak_gflops"] > 0 and all(row["gflops"] > 0 for row in mlp["step"])
+    if "cnn" in results["results"]:
+        assert "## (c) MNIST-1D CNN" in report and "## (d) Per-example gradients" in report
+        assert results["results"]["per_example"]["max_abs_difference"] < 1e-4  # ours equals torch.func
+    else:
+        assert "skipped: the mnist1d package is not installed" in report
