@@ -16,7 +16,7 @@ import optax
 
 from research.cli import TrainConfig, main_entry, non_negative, option, positive
 from research.data import MNIST1D_CLASSES, MNIST1D_LENGTH, load_mnist1d, train_and_eval_loaders
-from research.experiment import run_experiment
+from research.experiment import Setup, run_experiment
 from research.nn import build_model, model_names
 from research.train import TrainState
 
@@ -79,14 +79,14 @@ class Config(TrainConfig):
         return dataclasses.replace(self, **{k: v for k, v in recipe.items() if getattr(self, k) is None})
 
 
-def make_optimizer(config: Config) -> optax.GradientTransformation:
-    lr = config.lr if config.schedule == "constant" else optax.cosine_decay_schedule(config.lr, config.steps)
-    if config.weight_decay:
-        return optax.adamw(lr, weight_decay=config.weight_decay)
-    return optax.adam(lr)
+def learning_rate(config: Config) -> optax.Schedule:
+    if config.schedule == "cosine":
+        return optax.cosine_decay_schedule(config.lr, decay_steps=config.steps)
+    return optax.constant_schedule(config.lr)
 
 
 def build_state(config: Config) -> TrainState:
+    """The step-0 state of a resolved config: the model of `--model` and Adam (AdamW with weight decay)."""
     model_key, train_key = jax.random.split(jax.random.key(config.seed))
     hparams = dict(MODEL_HPARAMS[config.model])
     if config.model == "mlp":
@@ -94,22 +94,29 @@ def build_state(config: Config) -> TrainState:
     else:
         hparams.update(length=MNIST1D_LENGTH, classes=MNIST1D_CLASSES)
     model, model_state = build_model(config.model, key=model_key, **hparams)
-    return TrainState.create(model, make_optimizer(config), key=train_key, model_state=model_state)
+    lr = learning_rate(config)
+    optimizer = optax.adamw(lr, weight_decay=config.weight_decay) if config.weight_decay else optax.adam(lr)
+    return TrainState.create(model, optimizer, key=train_key, model_state=model_state)
 
 
-def main(config: Config) -> dict:
+def setup(config: Config) -> Setup:
+    """The state and the data of a run, without training (`scripts/show_jaxpr mnist1d` uses it too)."""
     config = config.resolved()
     train, test = load_mnist1d(config.data_dir)
     train_data, test_data = train_and_eval_loaders(
         train, test, config.batch_size, seed=config.seed, kind=config.loader, eval_batch_size=len(test.labels))
-    return run_experiment(
-        "mnist1d",
-        config,
+    return Setup(
         build_state=lambda: build_state(config),
         train_data=train_data,
         eval_data=test_data,
         num_steps=config.steps,
+        lr_schedule=learning_rate(config),
     )
+
+
+def main(config: Config) -> dict:
+    config = config.resolved()  # config.json and checkpoints record the values actually used
+    return run_experiment("mnist1d", config, setup(config))
 
 
 if __name__ == "__main__":

@@ -145,11 +145,11 @@ def test_cnn_equals_the_torch_reference_convbase(getkey):
     linear = torch.nn.Linear(125, 10)
     with torch.no_grad():
         for ours, theirs in zip(model.convs, convs):
-            theirs.weight.copy_(torch.from_numpy(np.asarray(ours.weight)))
-            theirs.bias.copy_(torch.from_numpy(np.asarray(ours.bias)[:, 0]))
-        linear.weight.copy_(torch.from_numpy(np.asarray(model.head.weight)))
-        linear.bias.copy_(torch.from_numpy(np.asarray(model.head.bias)))
-        x = np.asarray(jax.random.normal(getkey(), (4, 40)))
+            theirs.weight.copy_(torch.from_numpy(np.array(ours.weight)))
+            theirs.bias.copy_(torch.from_numpy(np.array(ours.bias)[:, 0]))
+        linear.weight.copy_(torch.from_numpy(np.array(model.head.weight)))
+        linear.bias.copy_(torch.from_numpy(np.array(model.head.bias)))
+        x = np.array(jax.random.normal(getkey(), (4, 40)))
         h = torch.from_numpy(x).view(-1, 1, 40)
         for conv in convs:
             h = conv(h).relu()
