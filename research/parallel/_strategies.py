@@ -6,6 +6,7 @@ is the same for every strategy, and so are the numbers: the global batch, the pe
 the BatchNorm statistics do not depend on how the batch is split.
 """
 
+import abc
 import dataclasses
 import threading
 from typing import Literal
@@ -30,7 +31,7 @@ def batch_axis_name(parallel: str) -> str | tuple[str, str]:
 
 
 @dataclasses.dataclass(frozen=True)
-class Strategy:
+class Strategy(abc.ABC):
     """Base of the strategies. `devices` is the number of devices of each process."""
 
     devices: int = 1
@@ -52,6 +53,14 @@ class Strategy:
                 f"{self.global_devices}"
             )
 
+    @abc.abstractmethod
+    def trainer(self, loss_fn: LossFn, state: TrainState, *, skip_nonfinite: bool = False) -> CompiledTrainer:
+        """The compiled trainer of this strategy for `loss_fn` and `state`'s structure."""
+
+
+class _SeveralDevices(Strategy):
+    """Strategies whose trainers are built here, one per (strategy, loss, state structure)."""
+
     def trainer(self, loss_fn: LossFn, state: TrainState, *, skip_nonfinite: bool = False) -> CompiledTrainer:
         """The compiled trainer of this strategy for `loss_fn` and `state`'s structure (built once)."""
         check_device_count(self.devices)
@@ -68,8 +77,9 @@ class Strategy:
                 trainer = _cache[key] = self._build(loss_fn, static, treedef, skip_nonfinite)
                 return trainer
 
+    @abc.abstractmethod
     def _build(self, loss_fn, static, treedef, skip_nonfinite: bool) -> CompiledTrainer:
-        raise NotImplementedError
+        """A new trainer for this strategy."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +94,7 @@ class SingleDevice(Strategy):
 
 
 @dataclasses.dataclass(frozen=True)
-class Pmap(Strategy):
+class Pmap(_SeveralDevices):
     """`jax.pmap` over `devices` devices per process; the state is replicated along a stacked axis."""
 
     name = "pmap"
@@ -99,7 +109,7 @@ class Pmap(Strategy):
 
 
 @dataclasses.dataclass(frozen=True)
-class Sharded(Strategy):
+class Sharded(_SeveralDevices):
     """`jax.jit` over a mesh of `devices` devices per process, the batch split along `"data"`."""
 
     name = "sharded"
