@@ -16,6 +16,7 @@ from research.nn import (
     ResNet1d,
     TransformerClassifier,
     build_model,
+    conv1d_as_matmul,
     model_names,
 )
 from research.train import forward as eager_forward
@@ -155,6 +156,24 @@ def test_cnn_equals_the_torch_reference_convbase(getkey):
             h = conv(h).relu()
         expected = linear(h.view(4, -1)).numpy()
     np.testing.assert_allclose(jax.vmap(model)(jnp.asarray(x)), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("channels", "out", "kernel", "stride", "padding", "length"),
+                         [(1, 25, 5, 2, 1, 40), (25, 25, 3, 2, 1, 19), (3, 4, 3, 1, 0, 10), (2, 3, 4, 3, 2, 11)])
+def test_conv1d_as_matmul_equals_eqx_conv1d_and_its_gradient(getkey, channels, out, kernel, stride, padding, length):
+    conv = eqx.nn.Conv1d(channels, out, kernel, stride=stride, padding=padding, key=getkey())
+    x = jax.random.normal(getkey(), (channels, length))
+    np.testing.assert_allclose(conv1d_as_matmul(conv, x), conv(x), rtol=1e-5, atol=1e-5)
+    ours = jax.grad(lambda c, x: jnp.sum(jnp.sin(conv1d_as_matmul(c, x))), argnums=(0, 1))(conv, x)
+    reference = jax.grad(lambda c, x: jnp.sum(jnp.sin(c(x))), argnums=(0, 1))(conv, x)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(reference), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_conv1d_as_matmul_refuses_what_it_does_not_compute(getkey):
+    conv = eqx.nn.Conv1d(2, 3, 3, dilation=2, key=getkey())
+    with pytest.raises(ValueError, match="dilation"):
+        conv1d_as_matmul(conv, jnp.zeros((2, 10)))
 
 
 def test_cnn_initialisation_has_torch_bounds(getkey):

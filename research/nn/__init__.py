@@ -5,6 +5,7 @@ Registered names (`build_model(name, key=..., **hparams)`): `logistic`, `mlp`, `
 """
 
 from ._cnn import CNN1d
+from ._conv import conv1d_as_matmul
 from ._gru import GRUClassifier
 from ._logistic import Logistic
 from ._mlp import ACTIVATIONS, MLP, LinearSigmoid
@@ -24,6 +25,7 @@ __all__ = [
     "TransformerBlock",
     "TransformerClassifier",
     "build_model",
+    "conv1d_as_matmul",
     "model_names",
     "register_model",
 ]

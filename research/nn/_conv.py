@@ -1,0 +1,32 @@
+"""1-D convolution as patch extraction + one matmul: the same function as `eqx.nn.Conv1d`.
+
+XLA's CPU convolution is slow for the small 1-D convolutions of MNIST-1D-sized models, and much
+slower still inside a compiled loop (`lax.scan`/`fori_loop` of train steps). Written as strided
+slices (one per kernel tap) and an einsum, the convolution and its gradients become plain matmuls
+and slices, which XLA's CPU backend fuses and runs fast in a loop too. The layer keeps
+`eqx.nn.Conv1d`'s parameters (weight `[out, in, kernel]`, bias `[out, 1]`) and is checked against it.
+"""
+
+import equinox as eqx
+import jax.numpy as jnp
+
+from ..typing import Array, Float, typecheck
+
+
+@typecheck
+def conv1d_as_matmul(conv: eqx.nn.Conv1d, x: Float[Array, "channels length"]) -> Float[Array, "out_channels out_length"]:
+    """`conv(x)` for a 1-D `eqx.nn.Conv1d` with zero padding, no dilation and one group, computed
+    as `einsum(weight, patches)`."""
+    if conv.groups != 1 or conv.dilation != (1,) or conv.padding_mode != "ZEROS":
+        raise ValueError("conv1d_as_matmul supports groups=1, dilation=1 and zero padding; "
+                         f"got groups={conv.groups}, dilation={conv.dilation}, padding_mode={conv.padding_mode}")
+    (kernel,), (stride,), ((left, right),) = conv.kernel_size, conv.stride, conv.padding
+    x = jnp.pad(x, ((0, 0), (left, right)))
+    out_length = (x.shape[1] - kernel) // stride + 1
+    span = stride * (out_length - 1) + 1
+    taps = jnp.stack([x[:, k:k + span:stride] for k in range(kernel)], axis=-1)  # [in, out_length, kernel]
+    # Patches as rows [out_length, in * kernel] against the weight as [out, in * kernel]: one plain
+    # matmul (batched over examples under vmap), the layout XLA's CPU backend runs fastest in a loop.
+    patches = jnp.transpose(taps, (1, 0, 2)).reshape(out_length, -1)
+    y = (patches @ conv.weight.reshape(conv.weight.shape[0], -1).T).T
+    return y if conv.bias is None else y + conv.bias
