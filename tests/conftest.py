@@ -13,3 +13,13 @@ def getkey():
     counter = itertools.count()
     root = jax.random.key(0)
     return lambda: jax.random.fold_in(root, next(counter))
+
+
+@pytest.fixture(scope="session")
+def mnist1d_dir(tmp_path_factory):
+    """A data directory holding the generated MNIST-1D cache (generated once per test session)."""
+    from research.data import load_mnist1d
+
+    path = tmp_path_factory.mktemp("mnist1d")
+    load_mnist1d(path)
+    return path

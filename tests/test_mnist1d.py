@@ -33,11 +33,9 @@ spec.loader.exec_module(mnist1d)
 EXPECTED_SHA256 = "5e08680b0ba986dcff32fb06f6ad58fd0369178ee6e8e8c6dd1b87e60c1d82b4"
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data")
-    load_mnist1d(path)
-    return path
+@pytest.fixture
+def data_dir(mnist1d_dir):
+    return mnist1d_dir
 
 
 def test_generation_is_byte_identical_and_has_the_published_shapes(data_dir, tmp_path):

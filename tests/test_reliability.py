@@ -72,16 +72,25 @@ def kill_when_checkpointed(cwd, run_dir, args, name="xor", min_checkpoints=2, ti
 
 
 KILL_CASES = {
-    # name: (experiment, args)
+    # name: (experiment, args); MNIST-1D cases also get `--data-dir` of the session's generated data.
     "xor": ("xor", ["--epochs", "300", "--steps-per-call", "5", "--log-every", "50", "--eval-every", "570",
                     "--checkpoint-every", "190", "--keep-checkpoints", "2"]),
+    # the reference CNN, several steps per compiled call, checkpoints between evaluations
+    "mnist1d-cnn": ("mnist1d", ["--model", "cnn", "--steps", "800", "--steps-per-call", "10", "--log-every", "50",
+                                "--eval-every", "400", "--checkpoint-every", "100", "--keep-checkpoints", "2"]),
+    # BatchNorm running statistics (model state) and an EMA of the weights in the checkpoint
+    "mnist1d-resnet-ema": ("mnist1d", ["--model", "resnet", "--ema-decay", "0.99", "--steps", "160",
+                                       "--log-every", "20", "--eval-every", "80", "--checkpoint-every", "40",
+                                       "--keep-checkpoints", "2"]),
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(KILL_CASES))
-def test_a_run_killed_with_sigkill_resumes_to_bit_identical_results(tmp_path, case):
+def test_a_run_killed_with_sigkill_resumes_to_bit_identical_results(tmp_path, case, request):
     experiment, args = KILL_CASES[case]
+    if experiment == "mnist1d":
+        args = [*args, "--data-dir", str(request.getfixturevalue("mnist1d_dir"))]
     assert run_script(tmp_path, *args, "--run-dir", "straight", name=experiment).returncode == 0
     killed = kill_when_checkpointed(tmp_path, "killed", args, name=experiment)
     assert not (killed / "summary.json").exists()

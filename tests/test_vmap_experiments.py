@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 
-from research.data import load_mnist1d
 from research.per_example import default_max_batch_size, dp_sgd_epsilon
 
 ROOT = Path(__file__).parent.parent
@@ -19,11 +18,9 @@ def load(name):
     return module
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data")
-    load_mnist1d(path)
-    return str(path)
+@pytest.fixture
+def data_dir(mnist1d_dir):
+    return str(mnist1d_dir)
 
 
 @pytest.mark.slow
