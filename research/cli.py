@@ -150,11 +150,18 @@ class _OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends `(default: ...)` to each option's help, unless the help already says what the default is
+    or the default is None (unset: the help says what happens then)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        return text if "default:" in text or action.default is None else super()._get_help_string(action)
+
+
 def build_parser(config_class: type[TrainConfig], prog: str | None = None, description: str | None = None) -> argparse.ArgumentParser:
     parser = _OneLineParser(
-        prog=prog, description=description or config_class.__doc__,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+        prog=prog, description=description or config_class.__doc__, formatter_class=_DefaultsHelpFormatter)
     for field in dataclasses.fields(config_class):
         tp, _ = _strip_optional(_field_type(config_class, field.name))
         kwargs: dict[str, Any] = {"default": field.default, "help": field.metadata.get("help", " "),

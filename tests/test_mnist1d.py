@@ -158,6 +158,8 @@ def test_the_script_generates_the_data_trains_the_cnn_and_prints_the_summary(dat
     assert cache_path(tmp_path / "data").read_bytes() == cache_path(data_dir).read_bytes()
     summary = json.loads((tmp_path / "r/summary.json").read_text())
     assert f"mnist1d: test accuracy {100 * summary['test_accuracy']:.2f}%" in result.stdout
+    verdict = "at or above" if summary["test_accuracy"] >= 0.94 else "BELOW"
+    assert f"cnn: {100 * summary['test_accuracy']:.2f}% is {verdict} the published 94% (Greydanus 2020)" in result.stdout
     assert summary["step"] == 200 and summary["test_accuracy"] > 0.5
     help_text = build_parser(mnist1d.Config).format_help()
     assert "{logistic,mlp,cnn,gru,resnet,transformer}" in help_text and "default: per model" in help_text
