@@ -1,7 +1,8 @@
 """Every kind of bad input is refused with one clear line and exit status 2, and overwrites nothing.
 
-`CASES` is the table: (id, command-line arguments, what the message must say, set-up). Set-ups
-prepare a run directory or swap the data set before the command runs.
+`CASES` is the table: (id, command-line arguments, what the message must say, set-up[, experiment]).
+Set-ups prepare a run directory or swap the data set before the command runs; the experiment is
+`xor` unless named (`mnist1d`, for options only it has).
 """
 
 import importlib.util
@@ -18,16 +19,21 @@ ROOT = Path(__file__).parent.parent
 spec = importlib.util.spec_from_file_location("xor_experiment_bad_input", ROOT / "experiments" / "xor.py")
 xor = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(xor)
+spec = importlib.util.spec_from_file_location("mnist1d_experiment_bad_input", ROOT / "experiments" / "mnist1d.py")
+mnist1d = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mnist1d)
 
-QUICK = ["--epochs", "1", "--no-progress", "--train-size", "256", "--test-size", "64", "--batch-size", "32"]
+QUICK = {"xor": ["--epochs", "1", "--no-progress", "--train-size", "256", "--test-size", "64", "--batch-size", "32"],
+         "mnist1d": ["--steps", "1", "--no-progress"]}
 
 
 def finished_run(tmp_path, monkeypatch):
-    run_main(QUICK + ["--run-dir", "r"])
+    run_main(QUICK["xor"] + ["--run-dir", "r"])
 
 
-def run_main(argv):
-    main_entry(xor.main, xor.Config, argv)
+def run_main(argv, experiment="xor"):
+    module = {"xor": xor, "mnist1d": mnist1d}[experiment]
+    main_entry(module.main, module.Config, argv)
 
 
 class ThreeFeatureXOR(XORDataset):
@@ -90,6 +96,12 @@ CASES = [
      swap_dataset(ThreeFeatureXOR)),
     ("labels of the wrong dtype", [], "the data does not fit the model: research.train._state.classification_metrics "
      "parameter 'labels' got f32[32]", swap_dataset(FloatLabelXOR)),
+    # in this process JAX has started with one CPU device: no more can be simulated
+    ("more devices than exist", ["--devices", "4"], "--devices 4: JAX already started with 1 CPU device(s)", None),
+    ("batch not divisible by the devices", ["--devices", "3"], "--batch-size 32 is not divisible by the 3 devices", None),
+    ("unknown model", ["--model", "vgg"], "argument --model: invalid choice: 'vgg' (choose from 'logistic', 'mlp'",
+     None, "mnist1d"),
+    ("EMA decay of 1 or more", ["--ema-decay", "1.5"], "--ema-decay must be in [0, 1) (got 1.5)", None, "mnist1d"),
 ]
 
 
@@ -99,7 +111,8 @@ def snapshot(root):
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_is_refused_with_one_line_and_exit_2(case, tmp_path, monkeypatch, capsys):
-    _, argv, message, setup = case
+    _, argv, message, setup, *named = case
+    experiment = named[0] if named else "xor"
     monkeypatch.chdir(tmp_path)
     if setup is not None:
         setup(tmp_path, monkeypatch)
@@ -107,7 +120,7 @@ def test_bad_input_is_refused_with_one_line_and_exit_2(case, tmp_path, monkeypat
     before = snapshot(tmp_path)
 
     with pytest.raises(SystemExit) as info:
-        run_main(QUICK + argv)
+        run_main(QUICK[experiment] + argv, experiment)
 
     assert info.value.code == 2, "a bad input must exit with status 2"
     err = capsys.readouterr().err.strip()
@@ -120,4 +133,4 @@ def test_bad_input_is_refused_with_one_line_and_exit_2(case, tmp_path, monkeypat
 
 
 def test_the_table_covers_the_kinds_of_bad_input():
-    assert len(CASES) >= 20
+    assert len(CASES) >= 25
