@@ -110,7 +110,8 @@ def test_loaders_serve_the_same_examples_on_the_device_and_through_torch(data_di
 
 def test_config_resolves_the_per_model_recipe_and_refuses_unknown_models():
     cnn = mnist1d.Config(model="cnn").resolved()
-    assert (cnn.lr, cnn.batch_size, cnn.steps, cnn.weight_decay, cnn.steps_per_call) == (1e-2, 100, 8000, 0.0, 1)
+    assert (cnn.lr, cnn.batch_size, cnn.steps, cnn.weight_decay, cnn.schedule, cnn.steps_per_call) == (
+        1e-2, 32, 16000, 0.1, "cosine", 100)
     mine = mnist1d.Config(model="transformer", lr=3e-4, steps=10).resolved()
     assert (mine.lr, mine.steps, mine.batch_size) == (3e-4, 10, 100)
     with pytest.raises(ConfigError, match="--model must be one of logistic, mlp, cnn, gru, resnet, transformer"):
@@ -121,10 +122,11 @@ def test_config_resolves_the_per_model_recipe_and_refuses_unknown_models():
 
 # Few steps, and a transformer without dropout (each random draw adds about a second of XLA
 # compilation on this CPU): this checks each family learns, not the recipes.
-LEARNING = {  # model -> (steps, accuracy it must beat; chance is 0.1). Measured: .302 .593 .761 .539 .908 .697
+# The CNN's recipe takes batches of 32, hence more steps.
+LEARNING = {  # model -> (steps, accuracy it must beat; chance is 0.1). Measured: .302 .593 .630 .539 .908 .697
     "logistic": (300, 0.25),
     "mlp": (300, 0.45),
-    "cnn": (300, 0.6),
+    "cnn": (600, 0.5),
     "gru": (300, 0.4),
     "resnet": (200, 0.7),
     "transformer": (300, 0.5),
@@ -150,7 +152,7 @@ def test_each_model_learns_mnist1d(model, data_dir, tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_the_script_generates_the_data_trains_the_cnn_and_prints_the_summary(data_dir, tmp_path):
     result = subprocess.run(  # from the script's default data dir (./data), so it generates the data
-        [sys.executable, str(ROOT / "experiments/mnist1d.py"), "--model", "cnn", "--steps", "200",
+        [sys.executable, str(ROOT / "experiments/mnist1d.py"), "--model", "cnn", "--steps", "400",
          "--run-dir", "r", "--no-progress"],
         cwd=tmp_path, capture_output=True, text=True, timeout=300,
     )
@@ -160,6 +162,6 @@ def test_the_script_generates_the_data_trains_the_cnn_and_prints_the_summary(dat
     assert f"mnist1d: test accuracy {100 * summary['test_accuracy']:.2f}%" in result.stdout
     verdict = "at or above" if summary["test_accuracy"] >= 0.94 else "BELOW"
     assert f"cnn: {100 * summary['test_accuracy']:.2f}% is {verdict} the published 94% (Greydanus 2020)" in result.stdout
-    assert summary["step"] == 200 and summary["test_accuracy"] > 0.5
+    assert summary["step"] == 400 and summary["test_accuracy"] > 0.45  # measured 0.564
     help_text = build_parser(mnist1d.Config).format_help()
     assert "{logistic,mlp,cnn,gru,resnet,transformer}" in help_text and "default: per model" in help_text
