@@ -20,7 +20,6 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..data import Batch
-from ..state import RunningMean
 from ..train import CompiledTrainer, TrainState
 from ..train._compiled import Leaves, StepStats
 
@@ -76,15 +75,11 @@ class PmapTrainer(CompiledTrainer):
     def state(self, leaves: Leaves) -> TrainState:
         return self._combine([unreplicate(x) for x in leaves])
 
-    def init_stats(self, leaves: Leaves, batch: Batch) -> StepStats:
+    def metric_shapes(self, leaves: Leaves, batch: Batch) -> dict[str, jax.ShapeDtypeStruct]:
+        # One device's metrics, traced under vmap to bind the device axis.
         example = jax.tree.map(self._per_device, batch)
-        signature = str(jax.tree.map(lambda x: (x.shape, x.dtype), example))
-        shapes = self._metric_shapes.get(signature)
-        if shapes is None:  # one device's metrics, traced under vmap to bind the device axis
-            mapped = jax.eval_shape(jax.vmap(lambda l, b: self._one(l, b)[1], axis_name=DEVICE_AXIS), leaves, example)
-            shapes = self._metric_shapes[signature] = jax.tree.map(
-                lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), mapped)
-        return self.put_stats(StepStats.init(RunningMean.init(shapes)))
+        mapped = jax.eval_shape(jax.vmap(lambda l, b: self._one(l, b)[1], axis_name=DEVICE_AXIS), leaves, example)
+        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), mapped)
 
     def put_stats(self, stats: StepStats) -> StepStats:
         return jax.tree.map(self._replicate, stats)
@@ -132,9 +127,6 @@ class ShardedTrainer(CompiledTrainer):
 
     def state(self, leaves: Leaves) -> TrainState:
         return self._combine([local_copy(x) for x in leaves])
-
-    def init_stats(self, leaves: Leaves, batch: Batch) -> StepStats:
-        return self.put_stats(super().init_stats(leaves, batch))
 
     def put_stats(self, stats: StepStats) -> StepStats:
         return jax.tree.map(self._replicate, stats)

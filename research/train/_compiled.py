@@ -5,7 +5,11 @@ small model). Here the split into arrays and static structure happens once; each
 a plain list of arrays to a `jax.jit` function, which costs what hand-written JAX costs.
 """
 
+import dataclasses
+import functools
+import math
 import threading
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -15,7 +19,7 @@ import numpy as np
 from ..data import Batch
 from ..debug import RetraceLog
 from ..state import RunningMean
-from ..typing import Array, Int
+from ..typing import Array, Float, Int
 from ._state import LossFn, Metrics, TrainState, train_step
 
 Leaves = list[jax.Array]
@@ -24,36 +28,90 @@ NONFINITE_LOSS, NONFINITE_GRADIENT = 1, 2
 NONFINITE_NAMES = {NONFINITE_LOSS: "loss", NONFINITE_GRADIENT: "gradient"}
 
 
-class StepStats(eqx.Module):
-    """What the compiled steps accumulate on the device between two host synchronisations.
+# The names and shapes of the metrics packed into `StepStats.sums`, in order (sorted by name).
+Layout = tuple[tuple[str, tuple[int, ...]], ...]
 
-    - `metrics`: running means of the step metrics over finite steps.
-    - `first_bad_step`: the step index of the first non-finite loss or gradient (-1: none yet).
-    - `bad_quantity`: `NONFINITE_LOSS` or `NONFINITE_GRADIENT` for that step.
-    - `skipped`: number of steps whose update was skipped because it was not finite.
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("sums", "counters"), meta_fields=("layout",))
+@dataclasses.dataclass(frozen=True)
+class StepStats:
+    """What the compiled steps accumulate on the device between two host synchronisations, packed
+    into two vectors: every array in or out of a compiled call costs dispatch time, and a registered
+    dataclass is flattened and rebuilt by JAX's C++ pytree code (an `eqx.Module` runs Python).
+
+    - `sums`: the weighted sums of the step metrics over finite steps (in `layout` order), then the
+      total weight; `metrics` reads them as a `RunningMean`.
+    - `counters`: `first_bad_step` (the step index of the first non-finite loss or gradient, -1:
+      none yet), `bad_quantity` (`NONFINITE_LOSS` or `NONFINITE_GRADIENT` for that step), `skipped`
+      (steps whose update was skipped because it was not finite).
+    - `layout`: static; the name and shape of each metric in `sums`.
     """
 
-    metrics: RunningMean
-    first_bad_step: Int[Array, ""]
-    bad_quantity: Int[Array, ""]
-    skipped: Int[Array, ""]
+    sums: Float[Array, "*devices packed"]  # a leading device axis under `jax.pmap`
+    counters: Int[Array, "*devices 3"]
+    layout: Layout
 
     @staticmethod
-    def init(metrics: RunningMean) -> "StepStats":
-        return StepStats(metrics, jnp.asarray(-1, jnp.int32), jnp.asarray(0, jnp.int32), jnp.asarray(0, jnp.int32))
+    def init(layout: Layout) -> "StepStats":
+        size = sum(math.prod(shape) for _, shape in layout) + 1
+        return StepStats(jnp.zeros((size,), jnp.float32), jnp.asarray([-1, 0, 0], jnp.int32), layout)
+
+    @staticmethod
+    def from_window(total: dict[str, Any], weight: float, skipped: int, like: "StepStats") -> "StepStats":
+        """Statistics holding a saved logging window (`fit`'s `resume_window`), counters from `like`."""
+        packed = [np.ravel(np.asarray(total[name], np.float32)) for name, _ in like.layout]
+        sums = jnp.asarray(np.concatenate([*packed, np.asarray([weight], np.float32)]))
+        return StepStats(sums, like.counters.at[2].set(skipped), like.layout)
+
+    @property
+    def metrics(self) -> RunningMean:
+        return RunningMean(unpack_sums(self.sums, self.layout), self.sums[-1])
+
+    @property
+    def first_bad_step(self) -> Int[Array, ""]:
+        return self.counters[0]
+
+    @property
+    def bad_quantity(self) -> Int[Array, ""]:
+        return self.counters[1]
+
+    @property
+    def skipped(self) -> Int[Array, ""]:
+        return self.counters[2]
 
     def record(self, step: Int[Array, ""], metrics: Metrics) -> "StepStats":
+        if [name for name, _ in self.layout] != sorted(metrics):
+            raise ValueError(f"the step's metrics {sorted(metrics)} are not the ones these statistics were made for "
+                             f"{[name for name, _ in self.layout]}; make them with the trainer's init_stats")
         loss_ok = jnp.isfinite(metrics["loss"])
         ok = loss_ok & jnp.isfinite(metrics["grad_norm"])
-        first = (self.first_bad_step < 0) & ~ok
-        clean = jax.tree.map(lambda v: jnp.where(ok, v, 0.0), metrics)
-        running, _ = self.metrics.update(clean, ok.astype(jnp.float32))
-        return StepStats(
-            running,
-            jnp.where(first, step, self.first_bad_step),
-            jnp.where(first, jnp.where(loss_ok, NONFINITE_GRADIENT, NONFINITE_LOSS), self.bad_quantity),
-            self.skipped + (~ok).astype(jnp.int32),
-        )
+        first = (self.counters[0] < 0) & ~ok
+        clean = [jnp.where(ok, jnp.ravel(metrics[name]).astype(jnp.float32), 0.0) for name, _ in self.layout]
+        counters = jnp.stack([
+            jnp.where(first, step, self.counters[0]),
+            jnp.where(first, jnp.where(loss_ok, NONFINITE_GRADIENT, NONFINITE_LOSS), self.counters[1]),
+            self.counters[2] + (~ok).astype(jnp.int32),
+        ])
+        return StepStats(self.sums + jnp.concatenate([*clean, ok.astype(jnp.float32)[None]]), counters, self.layout)
+
+
+def host_means(sums: np.ndarray, layout: Layout) -> dict[str, np.ndarray]:
+    """The running means of `StepStats.sums` fetched to the host (numpy: no device op per metric)."""
+    return {k: np.asarray(v / max(float(sums[-1]), 1e-30)) for k, v in unpack_sums(sums, layout).items()}
+
+
+def unpack_sums(sums, layout: Layout) -> dict:
+    total, start = {}, 0
+    for name, shape in layout:
+        size = math.prod(shape)
+        total[name] = sums[start:start + size].reshape(shape)
+        start += size
+    return total
+
+
+def layout_of(shapes: dict[str, Any]) -> Layout:
+    """The `StepStats` layout of a step's metrics (arrays or `jax.ShapeDtypeStruct`s)."""
+    return tuple((name, tuple(value.shape)) for name, value in sorted(shapes.items()))
 
 
 class CompiledTrainer:
@@ -72,8 +130,9 @@ class CompiledTrainer:
     on the first retrace of a function, which argument changed (`traces.explanations`).
 
     This trainer runs on one device. The data-parallel trainers of `research.parallel` subclass it
-    and override the placement methods (`place`, `state`, `init_stats`, `put_stats`, `put_batch`,
-    `put_data`, `put_indices`, `host`), which are all `fit` uses to move things between host and devices.
+    and override the placement methods (`place`, `state`, `put_stats`, `put_batch`, `put_data`,
+    `put_indices`, `host`), which are all `fit` uses to move things between host and devices, and
+    `metric_shapes` (what one device's step returns).
     """
 
     parallel = False  # True for the multi-device subclasses
@@ -88,7 +147,7 @@ class CompiledTrainer:
         self.num_traces = {"step": 0, "run": 0}
         self.traces = RetraceLog()
         self._leaf_names: list[str] | None = None
-        self._metric_shapes: dict[str, Metrics] = {}
+        self._layouts: dict[str, Layout] = {}
         self._step = jax.jit(self._step_impl, donate_argnums=(0, 1))
         self._run = jax.jit(self._run_impl, donate_argnums=(0, 1))
 
@@ -152,13 +211,16 @@ class CompiledTrainer:
         return tree
 
     def init_stats(self, leaves: Leaves, batch: Batch) -> StepStats:
-        """Zeroed step statistics with the structure of the step's metrics."""
+        """Zeroed step statistics laid out for the step's metrics, placed by `put_stats`."""
         signature = str(jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)), batch))
-        shapes = self._metric_shapes.get(signature)
-        if shapes is None:
-            shapes = jax.eval_shape(lambda l, b: self._one(l, b)[1], leaves, batch)
-            self._metric_shapes[signature] = shapes
-        return StepStats.init(RunningMean.init(shapes))
+        layout = self._layouts.get(signature)
+        if layout is None:
+            layout = self._layouts[signature] = layout_of(self.metric_shapes(leaves, batch))
+        return self.put_stats(StepStats.init(layout))
+
+    def metric_shapes(self, leaves: Leaves, batch: Batch) -> dict[str, jax.ShapeDtypeStruct]:
+        """The shapes of one step's metrics (traced, not run)."""
+        return jax.eval_shape(lambda l, b: self._one(l, b)[1], leaves, batch)
 
     # -- compiled functions ------------------------------------------------------------------
     def _one(self, leaves: Leaves, batch: Batch) -> tuple[Leaves, Metrics]:
@@ -226,7 +288,7 @@ class CompiledTrainer:
     ) -> tuple[Leaves, StepStats]:
         """`num_steps` steps in one compiled call on device-resident `data`; step `i` uses the examples
         `indices[i]`. `indices` has a fixed number of rows (>= num_steps) so the call compiles once."""
-        return self._run(leaves, stats, data, indices, jnp.asarray(num_steps, jnp.int32))
+        return self._run(leaves, stats, data, indices, np.int32(num_steps))
 
 
 @jax.jit

@@ -15,9 +15,8 @@ from jaxtyping import TypeCheckError
 from ..data import Batch, DataError, DeviceLoader, TorchLoader
 from ..debug import describe_nan_error
 from ..progress import Progress
-from ..state import RunningMean
 from ._checkpoint import save_checkpoint
-from ._compiled import NONFINITE_NAMES, CompiledTrainer, StepStats, _copy, compiled_trainer
+from ._compiled import NONFINITE_NAMES, CompiledTrainer, StepStats, _copy, unpack_sums, compiled_trainer, host_means
 from ._evaluate import evaluate, evaluate_state
 from ._rundir import RunDir
 from ._state import LossFn, TrainState, classification_loss
@@ -54,14 +53,14 @@ def _summarise_type_error(error: TypeCheckError) -> str:
 
 def window_to_header(stats: StepStats) -> dict[str, Any]:
     """The running metrics of an unfinished logging window, exactly, as JSON (float32 -> float is exact)."""
-    total, weight, skipped = jax.device_get((stats.metrics.total, stats.metrics.weight, stats.skipped))
-    return {"total": {k: float(v) for k, v in total.items()}, "weight": float(weight), "skipped": int(skipped)}
+    sums, counters = jax.device_get((stats.sums, stats.counters))
+    total = unpack_sums(sums, stats.layout)
+    return {"total": {k: np.asarray(v).tolist() for k, v in total.items()}, "weight": float(sums[-1]),
+            "skipped": int(counters[2])}
 
 
 def _window_from_header(window: dict[str, Any], like: StepStats) -> StepStats:
-    total = {k: jnp.asarray(window["total"][k], jnp.float32) for k in like.metrics.total}
-    metrics = RunningMean(total, jnp.asarray(window["weight"], jnp.float32))
-    return StepStats(metrics, like.first_bad_step, like.bad_quantity, jnp.asarray(window["skipped"], jnp.int32))
+    return StepStats.from_window(window["total"], window["weight"], window["skipped"], like)
 
 
 def fit(
@@ -188,8 +187,9 @@ def fit(
             record: dict[str, Any] = {}
             if step % log_every == 0 or step == num_steps:
                 local = trainer.host(stats)
-                metrics, skipped = jax.device_get((local.metrics.mean(), local.skipped))
-                train_metrics = {k: float(v) for k, v in metrics.items()}
+                sums, counters = jax.device_get((local.sums, local.counters))  # one transfer, then numpy
+                train_metrics = {k: float(v) for k, v in host_means(sums, local.layout).items()}
+                skipped = counters[2]
                 now = time.perf_counter()
                 record.update({f"train/{k}": v for k, v in train_metrics.items()})
                 if skip_nonfinite:
@@ -228,7 +228,7 @@ def fit(
 
 
 def _raise_if_nonfinite(stats: StepStats, run: RunDir | None) -> None:
-    bad_step, quantity = (int(x) for x in jax.device_get((stats.first_bad_step, stats.bad_quantity)))
+    bad_step, quantity = (int(x) for x in jax.device_get(stats.counters)[:2])
     if bad_step < 0:
         return
     kept = run.checkpoint_paths()[-1] if run is not None and run.checkpoint_paths() else None

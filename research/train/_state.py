@@ -13,6 +13,7 @@ from jaxtyping import Key
 from ..data import Batch
 from ..state import EMA
 from ..typing import Array, Bool, Float, Int, KeyData, PRNGKeyArray, PyTree, typecheck
+from ._keys import split_key_data
 
 Metrics = dict[str, Float[Array, ""]]
 # loss_fn(model, model_state, batch, key) -> (loss, (metrics, new_model_state)). A loss object may also
@@ -170,6 +171,15 @@ def classification_loss(
     return loss, ({"loss": loss, "accuracy": jnp.mean(correct.astype(jnp.float32))}, model_state)
 
 
+def _split(key_data: KeyData) -> tuple[KeyData, PRNGKeyArray]:
+    """`jax.random.split` of the state's key: (next state key data, this step's key)."""
+    if key_data.shape == (2,) and jax.config.jax_default_prng_impl == "threefry2x32":
+        key, step_key = split_key_data(key_data)  # the same bits without XLA's CPU while loop
+        return key, jax.random.wrap_key_data(step_key)
+    key, step_key = jax.random.split(jax.random.wrap_key_data(key_data))
+    return jax.random.key_data(key), step_key
+
+
 def train_step(
     state: TrainState, batch: Batch, loss_fn: LossFn = classification_loss, *, axis_name: str | None = None
 ) -> tuple[TrainState, Metrics]:
@@ -186,7 +196,7 @@ def train_step(
     has in the whole batch. (BatchNorm layers must reduce over that axis too: build them with
     `axis_name=(device_axis, "batch")`.)
     """
-    key, step_key = jax.random.split(jax.random.wrap_key_data(state.key))
+    key, step_key = _split(state.key)
     grad_fn = getattr(loss_fn, "value_and_grad", None) or eqx.filter_value_and_grad(loss_fn, has_aux=True)
     with _batch_split_over(axis_name):
         (_, (metrics, model_state)), grads = grad_fn(state.model, state.model_state, batch, step_key)
@@ -201,7 +211,7 @@ def train_step(
         model=model,
         model_state=model_state,
         opt_state=opt_state,
-        key=jax.random.key_data(key),
+        key=key,
         optimizer=state.optimizer,
         ema=ema,
     )
