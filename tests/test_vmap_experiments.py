@@ -4,6 +4,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from research.per_example import default_max_batch_size, dp_sgd_epsilon
@@ -51,6 +52,8 @@ def test_ensemble_members_match_sequential_runs_and_the_ensemble_is_reported(dat
     summary = ensemble.main(config)
     assert len(summary["member_test_accuracy"]) == 3 and summary["ensemble_test_accuracy"] > 0.15
     assert summary["max_parameter_difference"] < 1e-5  # vmapped members == members trained alone
+    np.testing.assert_allclose(summary["sequential_member_test_accuracy_mean"], summary["member_test_accuracy_mean"],
+                               atol=1e-6)
     assert summary["vmapped_wall_seconds"] > 0 and summary["sequential_wall_seconds"] > 0
     assert json.loads((tmp_path / "run/summary.json").read_text()) == summary
     assert "member test accuracy" in capsys.readouterr().out
