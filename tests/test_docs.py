@@ -4,6 +4,9 @@
 - ```console blocks: `$ command` lines; the lines after one must appear in its output, where `...`
   stands for any text.
 - ```python blocks run as they are; ```python file=PATH blocks, put together, must be that file.
+- ```shell blocks are long reproductions (docs/results.md: hours of training) that are not run; each
+  `./scripts/run` command in them must still parse (its experiment and flags exist), with a loop
+  variable read as its first value (`for seed in 0 1 2` -> `$seed` is 0).
 
 Commands run in-process (no new interpreter per command: JAX takes seconds to import) in a fresh
 directory per document, with `CI=true` so progress comes as plain lines. `./scripts/test` and
@@ -21,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from research.cli import main_entry
+from research.cli import main_entry, parse_config
 from research.experiment import EXPERIMENTS_DIR, load_experiment
 from research.tools import compare_runs, plot_runs, show_jaxpr
 
@@ -86,6 +89,20 @@ def check_console(body: str, monkeypatch) -> None:
             expected.append(line)
 
 
+def check_parses(body: str) -> None:
+    """Every `./scripts/run EXPERIMENT FLAGS` in a shell block names an experiment and valid flags."""
+    body = re.sub(r"\\\n", " ", body)
+    first = {name: values.split()[0] for name, values in re.findall(r"for (\w+) in ([^;]+);", body)}
+    for command in re.findall(r"\./scripts/run [^;&|\n]+", body):
+        words = shlex.split(re.sub(r"\$\{?(\w+)\}?", lambda m: first.get(m[1], "0"), command), comments=True)
+        module = load_experiment(words[1])
+        with contextlib.redirect_stderr(io.StringIO()) as err:
+            try:
+                parse_config(module.Config, words[2:])
+            except SystemExit:
+                raise AssertionError(f"`{command}` does not parse: {err.getvalue().strip()}") from None
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
 def test_every_command_and_code_block_runs_as_shown(doc, tmp_path, monkeypatch):
@@ -100,6 +117,8 @@ def test_every_command_and_code_block_runs_as_shown(doc, tmp_path, monkeypatch):
                     assert result is None or result[0] == 0, f"`{line}` failed:\n{result[1]}"
         elif lang == "console":
             check_console(body, monkeypatch)
+        elif lang == "shell":
+            check_parses(body)
         elif lang == "python" and info.startswith("file="):
             files.setdefault(info.removeprefix("file="), []).append(body)
         elif lang == "python":
