@@ -11,10 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import torch.utils.data
 
 from .cli import ConfigError, TrainConfig
-from .data import Batch, DeviceLoader, TorchLoader
+from .data import Batch, DeviceLoader, HostLoader, TorchLoader
 from .parallel import check_device_count, make_strategy
 from .tools.plot_runs import plot_runs
 from .train import LossFn, RunDir, TensorBoardTracker, TrainState, classification_loss, fit, load_checkpoint
@@ -95,7 +94,7 @@ class Setup:
 
     build_state: Callable[[], TrainState]
     train_data: DeviceLoader | TorchLoader
-    eval_data: DeviceLoader | torch.utils.data.DataLoader
+    eval_data: DeviceLoader | HostLoader
     num_steps: int
     loss_fn: LossFn = classification_loss
     lr_schedule: Callable[[int], Any] | None = None

@@ -1,4 +1,6 @@
 import itertools
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -99,3 +101,14 @@ def test_torch_loader_resumes_at_any_step_with_the_same_batches():
     for a, b in zip(straight[7:], resumed):
         np.testing.assert_array_equal(a, b)
     assert not np.array_equal(straight[0], straight[5])  # epochs are shuffled differently
+
+
+def test_the_library_and_an_experiment_on_device_data_do_not_import_torch(tmp_path):
+    """torch takes ~2 s to import: only making a DataLoader (`--loader torch`) may pay for it."""
+    code = ("import sys, research, research.data, research.train, research.experiment, research.nn, "
+            "research.parallel, research.per_example, research.ensemble; print('torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "False", result.stderr
+    loader = make_dataloader(XORDataset(8, seed=0), 4, shuffle=False)  # this one needs torch, imported lazily
+    assert [labels.tolist() for _, labels in loader] == [XORDataset(8, seed=0).labels[:4].tolist(),
+                                                         XORDataset(8, seed=0).labels[4:].tolist()]

@@ -1,10 +1,11 @@
-from collections.abc import Iterator, Sequence
-from typing import Any, Literal, NamedTuple
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 
 import jax
 import numpy as np
-import torch
-import torch.utils.data
+
+# torch is imported where a DataLoader is made, not here: it takes ~2 s to import, and runs on
+# device-resident data never need it.
 
 
 class DataError(ValueError):
@@ -19,6 +20,22 @@ class Batch(NamedTuple):
     labels: Any
 
 
+@runtime_checkable
+class Dataset(Protocol):
+    """A map-style dataset as torch's `DataLoader` takes one: `len(dataset)` examples, `dataset[i]`
+    an `(input, label)` pair. A `torch.utils.data.Dataset` subclass is one; so is any class with
+    these two methods (`XORDataset`, `ArrayDataset`)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> Any: ...
+
+
+# What `fit` and `evaluate` take besides a `DeviceLoader`: a torch DataLoader of numpy batches
+# (annotated structurally, so that importing this module does not import torch).
+HostLoader = Iterable
+
+
 def numpy_collate(samples: Sequence[Any]) -> Any:
     """`collate_fn` for `torch.utils.data.DataLoader` that builds numpy arrays instead of tensors."""
     first = samples[0]
@@ -29,7 +46,7 @@ def numpy_collate(samples: Sequence[Any]) -> Any:
     return np.asarray(samples)
 
 
-def dataset_arrays(dataset: torch.utils.data.Dataset) -> Batch:
+def dataset_arrays(dataset: Dataset) -> Batch:
     """The whole of an in-memory dataset as two numpy arrays (inputs, labels)."""
     if hasattr(dataset, "inputs") and hasattr(dataset, "labels"):
         return Batch(np.asarray(dataset.inputs), np.asarray(dataset.labels))
@@ -48,15 +65,17 @@ def _check_batch_size(batch_size: int, size: int) -> None:
 
 
 def make_dataloader(
-    dataset: torch.utils.data.Dataset,
+    dataset: Dataset,
     batch_size: int,
     *,
     shuffle: bool,
     seed: int = 0,
     drop_last: bool = False,
     num_workers: int = 0,
-) -> torch.utils.data.DataLoader:
+) -> HostLoader:
     """A torch `DataLoader` that yields numpy batches, shuffled by its own seeded generator."""
+    import torch.utils.data
+
     _check_batch_size(batch_size, len(dataset))
     return torch.utils.data.DataLoader(
         dataset,
@@ -76,7 +95,7 @@ class TorchLoader:
     is dropped so that every step has the same shape (one compilation).
     """
 
-    def __init__(self, dataset: torch.utils.data.Dataset, batch_size: int, *, seed: int, num_workers: int = 0):
+    def __init__(self, dataset: Dataset, batch_size: int, *, seed: int, num_workers: int = 0):
         _check_batch_size(batch_size, len(dataset))
         self.dataset = dataset
         self.batch_size = batch_size
@@ -131,7 +150,7 @@ class DeviceLoader:
         self._order_cache: tuple[int, np.ndarray] | None = None
 
     @classmethod
-    def from_dataset(cls, dataset: torch.utils.data.Dataset, batch_size: int, **kwargs: Any) -> "DeviceLoader":
+    def from_dataset(cls, dataset: Dataset, batch_size: int, **kwargs: Any) -> "DeviceLoader":
         inputs, labels = dataset_arrays(dataset)
         return cls(inputs, labels, batch_size, **kwargs)
 
@@ -160,8 +179,9 @@ class DeviceLoader:
             yield Batch(self.host.inputs[index], self.host.labels[index]), mask.astype(np.float32)
 
 
-class ArrayDataset(torch.utils.data.Dataset):
-    """In-memory examples `(inputs[i], labels[i])` as a torch Dataset (`dataset_arrays` reads the arrays whole)."""
+class ArrayDataset:
+    """In-memory examples `(inputs[i], labels[i])` as a map-style dataset for a torch DataLoader
+    (`dataset_arrays` reads the arrays whole)."""
 
     def __init__(self, inputs: np.ndarray, labels: np.ndarray):
         if len(inputs) != len(labels):
@@ -184,7 +204,7 @@ def train_and_eval_loaders(
     seed: int,
     kind: Literal["device", "torch"] = "device",
     eval_batch_size: int | None = None,
-) -> tuple[DeviceLoader | TorchLoader, DeviceLoader | torch.utils.data.DataLoader]:
+) -> tuple[DeviceLoader | TorchLoader, DeviceLoader | HostLoader]:
     """The training and evaluation loaders of an in-memory data set, the two ways `fit` accepts.
 
     `kind="device"`: `DeviceLoader`s (arrays on the device, several steps per compiled call);

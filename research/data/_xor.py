@@ -1,11 +1,11 @@
 import numpy as np
-import torch.utils.data
 
 from ..typing import typecheck
 
 
-class XORDataset(torch.utils.data.Dataset):
+class XORDataset:
     """Noisy XOR: corners of {0,1}^2 plus Gaussian noise, labelled 1 when exactly one coordinate is 1.
+    A map-style dataset (`len`, `[i]`) for a torch DataLoader or `DeviceLoader.from_dataset`.
 
     Generated once from `np.random.default_rng(seed)`, so the same seed always gives the same points.
 

@@ -5,9 +5,8 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-import torch.utils.data
 
-from ..data import Batch, DeviceLoader
+from ..data import Batch, DeviceLoader, HostLoader
 from ..progress import Progress
 from ..typing import Array, Float, typecheck
 from ._state import TrainState, classification_metrics, forward
@@ -37,7 +36,7 @@ def _padded(batches: Iterable[Batch], batch_size: int) -> Iterable[tuple[Batch, 
 def evaluate(
     model: eqx.Module,
     model_state: eqx.nn.State | None,
-    data: DeviceLoader | torch.utils.data.DataLoader,
+    data: DeviceLoader | HostLoader,
     *,
     progress: bool = False,
 ) -> dict[str, float]:
@@ -71,7 +70,7 @@ def evaluate(
 
 
 def evaluate_state(
-    state: TrainState, data: DeviceLoader | torch.utils.data.DataLoader, *, progress: bool = False
+    state: TrainState, data: DeviceLoader | HostLoader, *, progress: bool = False
 ) -> tuple[dict[str, float], dict[str, float] | None]:
     """`(metrics, raw_metrics)` of a TrainState: `metrics` of the model it stands for (the EMA
     `(model, model_state)` when `state.ema` is set, else the trained model) and `raw_metrics` of the

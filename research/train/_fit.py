@@ -9,10 +9,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import torch.utils.data
 from jaxtyping import TypeCheckError
 
-from ..data import Batch, DataError, DeviceLoader, TorchLoader
+from ..data import Batch, DataError, DeviceLoader, HostLoader, TorchLoader
 from ..debug import describe_nan_error
 from ..progress import Progress
 from ._checkpoint import save_checkpoint
@@ -69,7 +68,7 @@ def fit(
     *,
     num_steps: int,
     loss_fn: LossFn = classification_loss,
-    eval_data: DeviceLoader | torch.utils.data.DataLoader | None = None,
+    eval_data: DeviceLoader | HostLoader | None = None,
     eval_every: int | None = None,
     log_every: int = 100,
     steps_per_call: int = 1,
