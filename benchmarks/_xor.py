@@ -15,7 +15,7 @@ from research.nn import MLP
 from research.train import TrainState, classification_loss, compiled_trainer, fit
 
 from ._frameworks import FLAX_MISSING, have_flax
-from ._timing import Timing, interleave, timed
+from ._timing import interleave, timed
 
 LR, BATCH, TRAIN_SIZE, TEST_SIZE, EPOCHS = 0.1, 128, 2500, 500, 100
 

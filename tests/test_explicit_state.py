@@ -17,7 +17,6 @@ from research.train import (
     fit,
     forward,
     load_checkpoint,
-    train_step,
 )
 from research.typing import Array, Float, PRNGKeyArray, typecheck
 

@@ -1,7 +1,6 @@
 """Reliability: bit-identical reruns, resume after SIGKILL, damaged checkpoints, NaNs, bad input."""
 
 import importlib.util
-import os
 import signal
 import subprocess
 import sys

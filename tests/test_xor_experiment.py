@@ -7,8 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jax
-import numpy as np
 import pytest
 
 from research.data import DeviceLoader, XORDataset

@@ -7,7 +7,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jaxtyping import TypeCheckError
 
@@ -16,7 +15,7 @@ from ..debug import describe_nan_error
 from ..progress import Progress
 from ._checkpoint import save_checkpoint
 from ._compiled import NONFINITE_NAMES, CompiledTrainer, StepStats, _copy, unpack_sums, compiled_trainer, host_means
-from ._evaluate import evaluate, evaluate_state
+from ._evaluate import evaluate_state
 from ._rundir import RunDir
 from ._state import LossFn, TrainState, classification_loss
 from ._tracking import JsonlTracker, MultiTracker, Tracker
