@@ -2,17 +2,19 @@
 
 import json
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
-from research.data import Batch
+from research.data import Batch, XORDataset
 from research.nn import MLP
 from research.state import RunningMean
-from research.train import TrainState, train_step
+from research.train import CompiledTrainer, TrainState, classification_loss, compiled_trainer, train_step
 from research.train._compiled import NONFINITE_LOSS, StepStats, host_means, layout_of
+from research.train._packing import PACK_LIMIT, Packing
 from research.train._fit import _window_from_header, window_to_header
 from research.train._keys import split_key_data
 
@@ -72,3 +74,70 @@ def test_statistics_refuse_metrics_they_were_not_laid_out_for():
     stats = StepStats.init(layout_of(step_metrics(0, 0, 0)))
     with pytest.raises(ValueError, match="init_stats"):
         stats.record(jnp.int32(0), {**step_metrics(0, 0, 0), "extra": jnp.float32(1)})
+
+
+def test_packing_round_trips_every_leaf_bitwise_and_leaves_other_dtypes_out_of_the_buffer():
+    leaves = [jnp.float32(-0.0), jnp.asarray([[1.5, np.nan], [np.inf, -2.0]], jnp.float32), jnp.int32(-7),
+              jnp.asarray([3, 2**32 - 1], jnp.uint32), jnp.asarray([1, 2], jnp.bfloat16), jnp.asarray([True, False])]
+    packing = Packing.of(leaves)
+    packed = jax.jit(packing.pack)(leaves)
+    assert packed[0].dtype == jnp.uint32 and packed[0].shape == (1 + 4 + 1 + 2,)
+    assert [x.dtype for x in packed[1:]] == [jnp.bfloat16, jnp.bool_]
+    for before, after in zip(leaves, jax.jit(packing.unpack)(packed), strict=True):
+        assert after.dtype == before.dtype and after.shape == before.shape
+        np.testing.assert_array_equal(np.atleast_1d(after).view(np.uint8), np.atleast_1d(before).view(np.uint8))
+
+
+def test_only_small_states_with_several_32_bit_leaves_are_packed():
+    assert Packing.of([jnp.zeros(3), jnp.zeros((), jnp.int32)]) is not None
+    assert Packing.of([jnp.zeros(3), jnp.zeros(3, jnp.bfloat16)]) is None  # one 32-bit leaf: nothing to gain
+    assert Packing.of([jnp.zeros(PACK_LIMIT), jnp.zeros((), jnp.int32)]) is None
+
+
+def xor_state(optimizer=None):
+    model = MLP(2, 1, hidden=(8,), key=jax.random.key(0))
+    return TrainState.create(model, optimizer or optax.adam(1e-2), key=jax.random.key(1))
+
+
+def test_a_packed_trainer_runs_bitwise_like_an_unpacked_one():
+    data = XORDataset(256, seed=0)
+    arrays = Batch(jnp.asarray(data.inputs), jnp.asarray(data.labels))
+    indices = np.random.default_rng(0).integers(0, 256, (12, 32)).astype(np.int32)
+    state = xor_state()
+    packed = compiled_trainer(classification_loss, state)
+    assert packed.packing is not None and len(packed.leaves(state)) == 1
+    dynamic, static = eqx.partition(state, eqx.is_array)
+    plain = CompiledTrainer(classification_loss, static, jax.tree.structure(dynamic))
+    after_run, after_steps = [], []
+    for trainer in (packed, plain):
+        leaves = trainer.place(state)
+        stats = trainer.init_stats(leaves, Batch(arrays.inputs[:32], arrays.labels[:32]))
+        leaves, stats = trainer.run(leaves, stats, arrays, indices[:10], 10)  # ten steps in one loop
+        model = jax.tree.leaves(eqx.filter(trainer.state(leaves), eqx.is_array))
+        after_run.append([np.asarray(x) for x in [*model, stats.sums, stats.counters]])
+        for index in indices[10:]:  # then two one call each
+            leaves, stats = trainer.step(leaves, stats, Batch(arrays.inputs[index], arrays.labels[index]))
+        after_steps.append(jax.tree.leaves(eqx.filter(trainer.state(leaves), eqx.is_array)))
+    # The loop body sees the same leaves, so XLA compiles it alike: the same bits.
+    for a, b in zip(*after_run, strict=True):  # the state's leaves, the metric sums and counters
+        np.testing.assert_array_equal(a, b)
+    # A single step is one straight-line program, which XLA fuses differently around the packing.
+    for a, b in zip(*after_steps, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8)
+
+
+def test_a_packed_trainer_names_the_leaf_whose_shape_or_dtype_does_not_fit():
+    state = xor_state()
+    trainer = compiled_trainer(classification_loss, state)
+    with pytest.raises(ValueError, match=r"differ from the ones the trainer packs: state\.step: int32\[\] -> float32\[\]"):
+        trainer.leaves(eqx.tree_at(lambda s: s.step, state, jnp.float32(0)))
+
+    def grow(_, opt_state, params=None):  # an optimizer whose state changes shape: a broken step
+        return jax.tree.map(jnp.zeros_like, _), jnp.zeros(2)
+
+    broken = xor_state(optimizer=optax.GradientTransformation(lambda params: jnp.zeros(1), grow))
+    trainer = compiled_trainer(classification_loss, broken)
+    leaves = trainer.leaves(broken)
+    batch = Batch(jnp.zeros((4, 2)), jnp.zeros(4, jnp.int32))
+    with pytest.raises(ValueError, match=r"changed the shape or dtype.*state\.opt_state: float32\[1\] -> float32\[2\]"):
+        trainer.step(leaves, trainer.init_stats(leaves, batch), batch)

@@ -32,7 +32,8 @@ def show_jaxpr(experiment: str, argv: Sequence[str] = ()) -> str:
     batch = first_batch(setup.train_data)
     stats = trainer.init_stats(leaves, batch)
     jaxpr = trainer.step_jaxpr(leaves, stats, batch)
-    inputs = signature({**dict(zip(trainer.leaf_names(), leaves)), "stats": stats, "batch": batch})
+    inputs = signature({**dict(zip(trainer.leaf_names(), trainer.unpack(leaves), strict=True)), "stats": stats,
+                        "batch": batch})
     lines = [f"# one train step of {experiment}: {len(jaxpr.jaxpr.eqns)} equations; inputs in order:"]
     lines += [f"#   {i}: {name} {kind}" for i, (name, kind) in enumerate(inputs.items())]
     return "\n".join(lines) + "\n" + str(jaxpr)

@@ -2,7 +2,9 @@
 
 `eqx.filter_jit` flattens and hashes the whole model on every call (hundreds of microseconds on a
 small model). Here the split into arrays and static structure happens once; each call then passes
-a plain list of arrays to a `jax.jit` function, which costs what hand-written JAX costs.
+a plain list of arrays to a `jax.jit` function, which costs what hand-written JAX costs. A small
+state's leaves travel packed into one buffer (`_packing.py`), since each array in or out of a call
+costs dispatch time.
 """
 
 import dataclasses
@@ -20,6 +22,7 @@ from ..data import Batch
 from ..debug import RetraceLog
 from ..state import RunningMean
 from ..typing import Array, Float, Int
+from ._packing import Packing
 from ._state import LossFn, Metrics, TrainState, train_step
 
 Leaves = list[jax.Array]
@@ -95,6 +98,11 @@ class StepStats:
         return StepStats(self.sums + jnp.concatenate([*clean, ok.astype(jnp.float32)[None]]), counters, self.layout)
 
 
+def describe_spec(spec: tuple[tuple[int, ...], np.dtype]) -> str:
+    shape, dtype = spec
+    return f"{dtype.name}{list(shape)}"
+
+
 def host_means(sums: np.ndarray, layout: Layout) -> dict[str, np.ndarray]:
     """The running means of `StepStats.sums` fetched to the host (numpy: no device op per metric)."""
     return {k: np.asarray(v / max(float(sums[-1]), 1e-30)) for k, v in unpack_sums(sums, layout).items()}
@@ -120,7 +128,9 @@ class CompiledTrainer:
     Build it with `compiled_trainer(loss_fn, state)` (cached: the same structure reuses the same
     compiled code). The train loop works on `leaves = trainer.leaves(state)` and turns them back
     into a `TrainState` with `trainer.state(leaves)` only to evaluate or save. Leaves passed to
-    `step`/`run` are donated: do not use them (or a state built from them) afterwards.
+    `step`/`run` are donated: do not use them (or a state built from them) afterwards. With a
+    `packing` (small states; see `compiled_trainer`) `leaves` are the packed ones, and
+    `unpack(leaves)` gives one array per `leaf_names()` entry.
 
     With `skip_nonfinite=True` a step whose loss or gradient is NaN/Inf leaves the model, model
     state, optimizer state and EMA unchanged (the step counter, key and data still advance).
@@ -138,9 +148,10 @@ class CompiledTrainer:
     parallel = False  # True for the multi-device subclasses
 
     def __init__(self, loss_fn: LossFn, static: TrainState, treedef: jax.tree_util.PyTreeDef,
-                 skip_nonfinite: bool = False):
+                 skip_nonfinite: bool = False, packing: Packing | None = None):
         self.loss_fn = loss_fn
         self.skip_nonfinite = skip_nonfinite
+        self.packing = packing
         self._static = static
         self._treedef = treedef
         self.axis_name: str | None = None  # a device axis to average gradients over (pmap), see train_step
@@ -153,6 +164,7 @@ class CompiledTrainer:
 
     # -- conversions -------------------------------------------------------------------------
     def leaves(self, state: TrainState) -> Leaves:
+        """The arrays of `state` as `step` and `run` take them (packed when the trainer packs)."""
         dynamic, _ = eqx.partition(state, eqx.is_array)
         leaves, treedef = jax.tree.flatten(dynamic)
         if treedef != self._treedef:
@@ -160,7 +172,21 @@ class CompiledTrainer:
                 "this TrainState does not have the structure the trainer was compiled for "
                 f"(expected {self._treedef}, got {treedef})"
             )
-        return leaves
+        return self._pack(leaves, "this TrainState's leaves differ from the ones the trainer packs")
+
+    def unpack(self, leaves: Leaves) -> Leaves:
+        """One array per `leaf_names()` entry, from leaves as `step` and `run` take them."""
+        return leaves if self.packing is None else self.packing.unpack(leaves)
+
+    def _pack(self, leaves: Leaves, problem: str) -> Leaves:
+        if self.packing is None:
+            return leaves
+        specs = Packing.specs_of(leaves)
+        if specs != self.packing.specs:
+            changed = [f"{name}: {describe_spec(a)} -> {describe_spec(b)}"
+                       for name, a, b in zip(self.leaf_names(), self.packing.specs, specs, strict=True) if a != b]
+            raise ValueError(f"{problem}: {'; '.join(changed)}")
+        return self.packing.pack(leaves)
 
     def leaf_names(self) -> list[str]:
         """`state.model.layers[0].weight`, ...: the TrainState path of each leaf, for messages."""
@@ -179,7 +205,7 @@ class CompiledTrainer:
 
     def state(self, leaves: Leaves) -> TrainState:
         """The TrainState of `leaves`, usable on the host: to evaluate, save or return."""
-        return self._combine(leaves)
+        return self._combine(self.unpack(leaves))
 
     def _combine(self, leaves: Leaves) -> TrainState:
         return eqx.combine(jax.tree.unflatten(self._treedef, leaves), self._static)
@@ -220,7 +246,7 @@ class CompiledTrainer:
 
     def metric_shapes(self, leaves: Leaves, batch: Batch) -> dict[str, jax.ShapeDtypeStruct]:
         """The shapes of one step's metrics (traced, not run)."""
-        return jax.eval_shape(lambda l, b: self._one(l, b)[1], leaves, batch)
+        return jax.eval_shape(lambda l, b: self._one(self.unpack(l), b)[1], leaves, batch)
 
     # -- compiled functions ------------------------------------------------------------------
     def _one(self, leaves: Leaves, batch: Batch) -> tuple[Leaves, Metrics]:
@@ -248,12 +274,16 @@ class CompiledTrainer:
         return leaves, stats.record(step, metrics)
 
     def _step_impl(self, leaves: Leaves, stats: StepStats, batch: Batch) -> tuple[Leaves, StepStats]:
+        leaves = self.unpack(leaves)
         self._record_trace("step", leaves, stats=stats, batch=batch)
-        return self._record(leaves, stats, batch)
+        leaves, stats = self._record(leaves, stats, batch)
+        return self._pack(leaves, "the train step changed the shape or dtype of state leaves"), stats
 
     def _run_impl(
         self, leaves: Leaves, stats: StepStats, data: Batch, indices: jax.Array, num_steps: jax.Array
     ) -> tuple[Leaves, StepStats]:
+        # Packed leaves are unpacked once a call: the loop carries (and its body sees) plain leaves.
+        leaves = self.unpack(leaves)
         self._record_trace("run", leaves, stats=stats, data=data, indices=indices, num_steps=num_steps)
 
         def body(i, carry):
@@ -264,20 +294,22 @@ class CompiledTrainer:
             # One row: no loop. XLA CPU runs convolutions several times slower inside a while loop
             # (CNN1d on MNIST-1D: ~5 ms a step straight, ~24 ms in a one-step fori_loop).
             stepped = body(0, (leaves, stats))
-            return jax.tree.map(lambda new, old: jnp.where(num_steps > 0, new, old), stepped, (leaves, stats))
-        return jax.lax.fori_loop(0, num_steps, body, (leaves, stats))
+            leaves, stats = jax.tree.map(lambda new, old: jnp.where(num_steps > 0, new, old), stepped, (leaves, stats))
+        else:
+            leaves, stats = jax.lax.fori_loop(0, num_steps, body, (leaves, stats))
+        return self._pack(leaves, "the train step changed the shape or dtype of state leaves"), stats
 
     def replay_eagerly(self, leaves: Leaves, batch: Batch) -> None:
         """Run one train step op by op (no jit) with `jax_debug_nans` and `jax_debug_infs` on: the
         first operation that makes a NaN or an Inf raises `FloatingPointError` naming it. Slow; for
         debugging a step already known to go non-finite."""
         with jax.disable_jit(), jax.debug_nans(True), jax.debug_infs(True):
-            self._one(leaves, batch)
+            self._one(self.unpack(leaves), batch)
 
     def step_jaxpr(self, leaves: Leaves, stats: StepStats, batch: Batch):
-        """The jaxpr of one compiled train step (what `step` runs), for inspection; records no trace.
-        Its inputs are `leaf_names()` in order, then the step statistics, then the batch."""
-        return jax.make_jaxpr(self._record)(leaves, stats, batch)
+        """The jaxpr of one compiled train step (what `step` runs, less any packing), for inspection;
+        records no trace. Its inputs are `leaf_names()` in order, then the step statistics, then the batch."""
+        return jax.make_jaxpr(self._record)(self.unpack(leaves), stats, batch)
 
     def step(self, leaves: Leaves, stats: StepStats, batch: Batch) -> tuple[Leaves, StepStats]:
         """One step on a host or device batch; metrics are accumulated in `stats` on the device."""
@@ -311,13 +343,14 @@ def compiled_trainer(loss_fn: LossFn, state: TrainState, *, skip_nonfinite: bool
     """The `CompiledTrainer` for this loss, this state's structure and this non-finite policy, built
     once and reused, so a second `fit` with the same model, optimizer object and loss starts warm."""
     dynamic, static = eqx.partition(state, eqx.is_array)
-    treedef = jax.tree.structure(dynamic)
-    key = (loss_fn, treedef, *static_key(static), skip_nonfinite)
+    leaves, treedef = jax.tree.flatten(dynamic)
+    packing = Packing.of(leaves)
+    key = (loss_fn, treedef, *static_key(static), skip_nonfinite, packing)
     with _cache_lock:
         try:
             return _cache[key]
         except TypeError:  # an unhashable static field: compile privately
-            return CompiledTrainer(loss_fn, static, treedef, skip_nonfinite)
+            return CompiledTrainer(loss_fn, static, treedef, skip_nonfinite, packing)
         except KeyError:
-            trainer = _cache[key] = CompiledTrainer(loss_fn, static, treedef, skip_nonfinite)
+            trainer = _cache[key] = CompiledTrainer(loss_fn, static, treedef, skip_nonfinite, packing)
             return trainer
