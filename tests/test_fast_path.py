@@ -141,3 +141,15 @@ def test_a_packed_trainer_names_the_leaf_whose_shape_or_dtype_does_not_fit():
     batch = Batch(jnp.zeros((4, 2)), jnp.zeros(4, jnp.int32))
     with pytest.raises(ValueError, match=r"changed the shape or dtype.*state\.opt_state: float32\[1\] -> float32\[2\]"):
         trainer.step(leaves, trainer.init_stats(leaves, batch), batch)
+
+
+def test_packing_on_the_host_gives_the_traced_packing_bit_for_bit():
+    leaves = [jnp.float32(-0.0), jnp.asarray([[1.5, np.nan], [np.inf, -2.0]], jnp.float32), jnp.int32(-7),
+              jnp.asarray([3, 2**32 - 1], jnp.uint32), jnp.asarray([1, 2], jnp.bfloat16)]
+    packing = Packing.of(leaves)
+    on_host, traced = packing.pack_on_host(leaves), jax.jit(packing.pack)(leaves)
+    for a, b in zip(on_host, traced, strict=True):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+    for before, after in zip(leaves, packing.unpack_on_host(traced), strict=True):
+        assert after.dtype == before.dtype and after.shape == before.shape
+        np.testing.assert_array_equal(np.atleast_1d(after).view(np.uint8), np.atleast_1d(before).view(np.uint8))

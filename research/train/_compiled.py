@@ -56,8 +56,8 @@ class StepStats:
 
     @staticmethod
     def init(layout: Layout) -> "StepStats":
-        size = sum(math.prod(shape) for _, shape in layout) + 1
-        return StepStats(jnp.zeros((size,), jnp.float32), jnp.asarray([-1, 0, 0], jnp.int32), layout)
+        size = sum(math.prod(shape) for _, shape in layout) + 1  # made in numpy: one transfer each, no op
+        return StepStats(jnp.asarray(np.zeros(size, np.float32)), jnp.asarray(np.array([-1, 0, 0], np.int32)), layout)
 
     @staticmethod
     def from_window(total: dict[str, Any], weight: float, skipped: int, like: "StepStats") -> "StepStats":
@@ -172,13 +172,16 @@ class CompiledTrainer:
                 "this TrainState does not have the structure the trainer was compiled for "
                 f"(expected {self._treedef}, got {treedef})"
             )
-        return self._pack(leaves, "this TrainState's leaves differ from the ones the trainer packs")
+        return self._pack(leaves, "this TrainState's leaves differ from the ones the trainer packs", on_host=True)
 
-    def unpack(self, leaves: Leaves) -> Leaves:
-        """One array per `leaf_names()` entry, from leaves as `step` and `run` take them."""
-        return leaves if self.packing is None else self.packing.unpack(leaves)
+    def unpack(self, leaves: Leaves, *, on_host: bool = False) -> Leaves:
+        """One array per `leaf_names()` entry, from leaves as `step` and `run` take them; `on_host`
+        unpacks concrete arrays with numpy views (one transfer instead of an op per leaf)."""
+        if self.packing is None:
+            return leaves
+        return self.packing.unpack_on_host(leaves) if on_host else self.packing.unpack(leaves)
 
-    def _pack(self, leaves: Leaves, problem: str) -> Leaves:
+    def _pack(self, leaves: Leaves, problem: str, *, on_host: bool = False) -> Leaves:
         if self.packing is None:
             return leaves
         specs = Packing.specs_of(leaves)
@@ -186,7 +189,7 @@ class CompiledTrainer:
             changed = [f"{name}: {describe_spec(a)} -> {describe_spec(b)}"
                        for name, a, b in zip(self.leaf_names(), self.packing.specs, specs, strict=True) if a != b]
             raise ValueError(f"{problem}: {'; '.join(changed)}")
-        return self.packing.pack(leaves)
+        return self.packing.pack_on_host(leaves) if on_host else self.packing.pack(leaves)
 
     def leaf_names(self) -> list[str]:
         """`state.model.layers[0].weight`, ...: the TrainState path of each leaf, for messages."""
@@ -205,7 +208,7 @@ class CompiledTrainer:
 
     def state(self, leaves: Leaves) -> TrainState:
         """The TrainState of `leaves`, usable on the host: to evaluate, save or return."""
-        return self._combine(self.unpack(leaves))
+        return self._combine(self.unpack(leaves, on_host=True))
 
     def _combine(self, leaves: Leaves) -> TrainState:
         return eqx.combine(jax.tree.unflatten(self._treedef, leaves), self._static)

@@ -64,3 +64,23 @@ class Packing:
             leaves.append(words if dtype == _WORD else jax.lax.bitcast_convert_type(words, dtype))
             start += size
         return leaves
+
+    def pack_on_host(self, leaves: Leaves) -> Leaves:
+        """`pack` of concrete arrays, done in numpy (bitcasts are views) with one transfer back."""
+        words = [np.asarray(x).view(_WORD).ravel() for x in leaves if self._in_buffer(np.dtype(x.dtype))]
+        return [jnp.asarray(np.concatenate(words)), *(x for x in leaves if not self._in_buffer(np.dtype(x.dtype)))]
+
+    def unpack_on_host(self, packed: Leaves) -> Leaves:
+        """`unpack` of concrete arrays, done in numpy; the leaves are copies (a view would keep the
+        packed buffer referenced, and it is donated by the next step)."""
+        buffer = np.asarray(packed[0])
+        others = iter(packed[1:])
+        leaves, start = [], 0
+        for shape, dtype in self.specs:
+            if not self._in_buffer(dtype):
+                leaves.append(next(others))
+                continue
+            size = math.prod(shape)
+            leaves.append(jnp.asarray(np.array(buffer[start:start + size].view(dtype).reshape(shape))))
+            start += size
+        return leaves
