@@ -1,5 +1,6 @@
 """Optional frameworks: Flax lives in the `bench` extra, so every Flax case checks for it first."""
 
+import contextlib
 import functools
 import importlib.util
 
@@ -50,3 +51,18 @@ def calibrate_torch_threads(quick: bool) -> str:
 
 def torch_threads_note() -> str:
     return _torch_threads["note"]
+
+
+@contextlib.contextmanager
+def torch_threads(count: int):
+    """PyTorch with `count` threads inside the block. The XOR candidates run PyTorch on one thread:
+    its ops on a 2-8-1 MLP never use a second one (same step time, measured), while its idle OpenMP
+    workers spin on the other core after each run and slow whichever JAX candidate runs next."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

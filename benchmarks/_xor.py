@@ -13,8 +13,9 @@ import torch
 from research.data import Batch, DeviceLoader, XORDataset, make_dataloader
 from research.nn import MLP
 from research.train import TrainState, classification_loss, compiled_trainer, fit
+from research.train._keys import split_key_data
 
-from ._frameworks import FLAX_MISSING, have_flax
+from ._frameworks import FLAX_MISSING, have_flax, torch_threads
 from ._timing import interleave, timed
 
 LR, BATCH, TRAIN_SIZE, TEST_SIZE, EPOCHS = 0.1, 128, 2500, 500, 100
@@ -79,9 +80,9 @@ def pure_jax_step(train, steps):
 
 @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
 def same_work_step(params, sums, key, x, y):
-    """The pure step plus what ours does besides: a key split, metric sums (loss, accuracy, grad
-    norm, weight) and a step counter kept on the device."""
-    key, _ = jax.random.split(jax.random.wrap_key_data(key))
+    """The pure step plus what ours does besides: a key split (threefry unrolled, as ours), metric
+    sums (loss, accuracy, grad norm, weight) and a step counter kept on the device; leaves unpacked."""
+    key, _ = split_key_data(key)
 
     def loss_acc(params):
         h = jnp.tanh(x @ params["w1"] + params["b1"])
@@ -91,7 +92,7 @@ def same_work_step(params, sums, key, x, y):
 
     (loss, accuracy), grads = jax.value_and_grad(loss_acc, has_aux=True)(params)
     sums = sums + jnp.stack([loss, accuracy, optax.tree.norm(grads), 1.0])
-    return jax.tree.map(lambda p, g: p - LR * g, params, grads), sums, jax.random.key_data(key)
+    return jax.tree.map(lambda p, g: p - LR * g, params, grads), sums, key
 
 
 def same_work(train, steps):
@@ -221,11 +222,12 @@ def torch_step(train, steps):
     loss_fn = torch.nn.BCEWithLogitsLoss()
 
     def run():
-        for _ in range(steps):
-            optimizer.zero_grad(set_to_none=True)
-            loss = loss_fn(model(x)[:, 0], y)
-            loss.backward()
-            optimizer.step()
+        with torch_threads(1):
+            for _ in range(steps):
+                optimizer.zero_grad(set_to_none=True)
+                loss = loss_fn(model(x)[:, 0], y)
+                loss.backward()
+                optimizer.step()
 
     return run
 
@@ -330,14 +332,15 @@ def torch_fit(train, test, epochs):
         model = torch_model()
         optimizer = torch.optim.SGD(model.parameters(), lr=LR)
         generator = torch.Generator().manual_seed(0)
-        for _ in range(epochs):
-            order = torch.randperm(len(train), generator=generator)
-            for s in range(len(train) // BATCH):
-                index = order[s * BATCH:(s + 1) * BATCH]
-                optimizer.zero_grad(set_to_none=True)
-                loss = loss_fn(model(x[index])[:, 0], y[index])
-                loss.backward()
-                optimizer.step()
+        with torch_threads(1):
+            for _ in range(epochs):
+                order = torch.randperm(len(train), generator=generator)
+                for s in range(len(train) // BATCH):
+                    index = order[s * BATCH:(s + 1) * BATCH]
+                    optimizer.zero_grad(set_to_none=True)
+                    loss = loss_fn(model(x[index])[:, 0], y[index])
+                    loss.backward()
+                    optimizer.step()
         with torch.no_grad():
             out["accuracy"] = float(((model(torch.from_numpy(test.inputs))[:, 0] > 0).numpy() == test.labels).mean())
 
