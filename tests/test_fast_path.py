@@ -13,7 +13,7 @@ from research.data import Batch, XORDataset
 from research.nn import MLP
 from research.state import RunningMean
 from research.train import CompiledTrainer, TrainState, classification_loss, compiled_trainer, train_step
-from research.train._compiled import NONFINITE_LOSS, StepStats, host_means, layout_of
+from research.train._compiled import NONFINITE_GRADIENT, NONFINITE_LOSS, StepStats, host_means, layout_of
 from research.train._packing import PACK_LIMIT, Packing
 from research.train._fit import _window_from_header, window_to_header
 from research.train._keys import split_key_data
@@ -57,6 +57,9 @@ def test_packed_statistics_are_the_running_mean_of_the_finite_steps_and_flag_the
         assert float(host_means(np.asarray(stats.sums), stats.layout)[name]) == float(value)
     assert float(stats.metrics.weight) == 2
     assert (int(stats.first_bad_step), int(stats.bad_quantity), int(stats.skipped)) == (11, NONFINITE_LOSS, 2)
+    gradient_first = jax.jit(StepStats.record)(StepStats.init(stats.layout), jnp.int32(7), steps[2])
+    assert (gradient_first.first_bad_step, gradient_first.bad_quantity) == (7, NONFINITE_GRADIENT)
+    assert (StepStats.init(stats.layout).first_bad_step, StepStats.init(stats.layout).bad_quantity) == (-1, 0)
 
 
 def test_a_logging_window_survives_the_checkpoint_header_exactly():

@@ -29,6 +29,14 @@ Leaves = list[jax.Array]
 
 NONFINITE_LOSS, NONFINITE_GRADIENT = 1, 2
 NONFINITE_NAMES = {NONFINITE_LOSS: "loss", NONFINITE_GRADIENT: "gradient"}
+NO_BAD_STEP = int(np.iinfo(np.int32).max)  # `StepStats.counters[0]` while every step was finite
+
+
+def decode_first_bad(code: int) -> tuple[int, int]:
+    """`(step, quantity)` of the first non-finite step from `StepStats.counters[0]`; `(-1, 0)`: none."""
+    if code == NO_BAD_STEP:
+        return -1, 0
+    return code // 2, NONFINITE_GRADIENT if code % 2 else NONFINITE_LOSS
 
 
 # The names and shapes of the metrics packed into `StepStats.sums`, in order (sorted by name).
@@ -44,43 +52,48 @@ class StepStats:
 
     - `sums`: the weighted sums of the step metrics over finite steps (in `layout` order), then the
       total weight; `metrics` reads them as a `RunningMean`.
-    - `counters`: `first_bad_step` (the step index of the first non-finite loss or gradient, -1:
-      none yet), `bad_quantity` (`NONFINITE_LOSS` or `NONFINITE_GRADIENT` for that step), `skipped`
-      (steps whose update was skipped because it was not finite).
+    - `counters`: the first non-finite step, as `2 * step + 1` when only its gradient was
+      non-finite and `2 * step` when its loss was (`NO_BAD_STEP` while all were finite; read it with
+      `first_bad_step` and `bad_quantity`), then `skipped` (steps whose update was skipped because
+      it was not finite). Both update elementwise (a minimum and a sum), which XLA does in place:
+      one kernel and no copy a step. (Steps are counted in int32: codes hold steps below 2**30.)
     - `layout`: static; the name and shape of each metric in `sums`.
     """
 
     sums: Float[Array, "*devices packed"]  # a leading device axis under `jax.pmap`
-    counters: Int[Array, "*devices 3"]
+    counters: Int[Array, "*devices 2"]
     layout: Layout
 
     @staticmethod
     def init(layout: Layout) -> "StepStats":
         size = sum(math.prod(shape) for _, shape in layout) + 1  # made in numpy: one transfer each, no op
-        return StepStats(jnp.asarray(np.zeros(size, np.float32)), jnp.asarray(np.array([-1, 0, 0], np.int32)), layout)
+        counters = np.array([NO_BAD_STEP, 0], np.int32)
+        return StepStats(jnp.asarray(np.zeros(size, np.float32)), jnp.asarray(counters), layout)
 
     @staticmethod
     def from_window(total: dict[str, Any], weight: float, skipped: int, like: "StepStats") -> "StepStats":
         """Statistics holding a saved logging window (`fit`'s `resume_window`), counters from `like`."""
         packed = [np.ravel(np.asarray(total[name], np.float32)) for name, _ in like.layout]
         sums = jnp.asarray(np.concatenate([*packed, np.asarray([weight], np.float32)]))
-        return StepStats(sums, like.counters.at[2].set(skipped), like.layout)
+        return StepStats(sums, like.counters.at[1].set(skipped), like.layout)
 
     @property
     def metrics(self) -> RunningMean:
         return RunningMean(unpack_sums(self.sums, self.layout), self.sums[-1])
 
     @property
-    def first_bad_step(self) -> Int[Array, ""]:
-        return self.counters[0]
+    def first_bad_step(self) -> int:
+        """The index of the first step whose loss or gradient was not finite; -1: none yet."""
+        return decode_first_bad(int(self.counters[0]))[0]
 
     @property
-    def bad_quantity(self) -> Int[Array, ""]:
-        return self.counters[1]
+    def bad_quantity(self) -> int:
+        """`NONFINITE_LOSS` or `NONFINITE_GRADIENT` for `first_bad_step` (0: none)."""
+        return decode_first_bad(int(self.counters[0]))[1]
 
     @property
     def skipped(self) -> Int[Array, ""]:
-        return self.counters[2]
+        return self.counters[1]
 
     def record(self, step: Int[Array, ""], metrics: Metrics) -> "StepStats":
         if [name for name, _ in self.layout] != sorted(metrics):
@@ -88,13 +101,10 @@ class StepStats:
                              f"{[name for name, _ in self.layout]}; make them with the trainer's init_stats")
         loss_ok = jnp.isfinite(metrics["loss"])
         ok = loss_ok & jnp.isfinite(metrics["grad_norm"])
-        first = (self.counters[0] < 0) & ~ok
         clean = [jnp.where(ok, jnp.ravel(metrics[name]).astype(jnp.float32), 0.0) for name, _ in self.layout]
-        counters = jnp.stack([
-            jnp.where(first, step, self.counters[0]),
-            jnp.where(first, jnp.where(loss_ok, NONFINITE_GRADIENT, NONFINITE_LOSS), self.counters[1]),
-            self.counters[2] + (~ok).astype(jnp.int32),
-        ])
+        code = jnp.where(ok, NO_BAD_STEP, 2 * step + loss_ok.astype(jnp.int32))
+        counters = jnp.minimum(self.counters + jnp.stack([jnp.int32(0), (~ok).astype(jnp.int32)]),
+                               jnp.stack([code, jnp.int32(NO_BAD_STEP)]))
         return StepStats(self.sums + jnp.concatenate([*clean, ok.astype(jnp.float32)[None]]), counters, self.layout)
 
 

@@ -14,7 +14,8 @@ from ..data import Batch, DataError, DeviceLoader, HostLoader, TorchLoader
 from ..debug import describe_nan_error
 from ..progress import Progress
 from ._checkpoint import save_checkpoint
-from ._compiled import NONFINITE_NAMES, CompiledTrainer, StepStats, _copy, unpack_sums, compiled_trainer, host_means
+from ._compiled import (NONFINITE_NAMES, CompiledTrainer, StepStats, _copy, compiled_trainer, decode_first_bad,
+                        host_means, unpack_sums)
 from ._evaluate import evaluate_state
 from ._rundir import RunDir
 from ._state import LossFn, TrainState, classification_loss
@@ -54,7 +55,7 @@ def window_to_header(stats: StepStats) -> dict[str, Any]:
     sums, counters = jax.device_get((stats.sums, stats.counters))
     total = unpack_sums(sums, stats.layout)
     return {"total": {k: np.asarray(v).tolist() for k, v in total.items()}, "weight": float(sums[-1]),
-            "skipped": int(counters[2])}
+            "skipped": int(counters[1])}
 
 
 def _window_from_header(window: dict[str, Any], like: StepStats) -> StepStats:
@@ -187,7 +188,7 @@ def fit(
                 local = trainer.host(stats)
                 sums, counters = jax.device_get((local.sums, local.counters))  # one transfer, then numpy
                 train_metrics = {k: float(v) for k, v in host_means(sums, local.layout).items()}
-                skipped = counters[2]
+                skipped = counters[1]
                 now = time.perf_counter()
                 record.update({f"train/{k}": v for k, v in train_metrics.items()})
                 if skip_nonfinite:
@@ -226,7 +227,7 @@ def fit(
 
 
 def _raise_if_nonfinite(stats: StepStats, run: RunDir | None) -> None:
-    bad_step, quantity = (int(x) for x in jax.device_get(stats.counters)[:2])
+    bad_step, quantity = decode_first_bad(int(jax.device_get(stats.counters)[0]))
     if bad_step < 0:
         return
     kept = run.checkpoint_paths()[-1] if run is not None and run.checkpoint_paths() else None
