@@ -53,15 +53,20 @@ class Packing:
 
     def unpack(self, packed: Leaves) -> Leaves:
         """The leaves of `pack(leaves)`, in their order."""
-        buffer, others = packed[0], iter(packed[1:])
-        leaves, start = [], 0
+        def leaf(words, dtype):
+            return words if dtype == _WORD else jax.lax.bitcast_convert_type(words, dtype)
+
+        return self._split(packed[0], packed[1:], leaf)
+
+    def _split(self, buffer, others: Leaves, leaf) -> Leaves:
+        """Each leaf in order: `leaf(words, dtype)` of its `[shape]` slice of `buffer`, or the next of `others`."""
+        others, leaves, start = iter(others), [], 0
         for shape, dtype in self.specs:
             if not self._in_buffer(dtype):
                 leaves.append(next(others))
                 continue
             size = math.prod(shape)
-            words = buffer[start:start + size].reshape(shape)
-            leaves.append(words if dtype == _WORD else jax.lax.bitcast_convert_type(words, dtype))
+            leaves.append(leaf(buffer[start:start + size].reshape(shape), dtype))
             start += size
         return leaves
 
@@ -73,14 +78,4 @@ class Packing:
     def unpack_on_host(self, packed: Leaves) -> Leaves:
         """`unpack` of concrete arrays, done in numpy; the leaves are copies (a view would keep the
         packed buffer referenced, and it is donated by the next step)."""
-        buffer = np.asarray(packed[0])
-        others = iter(packed[1:])
-        leaves, start = [], 0
-        for shape, dtype in self.specs:
-            if not self._in_buffer(dtype):
-                leaves.append(next(others))
-                continue
-            size = math.prod(shape)
-            leaves.append(jnp.asarray(np.array(buffer[start:start + size].view(dtype).reshape(shape))))
-            start += size
-        return leaves
+        return self._split(np.asarray(packed[0]), packed[1:], lambda words, dtype: jnp.asarray(words.view(dtype).copy()))
