@@ -22,7 +22,7 @@ from ..data import Batch
 from ..debug import RetraceLog
 from ..state import RunningMean
 from ..typing import Array, Float, Int
-from ._packing import Packing
+from ._packing import Packing, describe_spec
 from ._state import LossFn, Metrics, TrainState, train_step
 
 Leaves = list[jax.Array]
@@ -108,11 +108,6 @@ class StepStats:
         return StepStats(self.sums + jnp.concatenate([*clean, ok.astype(jnp.float32)[None]]), counters, self.layout)
 
 
-def describe_spec(spec: tuple[tuple[int, ...], np.dtype]) -> str:
-    shape, dtype = spec
-    return f"{dtype.name}{list(shape)}"
-
-
 def host_means(sums: np.ndarray, layout: Layout) -> dict[str, np.ndarray]:
     """The running means of `StepStats.sums` fetched to the host (numpy: no device op per metric)."""
     return {k: np.asarray(v / max(float(sums[-1]), 1e-30)) for k, v in unpack_sums(sums, layout).items()}
@@ -186,7 +181,7 @@ class CompiledTrainer:
 
     def unpack(self, leaves: Leaves, *, on_host: bool = False) -> Leaves:
         """One array per `leaf_names()` entry, from leaves as `step` and `run` take them; `on_host`
-        unpacks concrete arrays with numpy views (one transfer instead of an op per leaf)."""
+        unpacks concrete arrays in numpy (one transfer instead of an op per leaf; the leaves are copies)."""
         if self.packing is None:
             return leaves
         return self.packing.unpack_on_host(leaves) if on_host else self.packing.unpack(leaves)

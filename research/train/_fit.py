@@ -175,7 +175,7 @@ def fit(
                         pending = None
                     before = _copy(leaves) if debug_nans else None  # the step donates its inputs
                     leaves, stats = trainer.step(leaves, stats, trainer.put_batch(batch))
-                    if before is not None and int(stats.first_bad_step) >= 0:
+                    if before is not None and stats.first_bad_step >= 0:
                         # The statistics hold only finite values, so a NaN loss need not reach any
                         # output JAX checks: replay the step op by op to find where it came from.
                         trainer.replay_eagerly(before, batch)

@@ -20,16 +20,28 @@ Leaves = list[jax.Array]
 # does not matter, and the copy into one buffer would (the ResNet1d's ~230k elements are not packed).
 PACK_LIMIT = 1 << 16
 _WORD = np.dtype(np.uint32)
+Specs = tuple[tuple[tuple[int, ...], np.dtype], ...]
+
+
+def _in_buffer(dtype) -> bool:
+    """32-bit leaves (float32, int32, uint32) go into the buffer, bitcast to `uint32`."""
+    return np.dtype(dtype).itemsize == _WORD.itemsize
+
+
+def describe_spec(spec: tuple[tuple[int, ...], np.dtype]) -> str:
+    """`float32[8, 2]`: a leaf's dtype and shape, for messages."""
+    shape, dtype = spec
+    return f"{dtype.name}{list(shape)}"
 
 
 @dataclasses.dataclass(frozen=True)
 class Packing:
     """Which leaves (by shape and dtype) share the buffer, and in what order; hashable."""
 
-    specs: tuple[tuple[tuple[int, ...], np.dtype], ...]
+    specs: Specs
 
     @staticmethod
-    def specs_of(leaves: Leaves) -> tuple[tuple[tuple[int, ...], np.dtype], ...]:
+    def specs_of(leaves: Leaves) -> Specs:
         return tuple((tuple(x.shape), np.dtype(x.dtype)) for x in leaves)
 
     @staticmethod
@@ -37,19 +49,16 @@ class Packing:
         """The packing of these leaves, or None when packing would not pay (a big state, or fewer
         than two 32-bit leaves)."""
         specs = Packing.specs_of(leaves)
-        worded = [spec for spec in specs if spec[1].itemsize == _WORD.itemsize]
-        if len(worded) < 2 or sum(math.prod(shape) for shape, _ in specs) > PACK_LIMIT:
+        too_big = sum(math.prod(shape) for shape, _ in specs) > PACK_LIMIT
+        if too_big or sum(_in_buffer(dtype) for _, dtype in specs) < 2:
             return None
         return Packing(specs)
-
-    def _in_buffer(self, dtype: np.dtype) -> bool:
-        return dtype.itemsize == _WORD.itemsize
 
     def pack(self, leaves: Leaves) -> Leaves:
         """`[buffer, *other leaves]` of leaves with `specs`; traceable, and runs as is on concrete arrays."""
         words = [jax.lax.bitcast_convert_type(x, _WORD).ravel() if x.dtype != _WORD else x.ravel()
-                 for x in leaves if self._in_buffer(np.dtype(x.dtype))]
-        return [jnp.concatenate(words), *(x for x in leaves if not self._in_buffer(np.dtype(x.dtype)))]
+                 for x in leaves if _in_buffer(x.dtype)]
+        return [jnp.concatenate(words), *(x for x in leaves if not _in_buffer(x.dtype))]
 
     def unpack(self, packed: Leaves) -> Leaves:
         """The leaves of `pack(leaves)`, in their order."""
@@ -62,7 +71,7 @@ class Packing:
         """Each leaf in order: `leaf(words, dtype)` of its `[shape]` slice of `buffer`, or the next of `others`."""
         others, leaves, start = iter(others), [], 0
         for shape, dtype in self.specs:
-            if not self._in_buffer(dtype):
+            if not _in_buffer(dtype):
                 leaves.append(next(others))
                 continue
             size = math.prod(shape)
@@ -72,8 +81,8 @@ class Packing:
 
     def pack_on_host(self, leaves: Leaves) -> Leaves:
         """`pack` of concrete arrays, done in numpy (bitcasts are views) with one transfer back."""
-        words = [np.asarray(x).view(_WORD).ravel() for x in leaves if self._in_buffer(np.dtype(x.dtype))]
-        return [jnp.asarray(np.concatenate(words)), *(x for x in leaves if not self._in_buffer(np.dtype(x.dtype)))]
+        words = [np.asarray(x).view(_WORD).ravel() for x in leaves if _in_buffer(x.dtype)]
+        return [jnp.asarray(np.concatenate(words)), *(x for x in leaves if not _in_buffer(x.dtype))]
 
     def unpack_on_host(self, packed: Leaves) -> Leaves:
         """`unpack` of concrete arrays, done in numpy; the leaves are copies (a view would keep the
