@@ -87,4 +87,7 @@ class Packing:
     def unpack_on_host(self, packed: Leaves) -> Leaves:
         """`unpack` of concrete arrays, done in numpy; the leaves are copies (a view would keep the
         packed buffer referenced, and it is donated by the next step)."""
-        return self._split(np.asarray(packed[0]), packed[1:], lambda words, dtype: jnp.asarray(words.view(dtype).copy()))
+        def leaf(words, dtype):
+            return jnp.asarray(words.view(dtype).copy())
+
+        return self._split(np.asarray(packed[0]), packed[1:], leaf)
