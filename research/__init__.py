@@ -1,6 +1,6 @@
 """`research`: typed Equinox models, explicit state, and a fast, resumable training loop for JAX."""
 
-from . import data, nn, state, train, typing
+from . import data, errors, nn, state, train, typing
 from .data import DeviceLoader, TorchLoader, XORDataset, make_dataloader, numpy_collate
 from .nn import MLP, LinearSigmoid, build_model
 from .train import RunDir, TrainState, evaluate, fit, load_checkpoint, save_checkpoint, train_step
@@ -16,6 +16,7 @@ __all__ = [
     "XORDataset",
     "build_model",
     "data",
+    "errors",
     "evaluate",
     "fit",
     "load_checkpoint",

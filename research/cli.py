@@ -16,13 +16,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from .errors import ConfigError, ResearchInputError
 from .train import tensorboard_problem
 
 C = TypeVar("C", bound="TrainConfig")
-
-
-class ConfigError(ValueError):
-    """A config value is invalid; the message names the option."""
 
 
 def positive(value: Any) -> str | None:
@@ -203,7 +200,6 @@ def main_entry(main: Callable[[C], Any], config_class: type[C], argv: Sequence[s
     requested before JAX creates its first array) and joins the other processes of a multi-process
     run (`jax.distributed.initialize`)."""
     from .parallel import exit_together, setup_devices  # imports jax; its backends start after setup_devices
-    from .train import CheckpointError, DataError  # the CLI layer sits above train
 
     config = parse_config(config_class, argv)
     prog = Path(sys.argv[0]).name
@@ -211,7 +207,7 @@ def main_entry(main: Callable[[C], Any], config_class: type[C], argv: Sequence[s
         try:
             setup_devices(config)
             main(config)
-        except (ConfigError, DataError, CheckpointError) as e:
+        except ResearchInputError as e:
             print(f"{prog}: error: {e}", file=sys.stderr)
             raise SystemExit(2) from None
         except FloatingPointError as e:

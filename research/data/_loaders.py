@@ -4,13 +4,10 @@ from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 import jax
 import numpy as np
 
+from ..errors import DataError
+
 # torch is imported where a DataLoader is made, not here: it takes ~2 s to import, and runs on
 # device-resident data never need it.
-
-
-class DataError(ValueError):
-    """Data that cannot be used as asked: a batch size larger than the data set, mismatched
-    inputs and labels, or a batch that does not fit the model."""
 
 
 class Batch(NamedTuple):

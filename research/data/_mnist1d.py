@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from ..typing import Float, Int, typecheck
-from ._loaders import Batch, DataError
+from ..errors import DataError
+from ._loaders import Batch
 
 MNIST1D_LENGTH = 40
 MNIST1D_CLASSES = 10

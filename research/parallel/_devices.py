@@ -11,13 +11,9 @@ import re
 
 import jax
 
-from ..cli import ConfigError
+from ..errors import DeviceError
 
 _COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
-
-
-class DeviceError(ConfigError):
-    """The run asks for more devices than it can have."""
 
 
 def backends_started() -> bool:

@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 
-from ..cli import ConfigError
+from ..errors import ConfigError
 from ._devices import check_device_count, simulate_cpu_devices
 
 # The exit status of a process that stops because another one died (EX_TEMPFAIL), so that a launcher

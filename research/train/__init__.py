@@ -1,11 +1,11 @@
 """TrainState, the pure train step and its compiled fast path, evaluation, fit, checkpoints, run dirs,
 trackers."""
 
-from ._checkpoint import CheckpointError, load_checkpoint, read_header, save_checkpoint
+from ._checkpoint import load_checkpoint, read_header, save_checkpoint
 from ._compiled import CompiledTrainer, compiled_trainer
 from ._evaluate import evaluate, evaluate_state
-from ..data import DataError
-from ._fit import FitResult, NonFiniteError, fit
+from ..errors import CheckpointError, DataError, NonFiniteError
+from ._fit import FitResult, fit
 from ._rundir import RunDir
 from ._tracking import (
     JsonlTracker,

@@ -20,12 +20,10 @@ from typing import Any, TypeVar
 import equinox as eqx
 import jax
 
+from ..errors import CheckpointError
+
 MAGIC = b"RESEARCH-CHECKPOINT 1\n"
 T = TypeVar("T")
-
-
-class CheckpointError(Exception):
-    """A checkpoint file is missing, truncated, corrupted or does not fit the skeleton."""
 
 
 def write_atomic(path: Path, data: bytes) -> None:

@@ -10,7 +10,8 @@ import jax
 import numpy as np
 from jaxtyping import TypeCheckError
 
-from ..data import Batch, DataError, DeviceLoader, HostLoader, TorchLoader
+from ..errors import DataError, NonFiniteError
+from ..data import Batch, DeviceLoader, HostLoader, TorchLoader
 from ..debug import describe_nan_error
 from ..progress import Progress
 from ._checkpoint import save_checkpoint
@@ -20,10 +21,6 @@ from ._evaluate import evaluate_state
 from ._rundir import RunDir
 from ._state import LossFn, TrainState, classification_loss
 from ._tracking import JsonlTracker, MultiTracker, Tracker
-
-
-class NonFiniteError(FloatingPointError):
-    """The training loss or gradient became NaN or infinite."""
 
 
 @dataclasses.dataclass

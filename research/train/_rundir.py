@@ -5,7 +5,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ._checkpoint import CheckpointError, read_header, write_atomic
+from ..errors import CheckpointError
+from ._checkpoint import read_header, write_atomic
 
 _CHECKPOINT = re.compile(r"^step_(\d+)\.ckpt$")
 
