@@ -26,7 +26,8 @@ with install_import_hook("research", "beartype.beartype"):  # the same shape che
     from research.experiment import run_experiment
     from research.nn import MLP
     from research.parallel import batch_axis_name, exit_together, setup_devices
-    from research.train import TrainState
+    from research.per_example import DPSGDLoss
+    from research.train import TrainState, classification_loss
     from research.typing import Array, Float, PRNGKeyArray
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -59,7 +60,8 @@ class BatchNormNet(eqx.Module):
 
 @dataclasses.dataclass(frozen=True)
 class Config(TrainConfig):
-    model: Literal["mlp", "batchnorm"] = option("mlp", "mlp (stateless) or batchnorm (BatchNorm + dropout)")
+    model: Literal["mlp", "batchnorm", "dpsgd"] = option(
+        "mlp", "mlp (stateless), batchnorm (BatchNorm + dropout), or dpsgd (the mlp trained by DP-SGD with noise)")
     loader: Literal["device", "torch"] = option("device", "device-resident batches or a torch DataLoader")
     steps: int = option(20, "training steps")
     batch_size: int = option(32, "examples per step")
@@ -76,6 +78,8 @@ def _build_state(model_name: str, parallel: str, lr: float, seed: int) -> TrainS
     # One state object per setting: a fresh eqx.nn.State hashes differently each time, which would make
     # every run of this process compile its train step again (fit leaves the state it is given intact).
     model_key, train_key = jax.random.split(jax.random.key(seed))
+    if model_name == "dpsgd":
+        return TrainState.create(MLP(2, 1, hidden=(8,), key=model_key), optax.sgd(lr * 10), key=train_key)
     if model_name == "mlp":
         model, model_state = MLP(2, 1, hidden=(8,), key=model_key), None
     else:
@@ -90,8 +94,9 @@ def main(config: Config) -> dict:
     else:
         train_data = TorchLoader(train, config.batch_size, seed=config.seed)
     test_data = DeviceLoader.from_dataset(XORDataset(100, seed=7), 50, shuffle=False)
+    loss_fn = DPSGDLoss(1.0, 1.0, config.batch_size) if config.model == "dpsgd" else classification_loss
     return run_experiment("worker", config, build_state=lambda: build_state(config), train_data=train_data,
-                          eval_data=test_data, num_steps=config.steps)
+                          eval_data=test_data, num_steps=config.steps, loss_fn=loss_fn)
 
 
 if __name__ == "__main__":

@@ -88,7 +88,7 @@ def one_process_runs(tmp_path_factory):
     and a BatchNorm run moved between 4 devices and 1 device at step 10 through its checkpoint."""
     root = tmp_path_factory.mktemp("parallel")
     groups = []
-    for model in ("mlp", "batchnorm"):
+    for model in ("mlp", "batchnorm", "dpsgd"):
         for parallel, devices in (("none", 1), ("pmap", 4), ("sharded", 4)):
             groups.append(group(model, parallel, devices, root / f"{model}-{parallel}"))
     groups += [
@@ -102,9 +102,11 @@ def one_process_runs(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["mlp", "batchnorm"])
+@pytest.mark.parametrize("model", ["mlp", "batchnorm", "dpsgd"])
 @pytest.mark.parametrize("parallel", ["pmap", "sharded"])
 def test_four_devices_give_the_losses_and_parameters_of_one(one_process_runs, model, parallel):
+    """`dpsgd`: 20 steps of SGD on a DP-SGD gradient with noise on; the loss owns how its gradient
+    combines (clipped sums over devices, noise added once), so every placement takes the same step."""
     assert_same_run(one_process_runs / f"{model}-{parallel}", one_process_runs / f"{model}-none", model)
 
 
@@ -122,6 +124,7 @@ def test_two_processes_give_the_same_numbers_and_stop_together_when_one_dies(one
     groups = [
         group("batchnorm", "sharded", 1, tmp_path / "batchnorm-sharded"),  # device-resident data
         group("mlp", "pmap", 1, tmp_path / "mlp-pmap"),  # host batches from a torch DataLoader
+        group("dpsgd", "pmap", 1, tmp_path / "dpsgd-pmap"),  # noise drawn once for the global batch
         group("mlp", "sharded", 1, tmp_path / "endless", "--steps", "10000000", "--log-every", "20"),
     ]
     launcher = subprocess.Popen(
@@ -148,8 +151,9 @@ def test_two_processes_give_the_same_numbers_and_stop_together_when_one_dies(one
 
     assert_same_run(tmp_path / "batchnorm-sharded", one_process_runs / "batchnorm-none", "batchnorm")
     assert_same_run(tmp_path / "mlp-pmap", one_process_runs / "mlp-none", "mlp")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["batchnorm-sharded", "endless", "mlp-pmap"]
-    assert out.count("test accuracy") == 2  # only process 0 reports
+    assert_same_run(tmp_path / "dpsgd-pmap", one_process_runs / "dpsgd-none", "dpsgd")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["batchnorm-sharded", "dpsgd-pmap", "endless", "mlp-pmap"]
+    assert out.count("test accuracy") == 2 + 1  # only process 0 reports
 
 
 def _children(pid: int) -> list[int]:

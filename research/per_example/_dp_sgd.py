@@ -91,21 +91,29 @@ class DPSGDLoss:
         return loss, ({"loss": loss}, model_state)
 
     def value_and_grad(
-        self, model: eqx.Module, model_state: eqx.nn.State | None, batch: Batch, key: PRNGKeyArray
+        self, model: eqx.Module, model_state: eqx.nn.State | None, batch: Batch, key: PRNGKeyArray, *,
+        axis_name: str | None = None,
     ) -> tuple[tuple[Float[Array, ""], tuple[Metrics, eqx.nn.State | None]], PyTree]:
         """The privatised gradient `(sum_i clip(g_i) + N(0, (sigma C)^2 I)) / expected_batch_size`,
-        in the output format of `eqx.filter_value_and_grad(loss, has_aux=True)`."""
+        in the output format of `eqx.filter_value_and_grad(loss, has_aux=True)`.
+
+        With `axis_name` (`batch` is one device's slice of the global batch) the clipped sums and the
+        metric sums are summed over the devices first and the noise, drawn from the same key on every
+        device, is added once: the same update as on one device."""
         example_key, noise_key = jax.random.split(key)
         batch, weights = _real_examples(batch)
         summed, norms, example_metrics = clipped_gradient_sum(
             model, model_state, batch, example_key, clip_norm=self.clip_norm, weights=weights,
             loss_fn=self.example_loss, chunk_size=self.chunk_size,
         )
+        values = {**example_metrics, "clipped_fraction": norms > self.clip_norm, "example_grad_norm": norms}
+        sums = {k: jnp.sum(v.astype(jnp.float32) * weights) for k, v in values.items()}
+        count = jnp.sum(weights)
+        if axis_name is not None:
+            summed, sums, count = jax.lax.psum((summed, sums, count), axis_name)
         noisy = add_gaussian_noise(summed, noise_key, self.noise_multiplier * self.clip_norm)
         grads = jax.tree.map(lambda g: g / self.expected_batch_size, noisy)
-        metrics = _weighted_means(
-            {**example_metrics, "clipped_fraction": norms > self.clip_norm, "example_grad_norm": norms}, weights
-        )
-        metrics["batch_size"] = jnp.sum(weights)
+        metrics = {k: v / jnp.maximum(count, 1.0) for k, v in sums.items()}
+        metrics["batch_size"] = count
         # The model state is returned unchanged: per-example gradients need a model without batch statistics.
         return (metrics["loss"], (metrics, model_state)), grads

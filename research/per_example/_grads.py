@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from ..data import Batch
-from ..train import classification_metrics
+from ..train import classification_metrics, example_keys
 from ..typing import Array, Float, Int, PRNGKeyArray, PyTree, Shaped, typecheck
 
 # Metrics of one example (scalars) or of a batch of examples (one value per example).
@@ -74,7 +74,8 @@ def check_per_example_model(model: eqx.Module) -> None:
 
 
 def _example_keys(key: PRNGKeyArray | None, batch_size: int) -> Array | None:
-    return None if key is None else jax.random.split(key, batch_size)
+    # Inside a train step split over devices, this device's share of the global batch's keys.
+    return None if key is None else example_keys(key, batch_size)
 
 
 def _value_and_grad_of_one(loss_fn: ExampleLossFn, model: eqx.Module, model_state: eqx.nn.State | None):

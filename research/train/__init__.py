@@ -21,7 +21,9 @@ from ._state import (
     TrainState,
     classification_loss,
     classification_metrics,
+    example_keys,
     forward,
+    loss_value_and_grad,
     train_step,
 )
 
@@ -44,9 +46,11 @@ __all__ = [
     "compiled_trainer",
     "evaluate",
     "evaluate_state",
+    "example_keys",
     "fit",
     "forward",
     "load_checkpoint",
+    "loss_value_and_grad",
     "read_header",
     "read_tensorboard_scalars",
     "save_checkpoint",

@@ -16,9 +16,10 @@ from ..typing import Array, Bool, Float, Int, KeyData, PRNGKeyArray, PyTree, typ
 from ._keys import split_key_data
 
 Metrics = dict[str, Float[Array, ""]]
-# loss_fn(model, model_state, batch, key) -> (loss, (metrics, new_model_state)). A loss object may also
-# define `value_and_grad` with the signature and output of `eqx.filter_value_and_grad(loss_fn, has_aux=True)`;
-# `train_step` then uses it instead of differentiating the mean loss (DP-SGD's privatised gradient does this).
+# loss_fn(model, model_state, batch, key) -> (loss, (metrics, new_model_state)): a mean over its batch.
+# A loss object may also define `value_and_grad(model, model_state, batch, key, *, axis_name)` with the
+# output of `eqx.filter_value_and_grad(loss_fn, has_aux=True)`; it then owns how its gradient combines
+# across the devices of `axis_name` (see `loss_value_and_grad`).
 LossFn = Callable[[eqx.Module, Any, Batch, PRNGKeyArray], tuple[Float[Array, ""], tuple[Metrics, Any]]]
 
 
@@ -180,6 +181,37 @@ def _split(key_data: KeyData) -> tuple[KeyData, PRNGKeyArray]:
     return jax.random.key_data(key), step_key
 
 
+def example_keys(key: PRNGKeyArray, count: int) -> Key[Array, " {count}"]:
+    """One key per example of a batch of `count`: `jax.random.split(key, count)`, or, inside a train
+    step whose batch is split over a device axis, this device's slice of the whole batch's keys (so
+    per-example randomness does not depend on the device count)."""
+    return _example_keys(key, count)
+
+
+def loss_value_and_grad(
+    loss_fn: LossFn, model: eqx.Module, model_state: Any, batch: Batch, key: PRNGKeyArray, *,
+    axis_name: str | None = None,
+) -> tuple[tuple[Float[Array, ""], tuple[Metrics, Any]], PyTree]:
+    """The loss and its gradient on the model for the GLOBAL batch, of which `batch` is this device's
+    equal slice when `axis_name` names a device axis.
+
+    The loss decides how its gradient combines. A plain loss is a mean over its batch, so the mean of
+    the devices' means (`lax.pmean`) is the global mean. A loss with its own `value_and_grad` gets
+    `axis_name` and combines itself: DP-SGD sums the clipped per-example gradients over the devices
+    and adds its noise once, to the global sum (a mean of per-device noisy means would shrink the
+    signal by the device count and not the noise).
+    """
+    with _batch_split_over(axis_name):
+        own = getattr(loss_fn, "value_and_grad", None)
+        if own is not None:
+            return own(model, model_state, batch, key, axis_name=axis_name)
+        (loss, (metrics, model_state)), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(
+            model, model_state, batch, key)
+    if axis_name is not None:
+        loss, grads, metrics = jax.lax.pmean((loss, grads, metrics), axis_name)
+    return (loss, (metrics, model_state)), grads
+
+
 def train_step(
     state: TrainState, batch: Batch, loss_fn: LossFn = classification_loss, *, axis_name: str | None = None
 ) -> tuple[TrainState, Metrics]:
@@ -191,17 +223,14 @@ def train_step(
     dropout masks) and the new model state (BatchNorm statistics) comes out of the loss. When
     `state.ema` is set, it is updated with the new `(model, model_state)`.
 
-    `axis_name` names a device axis (`jax.pmap`) over which `batch` is split: gradients and metrics
-    are then averaged over it with `lax.pmean` before the update, and each example keeps the key it
-    has in the whole batch. (BatchNorm layers must reduce over that axis too: build them with
+    `axis_name` names a device axis (`jax.pmap`) over which `batch` is split: the gradient and the
+    metrics are combined over it as the loss says (`loss_value_and_grad`), and each example keeps the
+    key it has in the whole batch. (BatchNorm layers must reduce over that axis too: build them with
     `axis_name=(device_axis, "batch")`.)
     """
     key, step_key = _split(state.key)
-    grad_fn = getattr(loss_fn, "value_and_grad", None) or eqx.filter_value_and_grad(loss_fn, has_aux=True)
-    with _batch_split_over(axis_name):
-        (_, (metrics, model_state)), grads = grad_fn(state.model, state.model_state, batch, step_key)
-    if axis_name is not None:
-        grads, metrics = jax.lax.pmean((grads, metrics), axis_name)
+    (_, (metrics, model_state)), grads = loss_value_and_grad(
+        loss_fn, state.model, state.model_state, batch, step_key, axis_name=axis_name)
     params = eqx.filter(state.model, eqx.is_inexact_array)
     updates, opt_state = state.optimizer.update(grads, state.opt_state, params)
     model = eqx.apply_updates(state.model, updates)
