@@ -36,8 +36,9 @@ class Config(TrainConfig):
     delta: float = option(1e-5, "the delta epsilon is reported at (well below 1 / 4000 examples)",
                           check=open_unit_interval)
     batch_size: int = option(512, "expected examples per step (Poisson sampling)", check=positive)
-    max_batch_size: int = option(0, "rows of a compiled batch (0: expected + 4 std + 4); larger draws are "
-                                    "truncated to a random subset, which the accounting includes", check=non_negative)
+    max_batch_size: int = option(0, "rows of a compiled batch (0: expected + 4 std + 4, rounded up to a multiple of "
+                                    "the devices); larger draws are truncated to a random subset, which the "
+                                    "accounting includes", check=non_negative)
     epochs: int = option(100, "expected passes over the training set: steps = epochs * round(4000 / batch_size)",
                          check=positive)
     optimizer: Literal["adam", "sgd"] = option("adam", "adam (DP-Adam) or sgd with momentum 0.9 (DP-SGD)")
@@ -61,7 +62,8 @@ def setup(config: Config) -> Setup:
     """The state, the Poisson-sampled data and the DP-SGD loss of a run, without training."""
     train, test = load_mnist1d(config.data_dir)
     train_data = PoissonLoader(train.inputs, train.labels, config.batch_size, seed=config.seed,
-                               max_batch_size=config.max_batch_size or None)
+                               max_batch_size=config.max_batch_size or None,
+                               multiple_of=config.devices * jax.process_count())
     return Setup(
         build_state=lambda: build_state(config),
         train_data=train_data,

@@ -11,12 +11,16 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 
 from .cli import ConfigError, TrainConfig
 from .data import Batch, DeviceLoader, HostLoader, TorchLoader
-from .parallel import check_device_count, make_strategy
+from .parallel import check_device_count, make_placement
 from .tools.plot_runs import plot_runs
-from .train import LossFn, RunDir, TensorBoardTracker, TrainState, classification_loss, fit, load_checkpoint
+from . import population
+from .population import evaluate_population
+from .train import (FitResult, LossFn, Placement, RunDir, TensorBoardTracker, TrainState, classification_loss,
+                    evaluate_state, fit, load_checkpoint)
 
 RUNS_ROOT = Path("runs")
 EXPERIMENTS_DIR = Path(__file__).resolve().parent.parent / "experiments"
@@ -98,14 +102,16 @@ class Setup:
     num_steps: int
     loss_fn: LossFn = classification_loss
     lr_schedule: Callable[[int], Any] | None = None
+    population: bool = False
 
 
 def initial_state(setup: Setup, config: TrainConfig) -> TrainState:
     """The step-0 TrainState a run trains (and the skeleton its checkpoints restore into):
-    `setup.build_state()`, with an EMA of the model when `config.ema_decay > 0` (unless it has one)."""
+    `setup.build_state()`, with an EMA of the model when `config.ema_decay > 0` (unless it has one;
+    in a population, one EMA per member)."""
     state = setup.build_state()
     if config.ema_decay and state.ema is None:
-        state = state.with_ema(config.ema_decay)
+        state = population.with_ema(state, config.ema_decay) if setup.population else state.with_ema(config.ema_decay)
     return state
 
 
@@ -151,13 +157,13 @@ def run_experiment(
     """
     setup, fit_kwargs = _setup_from(setup, kwargs)
     check_device_count(config.devices)
-    strategy = make_strategy(config.parallel, config.devices)
-    strategy.check_batch_size(config.batch_size)
-    if config.debug_nans and strategy.name != "none":
+    placement = make_placement(config.parallel, config.devices)
+    if config.debug_nans and placement.name != "none":
         raise ConfigError("--debug-nans replays steps op by op on one device; drop --devices and --parallel")
+    state = initial_state(setup, config)
+    placement.check(state.model, setup.train_data.batch_size)
     writer = jax.process_index() == 0
     run, checkpoint = resolve_run_dir(experiment, config, writer=writer)
-    state = initial_state(setup, config)
     start_step = 0
     header: dict[str, Any] = {}
     if checkpoint is not None:
@@ -175,58 +181,58 @@ def run_experiment(
             "versions": _versions(),
             "command": [Path(sys.argv[0]).name, *sys.argv[1:]],
         })
-    tracker = None
-    if config.tensorboard and writer:
-        tracker = TensorBoardTracker(run.path, purge_step=start_step + 1 if start_step else None)
     start = time.perf_counter()
+    result = _train(experiment, config, setup, state, placement, run if writer else None, header, fit_kwargs)
+    summary = {"experiment": experiment, **_summary(result), "wall_seconds": time.perf_counter() - start,
+               **(summary_extra or {})}
+    if writer:
+        run.write_summary(summary)
+        plot_runs([run.path], run.path / "curves.png")
+        print(_report(experiment, summary, run))
+    return summary
+
+
+def _train(experiment: str, config: TrainConfig, setup: Setup, state: TrainState, placement: Placement,
+           run: RunDir | None, header: dict[str, Any], fit_kwargs: dict[str, Any]) -> FitResult:
+    """`fit` with the run's options: its hooks write into `run` (None: a process that does not write)."""
+    tracker = None
+    if config.tensorboard and run is not None:
+        tracker = TensorBoardTracker(run.path, purge_step=header["step"] + 1 if header else None)
     try:
-        result = fit(
-            state,
-            setup.train_data,
-            num_steps=setup.num_steps,
-            loss_fn=setup.loss_fn,
-            lr_schedule=setup.lr_schedule,
-            eval_data=setup.eval_data,
-            eval_every=config.eval_every or None,
-            log_every=config.log_every,
-            steps_per_call=config.steps_per_call,
-            run=run if writer else None,
-            checkpoint_every=config.checkpoint_every or None,
-            keep_checkpoints=config.keep_checkpoints,
+        return fit(
+            state, setup.train_data, num_steps=setup.num_steps, loss_fn=setup.loss_fn, placement=placement,
+            population=setup.population, evaluator=evaluate_population if setup.population else evaluate_state,
+            lr_schedule=setup.lr_schedule, eval_data=setup.eval_data, eval_every=config.eval_every or None,
+            log_every=config.log_every, steps_per_call=config.steps_per_call, run=run,
+            checkpoint_every=config.checkpoint_every or None, keep_checkpoints=config.keep_checkpoints,
             checkpoint_header={"experiment": experiment, "config": config.to_dict()},
-            resume_window=header.get("window"),
-            skip_nonfinite=config.skip_nonfinite,
-            progress=config.progress and writer,
-            parallel=strategy,
-            tracker=tracker,
-            debug_nans=config.debug_nans,
+            resume_window=header.get("window"), skip_nonfinite=config.skip_nonfinite,
+            progress=config.progress and run is not None, tracker=tracker, debug_nans=config.debug_nans,
             **fit_kwargs,
         )
     finally:
         if tracker is not None:
             tracker.finish()
-    assert result.eval_metrics is not None
-    summary = {
-        "experiment": experiment,
-        "test_accuracy": result.eval_metrics["accuracy"],
-        "test_loss": result.eval_metrics["loss"],
-        "train_loss": result.train_metrics.get("loss"),
-        "step": int(result.state.step),
-        "wall_seconds": time.perf_counter() - start,
-        **(summary_extra or {}),
-    }
-    raw = ""
-    if result.raw_eval_metrics is not None:
-        summary["test_raw_accuracy"] = result.raw_eval_metrics["accuracy"]
-        summary["test_raw_loss"] = result.raw_eval_metrics["loss"]
-        raw = f", without EMA {100 * summary['test_raw_accuracy']:.2f}%"
-    if writer:
-        run.write_summary(summary)
-        plot_runs([run.path], run.path / "curves.png")
-        print(
-            f"{experiment}: test accuracy {100 * summary['test_accuracy']:.2f}%{raw} "
+
+
+def _summary(result: FitResult) -> dict[str, Any]:
+    """A run's final numbers: `test_<metric>` (of the EMA model with an EMA, and `test_raw_<metric>` of
+    the trained one), `train_loss`, `step`; a population's include each member's and the ensemble's."""
+    summary = {f"test_{k}": v for k, v in (result.eval_metrics or {}).items()}
+    summary.update({f"test_raw_{k}": v for k, v in (result.raw_eval_metrics or {}).items()})
+    summary.update({f"train_{k}": v for k, v in result.train_metrics.items() if k in ("loss", "member_loss")})
+    summary["step"] = int(np.max(np.asarray(result.state.step)))
+    return summary
+
+
+def _report(experiment: str, summary: dict[str, Any], run: RunDir) -> str:
+    raw = f", without EMA {100 * summary['test_raw_accuracy']:.2f}%" if "test_raw_accuracy" in summary else ""
+    if "test_ensemble_accuracy" in summary:
+        members = np.asarray(summary["test_member_accuracy"])
+        raw += (f"; {len(members)} members {100 * members.min():.2f}-{100 * members.max():.2f}%, their ensemble "
+                f"(mean of probabilities) {100 * summary['test_ensemble_accuracy']:.2f}%")
+    what = "mean member test accuracy" if "test_ensemble_accuracy" in summary else "test accuracy"
+    return (f"{experiment}: {what} {100 * summary['test_accuracy']:.2f}%{raw} "
             f"(test loss {summary['test_loss']:.4f}, train loss {summary['train_loss']:.4f}) "
             f"at step {summary['step']}, {summary['wall_seconds']:.1f} s\nrun directory: {run.path} "
-            f"(learning curves: curves.png)"
-        )
-    return summary
+            "(learning curves: curves.png)")

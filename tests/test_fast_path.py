@@ -15,7 +15,7 @@ from research.state import RunningMean
 from research.train import CompiledTrainer, TrainState, classification_loss, compiled_trainer, train_step
 from research.train._compiled import NONFINITE_GRADIENT, NONFINITE_LOSS, StepStats, host_means, layout_of
 from research.train._packing import PACK_LIMIT, Packing
-from research.train._fit import _window_from_header, window_to_header
+from research.train._engine import _window_from_header, window_to_header
 from research.train._keys import split_key_data
 
 

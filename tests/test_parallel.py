@@ -26,9 +26,10 @@ from research.parallel import (
     DeviceError,
     Pmap,
     Sharded,
-    SingleDevice,
+    OneDevice,
     batch_axis_name,
-    make_strategy,
+    check_split,
+    make_placement,
     process_group,
     process_rows,
     simulate_cpu_devices,
@@ -169,10 +170,10 @@ def _environ(pid: int) -> bytes:
 def test_each_strategy_on_one_device_matches_the_plain_fast_path():
     train = XORDataset(256, seed=42)
     results = {}
-    for name, strategy in (("none", None), ("pmap", Pmap(1)), ("sharded", Sharded(1))):
+    for name, placement in (("none", OneDevice()), ("pmap", Pmap(1)), ("sharded", Sharded(1))):
         config = worker.Config(model="batchnorm", parallel=name)
         results[name] = fit(worker.build_state(config), DeviceLoader.from_dataset(train, 32, seed=0), num_steps=4,
-                            log_every=2, steps_per_call=2, progress=False, parallel=strategy)
+                            log_every=2, steps_per_call=2, progress=False, placement=placement)
     for name, result in results.items():
         assert result.train_metrics == pytest.approx(results["none"].train_metrics, abs=1e-6)
         assert int(result.state.step) == 4
@@ -184,10 +185,10 @@ def test_each_strategy_on_one_device_matches_the_plain_fast_path():
 def test_batch_norm_layers_must_reduce_over_the_strategys_axes():
     state = worker.build_state(worker.Config(model="batchnorm", parallel="none"))  # axis "batch"
     with pytest.raises(ValueError, match=r"needs \('devices', 'batch'\)"):
-        Pmap(1).trainer(classification_loss, state)
+        Pmap(1).check(state.model, 32)
     ema = eqx.nn.make_with_state(eqx.nn.BatchNorm)(4, axis_name=batch_axis_name("pmap"), mode="ema")[0]
     with pytest.raises(ValueError, match='mode="ema"'):
-        Pmap(1).trainer(classification_loss, eqx.tree_at(lambda s: s.model, state, ema))
+        Pmap(1).check(eqx.tree_at(lambda s: s.model, state, ema).model, 32)
 
 
 def test_a_batch_the_devices_do_not_divide_is_refused():
@@ -197,8 +198,8 @@ def test_a_batch_the_devices_do_not_divide_is_refused():
         worker.TrainConfig(devices=3, num_processes=2, batch_size=9)
     with pytest.raises(ConfigError, match="--parallel none trains on one device"):
         worker.TrainConfig(devices=2, parallel="none")
-    with pytest.raises(DeviceError, match="--batch-size 33 is not divisible by the 2 devices"):
-        Sharded(2).check_batch_size(33)
+    with pytest.raises(DeviceError, match="a training batch of 33 rows cannot be split evenly over 2 devices"):
+        check_split(33, 2)
 
 
 def test_more_devices_than_exist_are_refused_before_any_work(tmp_path):
@@ -210,8 +211,8 @@ def test_more_devices_than_exist_are_refused_before_any_work(tmp_path):
     with pytest.raises(DeviceError, match="JAX already started with 1 CPU device"):
         simulate_cpu_devices(2)
     with pytest.raises(DeviceError, match="--parallel none trains on one device"):
-        make_strategy("none", 2)
-    assert make_strategy("auto", 1) == SingleDevice(1) and make_strategy("auto", 4) == Sharded(4)
+        make_placement("none", 2)
+    assert make_placement("auto", 1) == OneDevice(1) and make_placement("auto", 4) == Sharded(4)
 
 
 def test_the_script_refuses_an_indivisible_batch_in_one_line(tmp_path):

@@ -50,11 +50,13 @@ def test_ensemble_members_match_sequential_runs_and_the_ensemble_is_reported(dat
     config = ensemble.Config(data_dir=data_dir, run_dir="run", num_members=3, epochs=1, hidden=32,
                              compare_sequential=True, progress=False)
     summary = ensemble.main(config)
-    assert len(summary["member_test_accuracy"]) == 3 and summary["ensemble_test_accuracy"] > 0.15
-    assert summary["max_parameter_difference"] < 1e-5  # vmapped members == members trained alone
-    np.testing.assert_allclose(summary["sequential_member_test_accuracy_mean"], summary["member_test_accuracy_mean"],
-                               atol=1e-6)
-    assert summary["vmapped_wall_seconds"] > 0 and summary["sequential_wall_seconds"] > 0
-    assert json.loads((tmp_path / "run/summary.json").read_text()) == summary
-    assert "member test accuracy" in capsys.readouterr().out
+    assert len(summary["test_member_accuracy"]) == 3 and summary["test_ensemble_accuracy"] > 0.15
+    # The population's members == the members trained alone (tests/test_population.py compares parameters).
+    np.testing.assert_allclose(summary["sequential_member_test_accuracy"], summary["test_member_accuracy"], atol=1e-6)
+    assert summary["test_accuracy"] == pytest.approx(np.mean(summary["test_member_accuracy"]))
+    assert summary["wall_seconds"] > 0 and summary["sequential_wall_seconds"] > 0
+    saved = json.loads((tmp_path / "run/summary.json").read_text())
+    assert saved == {k: v for k, v in summary.items() if not k.startswith("sequential_")}
+    assert "mean member test accuracy" in capsys.readouterr().out
     assert any((tmp_path / "run/checkpoints").glob("step_*.ckpt"))
+    assert len(json.loads((tmp_path / "run/metrics.jsonl").read_text().splitlines()[-1])["test/member_accuracy"]) == 3

@@ -28,6 +28,22 @@ _ARRAYS = ("train_inputs", "train_labels", "test_inputs", "test_labels")
 _ZIP_TIME = (1980, 1, 1, 0, 0, 0)
 
 
+def _import_mnist1d_data():
+    """The `mnist1d.data` module of the mnist1d package, even when a script's directory on `sys.path`
+    holds a `mnist1d.py` (ours does: experiments/mnist1d.py) that would be imported in its place."""
+    shadowed = [entry for entry in sys.path if (Path(entry or ".") / "mnist1d.py").is_file()]
+    module = sys.modules.get("mnist1d")
+    if module is not None and not hasattr(module, "__path__"):  # a shadowing script, not the package
+        del sys.modules["mnist1d"]
+    saved = list(sys.path)
+    sys.path[:] = [entry for entry in sys.path if entry not in shadowed]
+    try:
+        import mnist1d.data
+    finally:
+        sys.path[:] = saved
+    return mnist1d.data
+
+
 @typecheck
 def generate_mnist1d(seed: int = MNIST1D_SEED) -> tuple[Batch, Batch]:
     """Generate MNIST-1D with the `mnist1d` package's default arguments (as published) and `seed`.
@@ -35,22 +51,12 @@ def generate_mnist1d(seed: int = MNIST1D_SEED) -> tuple[Batch, Batch]:
     Returns `(train, test)` `Batch`es of numpy arrays: inputs `float32` of shape `(examples, 40)`,
     labels `int32`. Numpy's and Python's global RNG states are restored afterwards.
     """
-    try:
-        import mnist1d.data  # imported here: it pulls in matplotlib and scipy
-    except ModuleNotFoundError as error:
-        shadow = getattr(sys.modules.get("mnist1d"), "__file__", None)
-        if shadow is None or error.name != "mnist1d.data":
-            raise
-        raise ImportError(
-            f"{shadow} shadows the mnist1d package that generates the data: rename it, or take its "
-            "directory off sys.path before loading MNIST-1D"
-        ) from None
-
-    args = mnist1d.data.get_dataset_args()
+    mnist1d_data = _import_mnist1d_data()  # imported here: it pulls in matplotlib and scipy
+    args = mnist1d_data.get_dataset_args()
     args.seed = seed
     numpy_state, python_state = np.random.get_state(), random.getstate()
     try:
-        data = mnist1d.data.make_dataset(args)
+        data = mnist1d_data.make_dataset(args)
     finally:
         np.random.set_state(numpy_state)
         random.setstate(python_state)

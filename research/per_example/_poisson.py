@@ -18,10 +18,13 @@ from ..data import DeviceLoader
 from ._dp_sgd import PADDING_LABEL
 
 
-def default_max_batch_size(size: int, expected_batch_size: float | int) -> int:
-    """Expected batch size + 4 standard deviations + 4 (truncation, when it happens, is accounted)."""
+def default_max_batch_size(size: int, expected_batch_size: float | int, multiple_of: int = 1) -> int:
+    """Expected batch size + 4 standard deviations + 4 (truncation, when it happens, is accounted),
+    rounded up to a multiple of `multiple_of` (the devices that share each batch) when the data allows."""
     q = expected_batch_size / size
-    return min(size, math.ceil(expected_batch_size + 4 * math.sqrt(size * q * (1 - q))) + 4)
+    rows = math.ceil(expected_batch_size + 4 * math.sqrt(size * q * (1 - q))) + 4
+    rows = -(-rows // multiple_of) * multiple_of
+    return rows if rows <= size else size
 
 
 class PoissonLoader(DeviceLoader):
@@ -38,16 +41,17 @@ class PoissonLoader(DeviceLoader):
     - `expected_batch_size`: q * size, the mean number of examples per step.
     - `seed`: seed of the sampling.
     - `max_batch_size`: rows per batch (the compiled batch shape); default `default_max_batch_size`.
+    - `multiple_of`: the default `max_batch_size` is a multiple of it (the global device count).
     """
 
     def __init__(self, inputs: np.ndarray, labels: np.ndarray, expected_batch_size: float | int, *, seed: int,
-                 max_batch_size: int | None = None):
+                 max_batch_size: int | None = None, multiple_of: int = 1):
         size = len(labels)
         if not 0 < expected_batch_size <= size:
             raise ValueError(f"expected batch size must be in (0, {size}] (the data set size), got {expected_batch_size}")
         if np.any(np.asarray(labels) < 0):
             raise ValueError(f"labels must be >= 0: {PADDING_LABEL} marks padding in Poisson batches")
-        max_batch_size = max_batch_size or default_max_batch_size(size, expected_batch_size)
+        max_batch_size = max_batch_size or default_max_batch_size(size, expected_batch_size, multiple_of)
         if not 0 < max_batch_size <= size:
             raise ValueError(f"max_batch_size must be between 1 and the data set size {size}, got {max_batch_size}")
         padded_inputs = np.concatenate([inputs, np.zeros((1, *np.shape(inputs)[1:]), np.asarray(inputs).dtype)])

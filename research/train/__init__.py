@@ -3,9 +3,12 @@ trackers."""
 
 from ._checkpoint import load_checkpoint, read_header, save_checkpoint
 from ._compiled import CompiledTrainer, compiled_trainer
-from ._evaluate import evaluate, evaluate_state
+from ._evaluate import evaluate, evaluate_state, padded_batches
+from ._placement import Leaves, OneDevice, Placement, batch_norm_layers, check_batch_norm_axis
 from ..errors import CheckpointError, DataError, NonFiniteError
-from ._fit import FitResult, fit
+from ._engine import Engine, FitResult, StepInfo
+from ._fit import fit
+from ._hooks import Checkpoint, Evaluate, NonFiniteGuard, ShowProgress, Track
 from ._rundir import RunDir
 from ._tracking import (
     JsonlTracker,
@@ -28,19 +31,31 @@ from ._state import (
 )
 
 __all__ = [
+    "Checkpoint",
     "CheckpointError",
     "CompiledTrainer",
     "DataError",
+    "Engine",
+    "Evaluate",
     "FitResult",
     "JsonlTracker",
+    "Leaves",
     "LossFn",
     "Metrics",
     "MultiTracker",
     "NonFiniteError",
+    "NonFiniteGuard",
+    "OneDevice",
+    "Placement",
     "RunDir",
+    "ShowProgress",
+    "StepInfo",
     "TensorBoardTracker",
+    "Track",
     "Tracker",
     "TrainState",
+    "batch_norm_layers",
+    "check_batch_norm_axis",
     "classification_loss",
     "classification_metrics",
     "compiled_trainer",
@@ -50,6 +65,7 @@ __all__ = [
     "fit",
     "forward",
     "load_checkpoint",
+    "padded_batches",
     "loss_value_and_grad",
     "read_header",
     "read_tensorboard_scalars",

@@ -23,9 +23,11 @@ from ..debug import RetraceLog
 from ..state import RunningMean
 from ..typing import Array, Float, Int
 from ._packing import Packing, describe_spec
-from ._state import LossFn, Metrics, TrainState, train_step
+from ._placement import Leaves, OneDevice, Placement
+from ._state import LossFn, TrainState, train_step
 
-Leaves = list[jax.Array]
+# A step's metrics: scalars, or one value per member of a population.
+StepMetrics = dict[str, Float[Array, "*members"]]
 
 NONFINITE_LOSS, NONFINITE_GRADIENT = 1, 2
 NONFINITE_NAMES = {NONFINITE_LOSS: "loss", NONFINITE_GRADIENT: "gradient"}
@@ -95,17 +97,23 @@ class StepStats:
     def skipped(self) -> Int[Array, ""]:
         return self.counters[1]
 
-    def record(self, step: Int[Array, ""], metrics: Metrics) -> "StepStats":
+    def record(self, step: Int[Array, ""], metrics: StepMetrics) -> "StepStats":
+        """Add one step's metrics. A population's metrics have one value per member: its step counts
+        as finite when every member's was (a member's non-finite metrics are left out of the sums)."""
         if [name for name, _ in self.layout] != sorted(metrics):
             raise ValueError(f"the step's metrics {sorted(metrics)} are not the ones these statistics were made for "
                              f"{[name for name, _ in self.layout]}; make them with the trainer's init_stats")
-        loss_ok = jnp.isfinite(metrics["loss"])
-        ok = loss_ok & jnp.isfinite(metrics["grad_norm"])
-        clean = [jnp.where(ok, jnp.ravel(metrics[name]).astype(jnp.float32), 0.0) for name, _ in self.layout]
+        member_ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+        clean = [jnp.ravel(jnp.where(member_ok, metrics[name], 0.0)).astype(jnp.float32) for name, _ in self.layout]
+        loss_ok, ok = _all(jnp.isfinite(metrics["loss"])), _all(member_ok)
         code = jnp.where(ok, NO_BAD_STEP, 2 * step + loss_ok.astype(jnp.int32))
         counters = jnp.minimum(self.counters + jnp.stack([jnp.int32(0), (~ok).astype(jnp.int32)]),
                                jnp.stack([code, jnp.int32(NO_BAD_STEP)]))
         return StepStats(self.sums + jnp.concatenate([*clean, ok.astype(jnp.float32)[None]]), counters, self.layout)
+
+
+def _all(flags: Array) -> Array:
+    return flags if flags.ndim == 0 else jnp.all(flags)
 
 
 def host_means(sums: np.ndarray, layout: Layout) -> dict[str, np.ndarray]:
@@ -128,44 +136,46 @@ def layout_of(shapes: dict[str, Any]) -> Layout:
 
 
 class CompiledTrainer:
-    """Compiled train steps for one TrainState structure, loss function and non-finite policy.
+    """Compiled train steps for one TrainState structure, loss function, placement and non-finite
+    policy: the one trainer, whatever the placement (one device, pmap, a mesh; `Placement` says where
+    arrays live and how a function compiles) and whether the state is one model or a population.
 
-    Build it with `compiled_trainer(loss_fn, state)` (cached: the same structure reuses the same
-    compiled code). The train loop works on `leaves = trainer.leaves(state)` and turns them back
-    into a `TrainState` with `trainer.state(leaves)` only to evaluate or save. Leaves passed to
+    Build it with `compiled_trainer(loss_fn, state, placement=...)` (cached: the same structure reuses
+    the same compiled code). The train loop works on `leaves = trainer.place(state)` and turns them
+    back into a `TrainState` with `trainer.state(leaves)` only to evaluate or save. Leaves passed to
     `step`/`run` are donated: do not use them (or a state built from them) afterwards. With a
-    `packing` (small states; see `compiled_trainer`) `leaves` are the packed ones, and
+    `packing` (small states on one device; see `compiled_trainer`) `leaves` are the packed ones, and
     `unpack(leaves)` gives one array per `leaf_names()` entry.
 
+    `population=True`: every array of the state has a leading member axis (`research.population`);
+    the step is `train_step` vmapped over the members, all of them on the same batch, and each
+    metric has one value per member.
+
     With `skip_nonfinite=True` a step whose loss or gradient is NaN/Inf leaves the model, model
-    state, optimizer state and EMA unchanged (the step counter, key and data still advance).
+    state, optimizer state and EMA unchanged (the step counter, key and data still advance); in a
+    population, member by member.
 
     `num_traces` counts how many times each function was traced, to catch silent recompilation;
     `traces` records each trace's abstract signature (argument shapes, dtypes, weak types) and logs,
     on the first retrace of a function, which argument changed (`traces.explanations`).
-
-    This trainer runs on one device. The data-parallel trainers of `research.parallel` subclass it
-    and override the placement methods (`place`, `state`, `put_stats`, `put_batch`, `put_data`,
-    `put_indices`, `host`), which are all `fit` uses to move things between host and devices, and
-    `metric_shapes` (what one device's step returns).
     """
 
-    parallel = False  # True for the multi-device subclasses
-
     def __init__(self, loss_fn: LossFn, static: TrainState, treedef: jax.tree_util.PyTreeDef,
-                 skip_nonfinite: bool = False, packing: Packing | None = None):
+                 skip_nonfinite: bool = False, packing: Packing | None = None, *,
+                 placement: Placement = OneDevice(), population: bool = False):
         self.loss_fn = loss_fn
         self.skip_nonfinite = skip_nonfinite
         self.packing = packing
+        self.placement = placement
+        self.population = population
         self._static = static
         self._treedef = treedef
-        self.axis_name: str | None = None  # a device axis to average gradients over (pmap), see train_step
         self.num_traces = {"step": 0, "run": 0}
         self.traces = RetraceLog()
         self._leaf_names: list[str] | None = None
         self._layouts: dict[str, Layout] = {}
-        self._step = jax.jit(self._step_impl, donate_argnums=(0, 1))
-        self._run = jax.jit(self._run_impl, donate_argnums=(0, 1))
+        self._step = placement.compile(self._step_impl)
+        self._run = placement.compile(self._run_impl, broadcast_last=True)
 
     # -- conversions -------------------------------------------------------------------------
     def leaves(self, state: TrainState) -> Leaves:
@@ -220,49 +230,36 @@ class CompiledTrainer:
 
     # -- placement: where leaves, batches and statistics live ------------------------------------
     def place(self, state: TrainState) -> Leaves:
-        """Fresh leaves of `state` on the trainer's devices. The compiled steps donate their inputs;
+        """Fresh leaves of `state` on the placement's devices. The compiled steps donate their inputs;
         a copy keeps the caller's state (and model) valid."""
-        return _copy(self.leaves(state))
+        return self.placement.place(self.leaves(state))
 
-    def put_stats(self, stats: StepStats) -> StepStats:
-        """Step statistics made on the host (a resumed window) as the compiled steps' input."""
-        return stats
-
-    def put_batch(self, batch: Batch) -> Batch:
-        """A host batch (the global batch) as the compiled step's input."""
-        return batch
-
-    def put_data(self, host: Batch, device: Batch) -> Batch:
-        """A whole device-resident data set (`DeviceLoader`: `host` numpy, `device` arrays) for `run`."""
-        return device
-
-    def put_indices(self, indices: np.ndarray) -> np.ndarray | jax.Array:
-        """The `[steps, global batch]` example indices of a `run` call."""
-        return indices
+    def state(self, leaves: Leaves) -> TrainState:
+        """The TrainState of `leaves`, usable on the host: to evaluate, save or return."""
+        return self._combine(self.unpack(self.placement.gather(leaves), on_host=True))
 
     def host(self, tree):
         """One copy of values the compiled steps keep on every device (statistics), readable on the host."""
-        return tree
+        return self.placement.host(tree)
 
     def init_stats(self, leaves: Leaves, batch: Batch) -> StepStats:
-        """Zeroed step statistics laid out for the step's metrics, placed by `put_stats`."""
+        """Zeroed step statistics laid out for the step's metrics, placed on the devices."""
         signature = str(jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)), batch))
         layout = self._layouts.get(signature)
         if layout is None:
-            layout = self._layouts[signature] = layout_of(self.metric_shapes(leaves, batch))
-        return self.put_stats(StepStats.init(layout))
-
-    def metric_shapes(self, leaves: Leaves, batch: Batch) -> dict[str, jax.ShapeDtypeStruct]:
-        """The shapes of one step's metrics (traced, not run)."""
-        return jax.eval_shape(lambda l, b: self._one(self.unpack(l), b)[1], leaves, batch)
+            one_step = lambda l, b: self._one(self.unpack(l), b)[1]  # noqa: E731
+            layout = self._layouts[signature] = layout_of(self.placement.metric_shapes(one_step, leaves, batch))
+        return self.placement.put_stats(StepStats.init(layout))
 
     # -- compiled functions ------------------------------------------------------------------
-    def _one(self, leaves: Leaves, batch: Batch) -> tuple[Leaves, Metrics]:
+    def _one(self, leaves: Leaves, batch: Batch) -> tuple[Leaves, StepMetrics]:
         old = self._combine(leaves)
-        new, metrics = train_step(old, batch, self.loss_fn, axis_name=self.axis_name)
+        batch = self.placement.constrain(batch)
+        step = lambda s: train_step(s, batch, self.loss_fn, axis_name=self.placement.axis_name)  # noqa: E731
+        new, metrics = eqx.filter_vmap(step)(old) if self.population else step(old)
         if self.skip_nonfinite:
-            ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
-            keep = lambda n, o: jax.tree.map(lambda a, b: jnp.where(ok, a, b), n, o)  # noqa: E731
+            ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])  # one flag per member
+            keep = lambda n, o: jax.tree.map(lambda a, b: jnp.where(_broadcast(ok, a), a, b), n, o)  # noqa: E731
             new = eqx.tree_at(
                 lambda s: (s.model, s.model_state, s.opt_state, s.ema),
                 new,
@@ -278,6 +275,7 @@ class CompiledTrainer:
 
     def _record(self, leaves: Leaves, stats: StepStats, batch: Batch) -> tuple[Leaves, StepStats]:
         step = self._combine(leaves).step
+        step = step[0] if self.population else step  # members step together
         leaves, metrics = self._one(leaves, batch)
         return leaves, stats.record(step, metrics)
 
@@ -328,12 +326,12 @@ class CompiledTrainer:
     ) -> tuple[Leaves, StepStats]:
         """`num_steps` steps in one compiled call on device-resident `data`; step `i` uses the examples
         `indices[i]`. `indices` has a fixed number of rows (>= num_steps) so the call compiles once."""
-        return self._run(leaves, stats, data, indices, np.int32(num_steps))
+        return self._run(leaves, stats, data, indices, self.placement.put_count(num_steps))
 
 
-@jax.jit
-def _copy(leaves: Leaves) -> Leaves:
-    return [x.copy() for x in leaves]
+def _broadcast(flags: Array, like: Array) -> Array:
+    """Per-member flags `[members]` shaped to select along the leading axis of `like`."""
+    return flags.reshape(flags.shape + (1,) * (like.ndim - flags.ndim))
 
 
 _cache: dict[tuple, CompiledTrainer] = {}
@@ -347,18 +345,22 @@ def static_key(static: TrainState) -> tuple:
     return structure, tuple(leaves)
 
 
-def compiled_trainer(loss_fn: LossFn, state: TrainState, *, skip_nonfinite: bool = False) -> CompiledTrainer:
-    """The `CompiledTrainer` for this loss, this state's structure and this non-finite policy, built
-    once and reused, so a second `fit` with the same model, optimizer object and loss starts warm."""
+def compiled_trainer(loss_fn: LossFn, state: TrainState, *, skip_nonfinite: bool = False,
+                     placement: Placement = OneDevice(), population: bool = False) -> CompiledTrainer:
+    """The `CompiledTrainer` for this loss, this state's structure, placement and non-finite policy,
+    built once and reused, so a second `fit` with the same model, optimizer object and loss starts
+    warm. A small state on a placement that `packs` travels packed."""
     dynamic, static = eqx.partition(state, eqx.is_array)
     leaves, treedef = jax.tree.flatten(dynamic)
-    packing = Packing.of(leaves)
-    key = (loss_fn, treedef, *static_key(static), skip_nonfinite, packing)
+    packing = Packing.of(leaves) if placement.packs else None
+    key = (loss_fn, treedef, *static_key(static), skip_nonfinite, packing, placement, population)
+    build = lambda: CompiledTrainer(loss_fn, static, treedef, skip_nonfinite, packing,  # noqa: E731
+                                    placement=placement, population=population)
     with _cache_lock:
         try:
             return _cache[key]
         except TypeError:  # an unhashable static field: compile privately
-            return CompiledTrainer(loss_fn, static, treedef, skip_nonfinite, packing)
+            return build()
         except KeyError:
-            trainer = _cache[key] = CompiledTrainer(loss_fn, static, treedef, skip_nonfinite, packing)
+            trainer = _cache[key] = build()
             return trainer

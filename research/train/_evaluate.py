@@ -33,6 +33,14 @@ def _padded(batches: Iterable[Batch], batch_size: int) -> Iterable[tuple[Batch, 
         yield Batch(inputs, labels), mask
 
 
+def padded_batches(data: DeviceLoader | HostLoader) -> tuple[Iterable[tuple[Batch, np.ndarray]], int]:
+    """`(batches, size)`: every example of `data` once, in batches of one size (a smaller last batch is
+    padded and its padding masked out by the 0/1 mask given with each batch), and the example count."""
+    if isinstance(data, DeviceLoader):
+        return data.padded_batches(), data.size
+    return _padded(data, data.batch_size), len(data.dataset)
+
+
 def evaluate(
     model: eqx.Module,
     model_state: eqx.nn.State | None,
@@ -47,12 +55,7 @@ def evaluate(
     `progress`, an evaluation that takes over a second shows a bar (batches/s and ETA).
     """
     model = eqx.nn.inference_mode(model)
-    if isinstance(data, DeviceLoader):
-        batches = data.padded_batches()
-        size = data.size
-    else:
-        batches = _padded(data, data.batch_size)
-        size = len(data.dataset)
+    batches, size = padded_batches(data)
     bar = Progress(math.ceil(size / data.batch_size), desc="eval", unit="batch", enabled=progress, delay=1.0,
                    leave=False)
     totals = []

@@ -1,0 +1,231 @@
+"""The multi-device placements: `jax.pmap`, and `jax.jit` over a device mesh.
+
+Both keep the single-device fast path (partition once, a flat list of array leaves, donated
+buffers, metrics summed on the device, many steps per call on device-resident data) and change only
+where things live:
+
+- `Pmap`: leaves stacked along a leading device axis (one copy per local device); each device gets
+  `[per_device_batch, ...]` and its traced step sees the device axis `"devices"`, over which the
+  loss combines its gradient (`research.train.loss_value_and_grad`).
+- `Sharded`: `jax.jit` over a `Mesh` whose one axis, `"data"`, splits the batch; leaves are
+  replicated `NamedSharding`s; the step sees the global batch and XLA inserts the reductions.
+
+With several processes each process feeds only its rows of every global batch (devices are ordered
+process by process, so process `p` owns rows `[p * B / P, (p + 1) * B / P)`).
+"""
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any, Literal
+
+import equinox as eqx
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from ..data import Batch
+from ..errors import ConfigError, DeviceError
+from ..train import Leaves, OneDevice, Placement, batch_norm_layers, check_batch_norm_axis
+from ._devices import check_device_count
+
+DEVICE_AXIS = "devices"  # pmap's axis name; BatchNorm reduces over (DEVICE_AXIS, "batch") under pmap
+DATA_AXIS = "data"  # the mesh axis that splits the batch under jit
+ParallelName = Literal["auto", "none", "pmap", "sharded"]
+
+
+def batch_axis_name(parallel: str) -> str | tuple[str, str]:
+    """The `axis_name` a BatchNorm layer needs to reduce over the whole global batch: the vmap axis
+    `"batch"`, and under pmap also the device axis (each device vmaps over its slice only)."""
+    return (DEVICE_AXIS, "batch") if parallel == "pmap" else "batch"
+
+
+def process_rows(array: np.ndarray, axis: int = 0) -> np.ndarray:
+    """This process's contiguous share of `array` along `axis` (all of it with one process)."""
+    count, index = jax.process_count(), jax.process_index()
+    size = array.shape[axis] // count
+    return np.take(array, np.arange(index * size, (index + 1) * size), axis=axis)
+
+
+def unreplicate(x: jax.Array) -> jax.Array:
+    """One copy of a value replicated along pmap's leading device axis (`[devices, ...]`), read from
+    this process's first device: no gather across devices or processes, unlike `x[0]`."""
+    return x.addressable_data(0)[0]
+
+
+def local_copy(x: jax.Array) -> jax.Array:
+    """This process's first copy of an array replicated over a mesh (a single-device array that a
+    checkpoint or an evaluation can use even when the mesh spans other processes)."""
+    return x.addressable_data(0)
+
+
+def check_split(rows: int, devices: int) -> None:
+    """Refuse a global batch of `rows` rows that `devices` devices per process cannot share evenly."""
+    total = devices * jax.process_count()
+    if rows % total:
+        raise DeviceError(
+            f"a training batch of {rows} rows cannot be split evenly over {total} devices ({devices} per process x "
+            f"{jax.process_count()} process(es)); pick a batch size that is a multiple of {total}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Pmap(Placement):
+    """`jax.pmap` over `devices` devices per process; the state is replicated along a stacked axis."""
+
+    devices: int = 1
+    name = "pmap"
+    axis_name = DEVICE_AXIS
+    packs = False
+    batch_axis = (DEVICE_AXIS, "batch")
+
+    @functools.cached_property
+    def _stacked(self) -> NamedSharding:
+        devices = jax.local_devices()[: self.devices]
+        return NamedSharding(Mesh(np.array(devices), (DEVICE_AXIS,)), PartitionSpec(DEVICE_AXIS))
+
+    def compile(self, fn: Callable, *, broadcast_last: bool = False) -> Callable:
+        in_axes = (0, 0, 0, 0, None) if broadcast_last else 0
+        return jax.pmap(fn, DEVICE_AXIS, in_axes=in_axes, donate_argnums=(0, 1))
+
+    def constrain(self, batch: Batch) -> Batch:
+        return batch
+
+    def _replicate(self, x) -> jax.Array:
+        host = np.asarray(x)
+        return jax.device_put(np.broadcast_to(host, (self.devices, *host.shape)), self._stacked)
+
+    def _per_device(self, x) -> np.ndarray:
+        """`[global batch, ...]` -> this process's rows as `[devices, per_device_batch, ...]`."""
+        rows = process_rows(np.asarray(x))
+        return rows.reshape(self.devices, -1, *rows.shape[1:])
+
+    def place(self, leaves: Leaves) -> Leaves:
+        return [self._replicate(x) for x in leaves]
+
+    def gather(self, leaves: Leaves) -> Leaves:
+        return [unreplicate(x) for x in leaves]
+
+    def put_stats(self, stats: Any) -> Any:
+        return jax.tree.map(self._replicate, stats)
+
+    def put_batch(self, batch: Batch) -> Batch:
+        return jax.tree.map(lambda x: jax.device_put(self._per_device(x), self._stacked), batch)
+
+    def put_data(self, host: Batch, device: Batch) -> Batch:
+        return jax.tree.map(self._replicate, host)
+
+    def put_indices(self, indices: np.ndarray) -> jax.Array:
+        rows = process_rows(indices, axis=1)  # [steps, process batch]
+        per_device = rows.reshape(rows.shape[0], self.devices, -1).transpose(1, 0, 2)
+        return jax.device_put(np.ascontiguousarray(per_device), self._stacked)
+
+    def put_count(self, count: int) -> np.int32:
+        return np.int32(count)
+
+    def host(self, tree: Any) -> Any:
+        return jax.tree.map(unreplicate, tree)
+
+    def metric_shapes(self, fn: Callable, leaves: Leaves, batch: Batch) -> dict[str, jax.ShapeDtypeStruct]:
+        # One device's metrics, traced under vmap to bind the device axis.
+        example = jax.tree.map(self._per_device, batch)
+        mapped = jax.eval_shape(jax.vmap(fn, axis_name=DEVICE_AXIS), leaves, example)
+        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), mapped)
+
+    def check(self, model: eqx.Module, rows: int) -> None:
+        check_device_count(self.devices)
+        if jax.process_count() > 1 and self.devices != jax.local_device_count():
+            raise DeviceError(f"--parallel pmap with several processes uses every local device: pass --devices "
+                              f"{jax.local_device_count()} (got {self.devices})")
+        check_split(rows, self.devices)
+        check_batch_norm_axis(model, self.batch_axis)
+        if any(layer.mode == "ema" for layer in batch_norm_layers(model)):
+            # jax.pmap is shard_map underneath (jax >= 0.8); there eqx.nn.State.set refuses the constant
+            # BatchNorm(mode="ema") writes ("Old and new values have different structures").
+            raise ConfigError('eqx.nn.BatchNorm(mode="ema") cannot run under jax.pmap with this equinox; build it '
+                              'with mode="batch", or use --parallel sharded')
+
+
+@dataclasses.dataclass(frozen=True)
+class Sharded(Placement):
+    """`jax.jit` over a mesh of `devices` devices per process, the batch split along `"data"`."""
+
+    devices: int = 1
+    name = "sharded"
+    axis_name = None
+    packs = False
+    batch_axis = "batch"
+
+    @functools.cached_property
+    def mesh(self) -> Mesh:
+        # Process by process, so that each process's rows of the batch are contiguous.
+        devices = [d for p in range(jax.process_count()) for d in jax.local_devices(process_index=p)[: self.devices]]
+        return Mesh(np.array(devices), (DATA_AXIS,))
+
+    @functools.cached_property
+    def _replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec())
+
+    @functools.cached_property
+    def _batch(self) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec(DATA_AXIS))
+
+    def compile(self, fn: Callable, *, broadcast_last: bool = False) -> Callable:
+        both = (self._replicated, self._replicated)
+        return jax.jit(fn, donate_argnums=(0, 1), out_shardings=both)
+
+    def constrain(self, batch: Batch) -> Batch:
+        return jax.lax.with_sharding_constraint(batch, self._batch)
+
+    def _replicate(self, x) -> jax.Array:
+        return jax.make_array_from_process_local_data(self._replicated, np.asarray(x))
+
+    def place(self, leaves: Leaves) -> Leaves:
+        return [self._replicate(x) for x in leaves]
+
+    def gather(self, leaves: Leaves) -> Leaves:
+        return [local_copy(x) for x in leaves]
+
+    def put_stats(self, stats: Any) -> Any:
+        return jax.tree.map(self._replicate, stats)
+
+    def put_batch(self, batch: Batch) -> Batch:
+        return jax.tree.map(
+            lambda x: jax.make_array_from_process_local_data(self._batch, process_rows(np.asarray(x)), x.shape), batch)
+
+    def put_data(self, host: Batch, device: Batch) -> Batch:
+        return jax.tree.map(self._replicate, host)
+
+    def put_indices(self, indices: np.ndarray) -> jax.Array:
+        rows = NamedSharding(self.mesh, PartitionSpec(None, DATA_AXIS))
+        return jax.make_array_from_process_local_data(rows, process_rows(indices, axis=1), indices.shape)
+
+    def put_count(self, count: int) -> jax.Array:
+        return self._replicate(np.int32(count))
+
+    def host(self, tree: Any) -> Any:
+        return jax.tree.map(local_copy, tree)
+
+    def metric_shapes(self, fn: Callable, leaves: Leaves, batch: Batch) -> dict[str, jax.ShapeDtypeStruct]:
+        return jax.eval_shape(fn, leaves, batch)
+
+    def check(self, model: eqx.Module, rows: int) -> None:
+        check_device_count(self.devices)
+        check_split(rows, self.devices)
+        check_batch_norm_axis(model, self.batch_axis)
+
+
+def make_placement(parallel: ParallelName, devices: int = 1) -> Placement:
+    """The placement named on the command line. `auto` is `none` for one device in one process and
+    `sharded` otherwise; `none` refuses more than one device or process."""
+    processes = jax.process_count()
+    if parallel == "auto":
+        parallel = "none" if devices * processes == 1 else "sharded"
+    if parallel == "none":
+        if devices * processes != 1:
+            raise DeviceError(
+                f"--parallel none trains on one device, but --devices is {devices} with {processes} process(es); "
+                "pass --parallel sharded or pmap"
+            )
+        return OneDevice(1)
+    return {"pmap": Pmap, "sharded": Sharded}[parallel](devices)

@@ -1,0 +1,124 @@
+"""Populations: K members (seeds today) stacked on a leading axis of every array of ONE train state.
+
+A population is not a trainer of its own. Build it with `stack_states(build_state, keys)` (every
+array gains a leading member axis; the model's structure and the optimizer are shared) and train it
+through the engine like any state, `fit(states, ..., population=True, evaluator=evaluate_population)`:
+the compiled step is `train_step` vmapped over the members, all on the same batches, so member k
+ends where its own run would (up to float rounding), and the run gets the placements, EMA,
+checkpoints and resume, metrics and progress of any other run. Each metric then has one value per
+member: the logs hold their mean (`train/loss`) and the values (`train/member_loss`).
+"""
+
+from collections.abc import Callable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Key, UInt32
+
+from .data import Batch, DeviceLoader, HostLoader
+from .train import TrainState, classification_metrics, forward, padded_batches
+from .typing import Array, Float, PRNGKeyArray, typecheck
+
+
+def stack_states(
+    build_state: Callable[[PRNGKeyArray], TrainState], keys: Key[Array, " members"] | UInt32[Array, "members 2"]
+) -> TrainState:
+    """`K` TrainStates, one per key, stacked: `eqx.filter_vmap(build_state)(keys)`.
+
+    `build_state(key)` must build the same structure (model, optimizer) for every key; only the
+    arrays differ. Take member `k` back out with `member(states, k)`. Built under `eqx.filter_jit`:
+    one compilation instead of one per eager operation.
+    """
+    return eqx.filter_jit(eqx.filter_vmap(build_state))(keys)
+
+
+def num_members(states: TrainState) -> int:
+    """K for a population, 0 for a single state."""
+    return int(states.step.shape[0]) if states.step.ndim == 1 else 0
+
+
+def member(states: TrainState, index: int) -> TrainState:
+    """Member `index` of stacked states, as an ordinary TrainState."""
+    return jax.tree.map(lambda x: x[index] if eqx.is_array(x) else x, states)
+
+
+def with_ema(states: TrainState, decay: float) -> TrainState:
+    """Every member with an EMA of its model (`TrainState.with_ema`), member by member."""
+    return eqx.filter_vmap(lambda state: state.with_ema(decay))(states)
+
+
+def _log_probabilities(logits: Float[Array, "members batch classes"]) -> Float[Array, "members batch outcomes"]:
+    # One logit is a binary classifier: its two outcomes are (label 0, label 1).
+    if logits.shape[-1] == 1:
+        return jnp.stack([jax.nn.log_sigmoid(-logits[..., 0]), jax.nn.log_sigmoid(logits[..., 0])], axis=-1)
+    return jax.nn.log_softmax(logits, axis=-1)
+
+
+@eqx.filter_jit
+@typecheck
+def _ensemble_eval_sums(
+    models: eqx.Module, model_states: eqx.nn.State | None, batch: Batch, mask: Float[Array, " batch"]
+) -> tuple[Float[Array, " members"], Float[Array, " members"], Float[Array, ""], Float[Array, ""]]:
+    logits, _ = eqx.filter_vmap(lambda m, s: forward(m, s, batch.inputs, key=None))(models, model_states)
+    losses, correct = jax.vmap(classification_metrics, in_axes=(0, None))(logits, batch.labels)
+    log_probs = _log_probabilities(logits)
+    # The ensemble predicts the mean of the members' probabilities (computed in log space).
+    mean_log_probs = jax.nn.logsumexp(log_probs, axis=0) - jnp.log(log_probs.shape[0])
+    ensemble_losses = -jnp.take_along_axis(mean_log_probs, batch.labels[:, None], axis=1)[:, 0]
+    ensemble_correct = jnp.argmax(mean_log_probs, axis=1) == batch.labels
+    return (
+        jnp.sum(losses * mask[None, :], axis=1),
+        jnp.sum(correct * mask[None, :], axis=1),
+        jnp.sum(ensemble_losses * mask),
+        jnp.sum(ensemble_correct * mask),
+    )
+
+
+def evaluate_ensemble(
+    models: eqx.Module, model_states: eqx.nn.State | None, data: DeviceLoader | HostLoader
+) -> dict[str, np.ndarray | float]:
+    """Each member's and the ensemble's mean loss and accuracy over every example of `data`, in inference mode.
+
+    **Returns:** `member_loss`, `member_accuracy` (arrays, one value per member) and `loss`,
+    `accuracy` of the ensemble that averages the members' predicted probabilities.
+    """
+    models = eqx.nn.inference_mode(models)
+    batches, size = padded_batches(data)
+    totals = [
+        _ensemble_eval_sums(models, model_states, Batch(jnp.asarray(b.inputs), jnp.asarray(b.labels)), jnp.asarray(mask))
+        for b, mask in batches
+    ]
+    member_loss, member_correct, loss, correct = (np.sum(np.stack(x), axis=0) for x in zip(*jax.device_get(totals)))
+    return {
+        "member_loss": member_loss / size,
+        "member_accuracy": member_correct / size,
+        "loss": float(loss / size),
+        "accuracy": float(correct / size),
+    }
+
+
+def _population_metrics(scores: dict[str, np.ndarray | float]) -> dict[str, float | list[float]]:
+    return {
+        "loss": float(np.mean(scores["member_loss"])),
+        "accuracy": float(np.mean(scores["member_accuracy"])),
+        "member_loss": [float(x) for x in scores["member_loss"]],
+        "member_accuracy": [float(x) for x in scores["member_accuracy"]],
+        "ensemble_loss": scores["loss"],
+        "ensemble_accuracy": scores["accuracy"],
+    }
+
+
+def evaluate_population(
+    states: TrainState, data: DeviceLoader | HostLoader, *, progress: bool = False
+) -> tuple[dict[str, float | list[float]], dict[str, float | list[float]] | None]:
+    """`(metrics, raw_metrics)` of a population, like `research.train.evaluate_state` of one state:
+    the members' mean `loss` and `accuracy`, each member's (`member_loss`, `member_accuracy`), and
+    the ensemble's that averages their probabilities (`ensemble_loss`, `ensemble_accuracy`); of the
+    members' EMA models when the states keep one, with the trained models' as `raw_metrics`."""
+    raw = _population_metrics(evaluate_ensemble(states.model, states.model_state, data))
+    if states.ema is None:
+        return raw, None
+    models, model_states = states.ema.average
+    return _population_metrics(evaluate_ensemble(models, model_states, data)), raw

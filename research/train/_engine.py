@@ -1,0 +1,301 @@
+"""The engine: place the state, then repeat { the next steps' batches from the loader, compiled calls
+of train steps up to the next stop, a `StepInfo` for the hooks that are due }.
+
+Everything around the compiled steps is a hook with a cadence (`Engine.add_hook(hook, every=N)`):
+evaluation, logging and trackers, checkpoints, progress, the non-finite guard (`_hooks.py`). The
+engine itself only fetches the running train metrics every `log_every` steps (the one regular host
+synchronisation) and times the steps.
+"""
+
+import contextlib
+import dataclasses
+import functools
+import math
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import numpy as np
+from jaxtyping import TypeCheckError
+
+from ..data import Batch, DeviceLoader, TorchLoader
+from ..debug import describe_nan_error
+from ..errors import DataError, NonFiniteError
+from ._compiled import CompiledTrainer, StepStats, compiled_trainer, decode_first_bad, host_means, unpack_sums
+from ._placement import Leaves, OneDevice, Placement
+from ._state import LossFn, TrainState, classification_loss
+
+Hook = Callable[["StepInfo"], None]
+
+
+@dataclasses.dataclass
+class StepInfo:
+    """What a hook sees at a stop of the loop.
+
+    - `step`, `num_steps`: steps taken so far, and in all; `final`: whether this is the last stop.
+    - `record`: the numbers of this stop, logged by the tracking hook: `train/...` and `steps_per_s`
+      when the train metrics were fetched here (in a population, `train/loss` is the members' mean
+      and `train/member_loss` their values), and whatever earlier hooks added (`test/...`).
+    - `state`: the TrainState on the host (built on first use).
+    - `first_bad_step()`: `(step, quantity)` of the first non-finite step since the last fetch.
+    - `window()`: the running metrics not yet logged, as a checkpoint header stores them.
+    """
+
+    step: int
+    num_steps: int
+    record: dict[str, Any]
+    trainer: CompiledTrainer
+    leaves: Leaves
+    checked: StepStats  # the statistics of the steps up to here, before a fetch restarted them
+    running: StepStats  # the statistics the next steps add to
+
+    @property
+    def final(self) -> bool:
+        return self.step == self.num_steps
+
+    @functools.cached_property
+    def state(self) -> TrainState:
+        return self.trainer.state(self.leaves)
+
+    def first_bad_step(self) -> tuple[int, int]:
+        return decode_first_bad(int(jax.device_get(self.trainer.host(self.checked).counters)[0]))
+
+    def window(self) -> dict[str, Any]:
+        return window_to_header(self.trainer.host(self.running))
+
+
+@dataclasses.dataclass
+class FitResult:
+    state: TrainState
+    train_metrics: dict[str, Any]  # means over the last logging window (one value per member in a population)
+    eval_metrics: dict[str, float] | None  # at the final step; of the EMA model when the state keeps one
+    wall_seconds: float
+    raw_eval_metrics: dict[str, float] | None = None  # of the trained (not averaged) model, when EMA is on
+
+
+class Engine:
+    """The training loop. Build it with the loss and where to train, add hooks, then `fit`.
+
+    **Arguments:**
+
+    - `loss_fn`: `(model, model_state, batch, key) -> (loss, (metrics, model_state))`; a loss with its
+      own `value_and_grad` also decides how its gradient combines across devices.
+    - `placement`: where the state and batches live (`OneDevice()`, or `research.parallel`'s `Pmap`,
+      `Sharded`); the train data always yields global batches and results do not depend on it.
+    - `log_every`: fetch the running means of the train metrics every so many steps (into
+      `StepInfo.record` as `train/...`).
+    - `steps_per_call`: steps per compiled call on device-resident data (`DeviceLoader`).
+    - `skip_nonfinite`: skip steps whose loss or gradient is NaN/Inf (counted as `train/skipped`).
+    - `debug_nans`: one step per call with `jax_debug_nans`, replaying a bad step op by op to name the
+      operation that made the NaN (`NonFiniteError`); slow, one device only.
+    - `population`: the state is a population (a leading member axis on every array).
+    """
+
+    def __init__(self, loss_fn: LossFn = classification_loss, *, placement: Placement = OneDevice(),
+                 log_every: int = 100, steps_per_call: int = 1, skip_nonfinite: bool = False,
+                 debug_nans: bool = False, population: bool = False):
+        if debug_nans and not isinstance(placement, OneDevice):
+            raise ValueError("debug_nans replays steps op by op on one device; train without a parallel placement")
+        self.loss_fn, self.placement, self.population = loss_fn, placement, population
+        self.log_every, self.steps_per_call = log_every, steps_per_call
+        self.skip_nonfinite, self.debug_nans = skip_nonfinite, debug_nans
+        self.hooks: list[tuple[Hook, int | None]] = []
+
+    def add_hook(self, hook: Hook, *, every: int | None = None) -> "Engine":
+        """Call `hook(info)` every `every` steps and at the end; `every=None`: at every stop."""
+        self.hooks.append((hook, every))
+        return self
+
+    def fit(self, state: TrainState, train_data: DeviceLoader | TorchLoader, num_steps: int, *,
+            resume_window: dict[str, Any] | None = None) -> FitResult:
+        """Train `state` (left untouched) until its step is `num_steps`; `resume_window` is the
+        `window` of the checkpoint it came from, so a resumed run logs what an uninterrupted one would."""
+        start_time = time.perf_counter()
+        trainer = compiled_trainer(self.loss_fn, state, skip_nonfinite=self.skip_nonfinite,
+                                   placement=self.placement, population=self.population)
+        traces_before = dict(trainer.num_traces)
+        step = int(np.max(np.asarray(state.step)))
+        leaves = trainer.place(state)  # fresh copies: the compiled steps donate them
+        feed = _Feed(trainer, train_data, step, self.steps_per_call, self.debug_nans)
+        fresh = lambda: feed.init_stats(leaves)  # noqa: E731
+        stats = fresh() if resume_window is None else trainer.placement.put_stats(
+            _window_from_header(resume_window, trainer.host(fresh())))
+        clock, record, final = _Clock(step, self.skip_nonfinite), {}, {}
+        with _nan_checks(self.debug_nans):
+            while step < num_steps:
+                until = self._next_stop(step, num_steps)
+                leaves, stats = feed.advance(leaves, stats, step, until)
+                step, checked, record = until, stats, {}
+                if step % self.log_every == 0 or step == num_steps:
+                    record = clock.window_record(step, trainer.host(stats))
+                    stats = fresh()
+                info = StepInfo(step, num_steps, record, trainer, leaves, checked, stats)
+                with clock.paused():
+                    self._run_hooks(info)
+                final.update(record)
+        _warn_on_retrace(trainer, traces_before)
+        return _result(trainer.state(leaves), final, time.perf_counter() - start_time)
+
+    def _next_stop(self, step: int, num_steps: int) -> int:
+        cadences = [self.log_every, *(every for _, every in self.hooks)]
+        return int(min(num_steps, *(_next_multiple(step, every) for every in cadences)))
+
+    def _run_hooks(self, info: StepInfo) -> None:
+        for hook, every in self.hooks:
+            if every is None or info.final or info.step % every == 0:
+                hook(info)
+
+
+class _Feed:
+    """Batches from the loader into compiled calls: device-resident data runs `steps_per_call` steps
+    a call; host batches (a torch DataLoader), and every step under `debug_nans`, one step a call."""
+
+    def __init__(self, trainer: CompiledTrainer, data: DeviceLoader | TorchLoader, step: int,
+                 steps_per_call: int, debug_nans: bool):
+        self.trainer, self.data, self.debug_nans = trainer, data, debug_nans
+        self.steps_per_call = 1 if debug_nans else steps_per_call
+        if isinstance(data, DeviceLoader):
+            self.example = Batch(*(a[: data.batch_size] for a in data.host))
+            self.device_data = trainer.placement.put_data(data.host, data.arrays)
+            self.host_batches = None
+        else:
+            self.host_batches = _peeked(data.batches(step))
+            self.example = next(self.host_batches)
+
+    def init_stats(self, leaves: Leaves) -> StepStats:
+        try:
+            return self.trainer.init_stats(leaves, self.example)
+        except TypeCheckError as e:
+            raise DataError(_summarise_type_error(e)) from None
+
+    def advance(self, leaves: Leaves, stats: StepStats, step: int, until: int) -> tuple[Leaves, StepStats]:
+        if self.host_batches is None and not self.debug_nans:
+            while step < until:
+                n = min(self.steps_per_call, until - step)
+                indices = np.zeros((self.steps_per_call, self.data.batch_size), np.int32)
+                indices[:n] = self.data.step_indices(step, n)
+                leaves, stats = self.trainer.run(leaves, stats, self.device_data,
+                                                 self.trainer.placement.put_indices(indices), n)
+                step += n
+            return leaves, stats
+        for position in range(step, until):
+            leaves, stats = self._one_step(leaves, stats, position)
+        return leaves, stats
+
+    def _one_step(self, leaves: Leaves, stats: StepStats, position: int) -> tuple[Leaves, StepStats]:
+        if self.host_batches is None:
+            index = self.data.step_indices(position, 1)[0]
+            batch = Batch(self.data.arrays.inputs[index], self.data.arrays.labels[index])
+        else:
+            batch = next(self.host_batches)
+        before = self.trainer.placement.place(leaves) if self.debug_nans else None  # the step donates its inputs
+        try:
+            leaves, stats = self.trainer.step(leaves, stats, self.trainer.placement.put_batch(batch))
+            if before is not None and stats.first_bad_step >= 0:
+                # The statistics hold only finite values, so a NaN loss need not reach any output JAX
+                # checks: replay the step op by op to find where it came from.
+                self.trainer.replay_eagerly(before, batch)
+        except FloatingPointError as error:
+            if isinstance(error, NonFiniteError):
+                raise
+            raise NonFiniteError(describe_nan_error(error, f"training step {position + 1}")) from error
+        return leaves, stats
+
+
+def _peeked(batches: Iterator[Batch]) -> Iterator[Batch]:
+    """`batches` whose first batch can be read (as the example the statistics are laid out for) and
+    is then trained on like the others."""
+    first = next(batches)
+    yield first
+    yield first
+    yield from batches
+
+
+class _Clock:
+    """Steps per second over each logging window, leaving out the time the hooks take."""
+
+    def __init__(self, step: int, count_skipped: bool):
+        self.start, self.step, self.count_skipped = time.perf_counter(), step, count_skipped
+
+    def window_record(self, step: int, stats: StepStats) -> dict[str, Any]:
+        sums, counters = jax.device_get((stats.sums, stats.counters))  # one transfer, then numpy
+        means = host_means(sums, stats.layout)
+        record: dict[str, Any] = {f"train/{k}": _scalar(v) for k, v in means.items()}
+        record.update({f"train/member_{k}": v.tolist() for k, v in means.items() if v.ndim})
+        if self.count_skipped:
+            record["train/skipped"] = int(counters[1])
+        now = time.perf_counter()
+        record["steps_per_s"] = (step - self.step) / max(now - self.start, 1e-9)
+        self.start, self.step = now, step
+        return record
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        begin = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.start += time.perf_counter() - begin
+
+
+def _scalar(value: np.ndarray) -> float:
+    """A metric as one number: its mean over a population's members."""
+    return float(np.mean(value))
+
+
+@contextlib.contextmanager
+def _nan_checks(on: bool) -> Iterator[None]:
+    if not on:
+        yield
+        return
+    with jax.debug_nans(True):
+        yield
+
+
+def _result(state: TrainState, record: dict[str, Any], seconds: float) -> FitResult:
+    def prefixed(prefix: str) -> dict[str, float] | None:
+        found = {k[len(prefix):]: v for k, v in record.items() if k.startswith(prefix)}
+        return found or None
+
+    return FitResult(state, prefixed("train/") or {}, prefixed("test/"), seconds, prefixed("test_raw/"))
+
+
+def _next_multiple(step: int, every: int | None) -> int | float:
+    return math.inf if not every else (step // every + 1) * every
+
+
+def _summarise_type_error(error: TypeCheckError) -> str:
+    """One line out of jaxtyping's multi-line report: the function, the parameter, got vs expected."""
+    lines = [line.strip() for line in str(error).splitlines()]
+    where = next((line for line in lines if line.startswith("Type-check error")), "")
+    function = where.rsplit(" of ", 1)[-1].rstrip(".") if " of " in where else "the model"
+    parameter = next((line.split("'")[1] for line in lines if "typechecking parameter" in line), "return value")
+    got = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("Actual value:")), "?")
+    expected = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("Expected type:")), "?")
+    return f"the data does not fit the model: {function} parameter '{parameter}' got {got}, expected {expected}"
+
+
+def window_to_header(stats: StepStats) -> dict[str, Any]:
+    """The running metrics of an unfinished logging window, exactly, as JSON (float32 -> float is exact)."""
+    sums, counters = jax.device_get((stats.sums, stats.counters))
+    total = unpack_sums(sums, stats.layout)
+    return {"total": {k: np.asarray(v).tolist() for k, v in total.items()}, "weight": float(sums[-1]),
+            "skipped": int(counters[1])}
+
+
+def _window_from_header(window: dict[str, Any], like: StepStats) -> StepStats:
+    return StepStats.from_window(window["total"], window["weight"], window["skipped"], like)
+
+
+def _warn_on_retrace(trainer: CompiledTrainer, before: dict[str, int]) -> None:
+    for name, count in trainer.num_traces.items():
+        if count - before[name] > 1:
+            why = trainer.traces.explanations.get(f"train {name} function", "")
+            warnings.warn(
+                f"the train {name} function was traced {count - before[name]} times in one fit: "
+                "an input changed shape, dtype or structure between steps, which recompiles"
+                + (f" (first retrace: {why})" if why else ""),
+                stacklevel=3,
+            )

@@ -1,0 +1,107 @@
+"""The engine's standard hooks: what happens at a stop of the loop, each with its own cadence.
+
+Add them in this order (`fit` and `research.experiment` do): the non-finite guard, evaluation,
+tracking (metrics.jsonl and other trackers), progress, checkpoints; a later hook sees what an
+earlier one put in `StepInfo.record`.
+"""
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from ..data import DeviceLoader, HostLoader
+from ..errors import NonFiniteError
+from ..progress import Progress
+from ._checkpoint import save_checkpoint
+from ._compiled import NONFINITE_NAMES
+from ._engine import StepInfo
+from ._evaluate import evaluate_state
+from ._rundir import RunDir
+from ._tracking import Tracker
+
+# evaluate(state, data, progress=...) -> (metrics, raw_metrics or None), like `evaluate_state`.
+Evaluator = Callable[..., tuple[dict[str, Any], dict[str, Any] | None]]
+
+
+@dataclasses.dataclass
+class NonFiniteGuard:
+    """Stop with `NonFiniteError` naming the first step whose loss or gradient was NaN/Inf, and the
+    last good checkpoint (which stays untouched). Runs at every stop: a bad run stops early."""
+
+    run: RunDir | None = None
+
+    def __call__(self, info: StepInfo) -> None:
+        bad_step, quantity = info.first_bad_step()
+        if bad_step < 0:
+            return
+        kept = self.run.checkpoint_paths()[-1] if self.run is not None and self.run.checkpoint_paths() else None
+        where = f"; the last good checkpoint is {kept}" if kept else "; no checkpoint was written"
+        raise NonFiniteError(
+            f"non-finite {NONFINITE_NAMES[quantity]} at step {bad_step + 1}"
+            f"{where}. Lower the learning rate, check the data, pass --skip-nonfinite to skip such steps, "
+            "or rerun with --debug-nans to find the operation that made it"
+        )
+
+
+@dataclasses.dataclass
+class Evaluate:
+    """Evaluate the state on `data` in inference mode into `test/...` (the EMA model's when the state
+    keeps one, and the trained model's as `test_raw/...`). `evaluator` replaces `evaluate_state`
+    (a population evaluates each member and their ensemble)."""
+
+    data: DeviceLoader | HostLoader
+    progress: bool = False
+    evaluator: Evaluator = evaluate_state
+
+    def __call__(self, info: StepInfo) -> None:
+        metrics, raw = self.evaluator(info.state, self.data, progress=self.progress)
+        info.record.update({f"test/{k}": v for k, v in metrics.items()})
+        info.record.update({f"test_raw/{k}": v for k, v in (raw or {}).items()})
+
+
+@dataclasses.dataclass
+class Track:
+    """Hand each non-empty record to the trackers (metrics.jsonl, TensorBoard), with `lr`, the rate
+    of the last step taken, when the optimizer has a schedule and train metrics were fetched."""
+
+    trackers: list[Tracker]
+    lr_schedule: Callable[[int], Any] | None = None
+
+    def __call__(self, info: StepInfo) -> None:
+        if self.lr_schedule is not None and "steps_per_s" in info.record:
+            info.record["lr"] = float(self.lr_schedule(info.step - 1))
+        if info.record:
+            for tracker in self.trackers:
+                tracker.log(info.step, info.record)
+
+
+@dataclasses.dataclass
+class ShowProgress:
+    """Advance the progress bar (or write a log line when not on a terminal) with the main numbers."""
+
+    bar: Progress
+    step: int = 0  # where the bar stands
+    shown: tuple[str, ...] = ("train/loss", "train/accuracy", "test/accuracy")
+
+    def __call__(self, info: StepInfo) -> None:
+        self.bar.update(info.step - self.step)
+        self.step = info.step
+        if info.record:
+            self.bar.report(info.step, {k: v for k, v in info.record.items() if k in self.shown},
+                            rate=info.record.get("steps_per_s"))
+
+
+@dataclasses.dataclass
+class Checkpoint:
+    """Save the state (atomically, with `header` and the unlogged metrics window) and keep the
+    `keep` newest checkpoints plus the best by `test/accuracy`."""
+
+    run: RunDir
+    keep: int = 3
+    header: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __call__(self, info: StepInfo) -> None:
+        header = {**self.header, "step": info.step, "window": info.window(),
+                  "eval": {k: v for k, v in info.record.items() if k.startswith("test/")}}
+        save_checkpoint(self.run.checkpoint_path(info.step), info.state, header)
+        self.run.prune_checkpoints(self.keep)
