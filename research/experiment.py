@@ -12,7 +12,7 @@ from typing import Any
 
 import jax
 
-from .cli import ConfigError, TrainConfig
+from .config import ConfigError, Options, check_combination, resumable_options
 from .data import Batch, DeviceLoader, HostLoader, TorchLoader
 from .parallel import check_device_count, make_strategy
 from .tools.plot_runs import plot_runs
@@ -20,12 +20,6 @@ from .train import LossFn, RunDir, TensorBoardTracker, TrainState, classificatio
 
 RUNS_ROOT = Path("runs")
 EXPERIMENTS_DIR = Path(__file__).resolve().parent.parent / "experiments"
-# Options that may change between a run and its resumption (a run may continue on other devices).
-RESUMABLE_OPTIONS = {
-    "skip_nonfinite", "resume", "run_dir", "progress", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "epochs", "steps",
-    "tensorboard", "debug_nans",
-    "devices", "parallel", "coordinator_address", "num_processes", "process_id", "distributed_timeout",
-}
 
 
 def load_experiment(name: str) -> types.ModuleType:
@@ -45,16 +39,18 @@ def _versions() -> dict[str, str]:
     return {n: importlib.metadata.version(n) for n in names}
 
 
-def _config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    keys = sorted((set(saved) | set(current)) - RESUMABLE_OPTIONS)
+def _config_differences(saved: dict[str, Any], config: Options) -> list[str]:
+    current = config.to_dict()
+    keys = sorted((set(saved) | set(current)) - resumable_options(config))
     return [f"{k}: saved {saved.get(k)!r}, now {current.get(k)!r}" for k in keys if saved.get(k) != current.get(k)]
 
 
-def resolve_run_dir(experiment: str, config: TrainConfig, *, writer: bool = True) -> tuple[RunDir, Path | None]:
+def resolve_run_dir(experiment: str, config: Options, *, writer: bool = True) -> tuple[RunDir, Path | None]:
     """The run directory to use and, when resuming, the checkpoint to resume from.
 
-    Refuses (with `ConfigError`) to resume without a checkpoint, to resume with a different config,
-    and (for the `writer`, process 0) to start a new run in a directory that already holds one.
+    Refuses (with `ConfigError`) to resume without a checkpoint, to resume with a config that differs
+    from the run's (but in `resumable` options), and (for the `writer`, process 0) to start a new run
+    in a directory that already holds one.
     """
     if config.resume:
         path = Path(config.run_dir) if config.run_dir else RunDir.latest(RUNS_ROOT, experiment)
@@ -67,14 +63,18 @@ def resolve_run_dir(experiment: str, config: TrainConfig, *, writer: bool = True
             print(f"warning: skipping {problem}", file=sys.stderr)
         if checkpoint is None:
             raise ConfigError(f"--resume: no valid checkpoint in {run.checkpoints}")
-        differences = _config_differences(run.read_config()["config"], config.to_dict())
-        if differences:
-            raise ConfigError(f"--resume: the config differs from the run in {path}: " + "; ".join(differences))
+        _check_same_config(run, config)
         return run, checkpoint
     path = Path(config.run_dir) if config.run_dir else RunDir.new_path(RUNS_ROOT, experiment)
     if writer and (path / "config.json").exists():
         raise ConfigError(f"--run-dir {path} already holds a run; pass --resume to continue it, or pick a new directory")
     return RunDir(path), None
+
+
+def _check_same_config(run: RunDir, config: Options) -> None:
+    differences = _config_differences(run.read_config()["config"], config)
+    if differences:
+        raise ConfigError(f"--resume: the config differs from the run in {run.path}: " + "; ".join(differences))
 
 
 @dataclasses.dataclass
@@ -100,7 +100,7 @@ class Setup:
     lr_schedule: Callable[[int], Any] | None = None
 
 
-def initial_state(setup: Setup, config: TrainConfig) -> TrainState:
+def initial_state(setup: Setup, config: Options) -> TrainState:
     """The step-0 TrainState a run trains (and the skeleton its checkpoints restore into):
     `setup.build_state()`, with an EMA of the model when `config.ema_decay > 0` (unless it has one)."""
     state = setup.build_state()
@@ -128,7 +128,7 @@ def _setup_from(setup: Setup | None, kwargs: dict[str, Any]) -> tuple[Setup, dic
 
 def run_experiment(
     experiment: str,
-    config: TrainConfig,
+    config: Options,
     setup: Setup | None = None,
     *,
     summary_extra: dict[str, Any] | None = None,
@@ -153,8 +153,7 @@ def run_experiment(
     check_device_count(config.devices)
     strategy = make_strategy(config.parallel, config.devices)
     strategy.check_batch_size(config.batch_size)
-    if config.debug_nans and strategy.name != "none":
-        raise ConfigError("--debug-nans replays steps op by op on one device; drop --devices and --parallel")
+    check_combination(config, processes=jax.process_count())
     writer = jax.process_index() == 0
     run, checkpoint = resolve_run_dir(experiment, config, writer=writer)
     state = initial_state(setup, config)

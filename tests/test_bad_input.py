@@ -84,6 +84,7 @@ CASES = [
     ("unknown loader", ["--loader", "gpu"], "argument --loader: invalid choice: 'gpu'", None),
     ("unknown option", ["--optimiser", "adam"], "unrecognized arguments: --optimiser adam", None),
     ("resume with no run", ["--resume"], "--resume: no run to resume in runs/xor/*", None),
+    ("resume auto with no run directory", ["--resume", "auto"], "--resume auto needs --run-dir", None),
     ("resume with a different config", ["--resume", "--run-dir", "r", "--hidden", "16"],
      "--resume: the config differs from the run in r: hidden: saved 8, now 16", finished_run),
     ("resume with only damaged checkpoints", ["--resume", "--run-dir", "r"],

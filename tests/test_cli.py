@@ -1,4 +1,5 @@
 import dataclasses
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -6,7 +7,18 @@ from typing import Literal
 
 import pytest
 
-from research.cli import ConfigError, TrainConfig, build_parser, option, parse_config, positive
+from research.cli import (
+    Checkpointing,
+    ConfigError,
+    TrainConfig,
+    Training,
+    check_combination,
+    help_text,
+    option,
+    parse_config,
+    positive,
+)
+from research.config import resumable_options
 
 ROOT = Path(__file__).parent.parent
 
@@ -20,20 +32,66 @@ class Config(TrainConfig):
     sizes: tuple[int, ...] = option((4, 4), "layer sizes")
 
 
+@dataclasses.dataclass(frozen=True)
+class Small(Training, Checkpointing):
+    """An experiment that takes two option groups: no devices, EMA or TensorBoard."""
+
+    width: int = option(8, "hidden width", check=positive)
+
+
 def test_defaults_and_overrides():
     config = parse_config(Config, [])
     assert config == Config()
     config = parse_config(Config, ["--width", "3", "--kind", "b", "--lr", "0.5", "--sizes", "1", "2", "3",
                                    "--resume", "--no-progress"])
     assert (config.width, config.kind, config.lr, config.sizes) == (3, "b", 0.5, (1, 2, 3))
-    assert config.resume and not config.progress
+    assert config.resume == "must" and not config.progress
 
 
-def test_help_lists_every_option_with_its_default():
-    text = build_parser(Config).format_help()
+@pytest.mark.parametrize("argv, resume", [
+    ([], None), (["--resume"], "must"), (["--resume", "must"], "must"), (["--resume", "never"], None),
+    (["--no-resume"], None), (["--resume", "auto", "--run-dir", "r"], "auto"), (["--resume=auto", "--run-dir", "r"], "auto"),
+    (["--resume", "--run-dir", "r"], "must"),
+])
+def test_resume_spellings(argv, resume):
+    assert parse_config(Config, argv).resume == resume
+
+
+def test_resume_from_python_takes_a_bool_too():
+    assert Config(resume=True).resume == "must" and Config(resume=False).resume is None
+
+
+def test_help_lists_every_option_once_with_one_default():
+    text = help_text(Config)
+    lines = text.splitlines()
     for field in dataclasses.fields(Config):
-        assert "--" + field.name.replace("_", "-") in text
-    assert "(default: 128)" in text and "hidden width" in text
+        flag = "--" + field.name.replace("_", "-")
+        starts = [i for i, line in enumerate(lines) if re.match(rf"\W*{flag}\b", line)]
+        assert len(starts) == 1, (flag, starts)
+        # the option's entry runs up to the next line that starts another option
+        end = next((i for i in range(starts[0] + 1, len(lines)) if re.match(r"\W*--\w", lines[i])), len(lines))
+        entry = " ".join(lines[starts[0]:end])
+        assert entry.count("default:") == 1, entry
+    assert "(default: 128)" in text and "hidden width" in text and "(default: never)" in text
+
+
+def test_an_option_the_experiment_does_not_take_is_refused_and_not_in_its_help(capsys):
+    text = help_text(Small)
+    assert "--width" in text and "--batch-size" in text and "--resume" in text
+    for flag in ("--devices", "--parallel", "--ema-decay", "--tensorboard", "--num-processes"):
+        assert flag not in text
+    with pytest.raises(SystemExit) as info:
+        parse_config(Small, ["--ema-decay", "0.9"], prog="small.py")
+    assert info.value.code == 2
+    assert capsys.readouterr().err == "small.py: error: unrecognized arguments: --ema-decay 0.9\n"
+
+
+def test_options_of_groups_not_taken_read_as_their_defaults():
+    config = Small()
+    assert (config.devices, config.parallel, config.ema_decay, config.tensorboard) == (1, "auto", 0.0, False)
+    assert "devices" not in config.to_dict()
+    with pytest.raises(AttributeError):
+        config.no_such_option
 
 
 @pytest.mark.parametrize(
@@ -44,22 +102,45 @@ def test_help_lists_every_option_with_its_default():
         (["--width", "-2"], "--width must be positive (got -2)"),
         (["--ema-decay", "1"], "--ema-decay must be in [0, 1) (got 1.0)"),
         (["--ema-decay", "-0.5"], "--ema-decay must be in [0, 1) (got -0.5)"),
-        (["--kind", "c"], "argument --kind: invalid choice: 'c'"),
+        (["--kind", "c"], "argument --kind: invalid choice: 'c' (choose from 'a', 'b')"),
         (["--batch-size", "many"], "argument --batch-size: invalid int value: 'many'"),
+        (["--lr", "fast"], "argument --lr: invalid float value: 'fast'"),
+        (["--resume", "maybe"], "argument --resume: invalid choice: 'maybe' (choose from 'auto', 'must', 'never')"),
         (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--resume", "auto"], "--resume auto needs --run-dir"),
+        (["--devices", "3"], "--batch-size 128 is not divisible by the 3 devices"),
+        (["--devices", "2", "--parallel", "none"], "--parallel none trains on one device, not 2"),
+        (["--num-processes", "2", "--process-id", "2", "--batch-size", "2"], "--process-id must be below --num-processes 2"),
+        (["--debug-nans", "--parallel", "pmap"], "--debug-nans replays steps op by op on one device"),
     ],
 )
 def test_bad_values_exit_2_with_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
-        parse_config(Config, argv)
+        parse_config(Config, argv, prog="xor.py")
     assert info.value.code == 2
     err = capsys.readouterr().err
-    assert message in err and err.count("\n") == 1
+    assert err.startswith("xor.py: error: ") and message in err and err.count("\n") == 1
 
 
 def test_bad_values_raise_config_error_from_python():
     with pytest.raises(ConfigError, match="--batch-size must be positive"):
         Config(batch_size=0)
+    with pytest.raises(ConfigError, match="--width must be positive"):
+        Small(width=0)
+    with pytest.raises(ConfigError, match="--kind must be one of a, b"):
+        Config(kind="c")
+
+
+def test_options_that_span_options_are_checked_in_one_place():
+    config = Config()
+    check_combination(config)
+    with pytest.raises(ConfigError, match="not divisible by the 4 devices"):
+        check_combination(dataclasses.replace(config, devices=2, batch_size=6), processes=2)  # the processes JAX found
+
+
+def test_resumable_options_come_from_the_fields():
+    assert {"run_dir", "resume", "devices", "progress", "tensorboard"} <= resumable_options(Config)
+    assert not {"seed", "batch_size", "lr", "width", "ema_decay"} & resumable_options(Config)
 
 
 def test_experiment_script_refuses_bad_values_before_any_work(tmp_path):
