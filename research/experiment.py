@@ -16,7 +16,8 @@ from .config import ConfigError, Options, check_combination, resumable_options
 from .data import Batch, DeviceLoader, HostLoader, TorchLoader
 from .parallel import check_device_count, make_strategy
 from .tools.plot_runs import plot_runs
-from .train import LossFn, RunDir, TensorBoardTracker, TrainState, classification_loss, fit, load_checkpoint
+from .train import (LossFn, RunDir, TensorBoardTracker, TrainState, classification_loss, fit, load_checkpoint,
+                    read_header)
 
 RUNS_ROOT = Path("runs")
 EXPERIMENTS_DIR = Path(__file__).resolve().parent.parent / "experiments"
@@ -45,15 +46,27 @@ def _config_differences(saved: dict[str, Any], config: Options) -> list[str]:
     return [f"{k}: saved {saved.get(k)!r}, now {current.get(k)!r}" for k in keys if saved.get(k) != current.get(k)]
 
 
-def resolve_run_dir(experiment: str, config: Options, *, writer: bool = True) -> tuple[RunDir, Path | None]:
+def resolve_run_dir(
+    experiment: str, config: Options, *, writer: bool = True, num_steps: int | None = None
+) -> tuple[RunDir, Path | None]:
     """The run directory to use and, when resuming, the checkpoint to resume from.
 
-    Refuses (with `ConfigError`) to resume without a checkpoint, to resume with a config that differs
-    from the run's (but in `resumable` options), and (for the `writer`, process 0) to start a new run
-    in a directory that already holds one.
+    `--resume must` (bare `--resume`) refuses (with `ConfigError`) when there is no run or no valid
+    checkpoint to resume; `--resume auto` then starts the run in `--run-dir` instead (when that
+    directory holds no checkpoint file at all, valid or damaged). Both refuse a config that differs
+    from the run's (but in `resumable` options) and, given `num_steps`, a run already past it. The
+    checkpoint returned may be the run's last step: `finished_summary` tells whether it finished.
+    Without `--resume` the `writer` (process 0) refuses a directory that already holds a run.
     """
     if config.resume:
         path = Path(config.run_dir) if config.run_dir else RunDir.latest(RUNS_ROOT, experiment)
+        if config.resume == "auto" and not RunDir(path).checkpoint_paths():
+            run = RunDir(path)
+            if (path / "config.json").exists():  # a run stopped before its first checkpoint: start it again
+                _check_same_config(run, config)
+                if writer:
+                    run.truncate_metrics(after_step=0)
+            return run, None
         if path is None or not (path / "config.json").exists():
             where = config.run_dir or f"{RUNS_ROOT / experiment}/*"
             raise ConfigError(f"--resume: no run to resume in {where}; start one without --resume")
@@ -64,6 +77,14 @@ def resolve_run_dir(experiment: str, config: Options, *, writer: bool = True) ->
         if checkpoint is None:
             raise ConfigError(f"--resume: no valid checkpoint in {run.checkpoints}")
         _check_same_config(run, config)
+        if num_steps is not None:
+            step = read_header(checkpoint)["step"]
+            if step > num_steps:
+                raise ConfigError(f"--resume: the run in {path} is at step {step}, past the {num_steps} steps "
+                                  "this config trains; resume with as many steps or more")
+            if step == num_steps and run.read_summary() is None:
+                raise ConfigError(f"--resume: the run in {path} reached its last step {step} but stopped before "
+                                  "writing summary.json; resume it with more steps, or start a new run")
         return run, checkpoint
     path = Path(config.run_dir) if config.run_dir else RunDir.new_path(RUNS_ROOT, experiment)
     if writer and (path / "config.json").exists():
@@ -75,6 +96,26 @@ def _check_same_config(run: RunDir, config: Options) -> None:
     differences = _config_differences(run.read_config()["config"], config)
     if differences:
         raise ConfigError(f"--resume: the config differs from the run in {run.path}: " + "; ".join(differences))
+
+
+def finished_summary(run: RunDir, checkpoint: Path | None, num_steps: int) -> dict[str, Any] | None:
+    """The summary of a run that `resolve_run_dir` resumes at its last step after it finished; else None."""
+    if checkpoint is None or read_header(checkpoint)["step"] != num_steps:
+        return None
+    return run.read_summary()
+
+
+def summary_line(experiment: str, summary: dict[str, Any], run: RunDir) -> str:
+    """What a run prints when it ends (and when it is resumed after it finished)."""
+    raw = ""
+    if "test_raw_accuracy" in summary:
+        raw = f", without EMA {100 * summary['test_raw_accuracy']:.2f}%"
+    return (
+        f"{experiment}: test accuracy {100 * summary['test_accuracy']:.2f}%{raw} "
+        f"(test loss {summary['test_loss']:.4f}, train loss {summary['train_loss']:.4f}) "
+        f"at step {summary['step']}, {summary['wall_seconds']:.1f} s\nrun directory: {run.path} "
+        f"(learning curves: curves.png)"
+    )
 
 
 @dataclasses.dataclass
@@ -155,7 +196,13 @@ def run_experiment(
     strategy.check_batch_size(config.batch_size)
     check_combination(config, processes=jax.process_count())
     writer = jax.process_index() == 0
-    run, checkpoint = resolve_run_dir(experiment, config, writer=writer)
+    run, checkpoint = resolve_run_dir(experiment, config, writer=writer, num_steps=setup.num_steps)
+    finished = finished_summary(run, checkpoint, setup.num_steps)
+    if finished is not None:  # resumed after it finished (say, a requeued job): report it, touch nothing
+        if writer:
+            print(f"{run.path} finished at step {setup.num_steps}: nothing to train", file=sys.stderr)
+            print(summary_line(experiment, finished, run))
+        return finished
     state = initial_state(setup, config)
     start_step = 0
     header: dict[str, Any] = {}
@@ -214,18 +261,11 @@ def run_experiment(
         "wall_seconds": time.perf_counter() - start,
         **(summary_extra or {}),
     }
-    raw = ""
     if result.raw_eval_metrics is not None:
         summary["test_raw_accuracy"] = result.raw_eval_metrics["accuracy"]
         summary["test_raw_loss"] = result.raw_eval_metrics["loss"]
-        raw = f", without EMA {100 * summary['test_raw_accuracy']:.2f}%"
     if writer:
         run.write_summary(summary)
         plot_runs([run.path], run.path / "curves.png")
-        print(
-            f"{experiment}: test accuracy {100 * summary['test_accuracy']:.2f}%{raw} "
-            f"(test loss {summary['test_loss']:.4f}, train loss {summary['train_loss']:.4f}) "
-            f"at step {summary['step']}, {summary['wall_seconds']:.1f} s\nrun directory: {run.path} "
-            f"(learning curves: curves.png)"
-        )
+        print(summary_line(experiment, summary, run))
     return summary

@@ -1,4 +1,6 @@
 import dataclasses
+import importlib.util
+import json
 import re
 import subprocess
 import sys
@@ -14,6 +16,7 @@ from research.cli import (
     Training,
     check_combination,
     help_text,
+    main_entry,
     option,
     parse_config,
     positive,
@@ -151,3 +154,70 @@ def test_experiment_script_refuses_bad_values_before_any_work(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip() == "xor.py: error: --batch-size must be positive (got 0)"
     assert not (tmp_path / "runs").exists()
+
+
+# -- resume: auto, must, and a run that already finished ---------------------------------------------
+spec = importlib.util.spec_from_file_location("xor_experiment_cli", ROOT / "experiments" / "xor.py")
+xor = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(xor)
+QUICK = ["--epochs", "1", "--no-progress", "--train-size", "256", "--test-size", "64", "--batch-size", "32"]
+
+
+def run_xor(argv):
+    main_entry(xor.main, xor.Config, QUICK + argv)
+
+
+def stamps(root):
+    return {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(Path(root).rglob("*")) if p.is_file()}
+
+
+def test_resume_auto_starts_a_run_then_resumes_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    run_xor(["--run-dir", "r", "--resume", "auto"])  # nothing there: a fresh run
+    first = json.loads((tmp_path / "r/summary.json").read_text())
+    assert first["step"] == 8 and "resuming" not in capsys.readouterr().err
+    run_xor(["--run-dir", "r", "--resume", "auto", "--epochs", "2"])  # a checkpoint there: continue it
+    assert "resuming r from step 8" in capsys.readouterr().err
+    assert json.loads((tmp_path / "r/summary.json").read_text())["step"] == 16
+
+
+def test_resume_auto_restarts_a_run_stopped_before_its_first_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run_xor(["--run-dir", "r"])
+    for path in (tmp_path / "r/checkpoints").iterdir():
+        path.unlink()
+    (tmp_path / "r/summary.json").unlink()
+    run_xor(["--run-dir", "r", "--resume", "auto"])
+    steps = [json.loads(line)["step"] for line in (tmp_path / "r/metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps))  # the stopped attempt's records were dropped, not doubled
+
+
+def test_resuming_a_finished_run_reports_it_and_touches_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    run_xor(["--run-dir", "r"])
+    first = capsys.readouterr().out
+    before = stamps(tmp_path)
+    for resume in (["--resume"], ["--resume", "auto"]):
+        run_xor(["--run-dir", "r", *resume])  # used to fail an assertion in run_experiment
+        captured = capsys.readouterr()
+        assert captured.out == first and "finished at step 8: nothing to train" in captured.err
+    assert stamps(tmp_path) == before
+
+
+def test_resume_must_refuses_an_empty_run_dir_in_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        run_xor(["--run-dir", "r", "--resume"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"{Path(sys.argv[0]).name}: error: --resume: no run to resume in r; start one without --resume"]
+    assert not (tmp_path / "r").exists()
+
+
+def test_resuming_a_finished_run_from_the_shell_exits_0(tmp_path):
+    command = [sys.executable, str(ROOT / "experiments" / "xor.py"), *QUICK, "--run-dir", "d"]
+    assert subprocess.run(command, cwd=tmp_path, capture_output=True, timeout=300).returncode == 0
+    before = stamps(tmp_path)
+    result = subprocess.run([*command, "--resume"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "xor: test accuracy" in result.stdout and stamps(tmp_path) == before
