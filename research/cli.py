@@ -16,7 +16,6 @@ import typing
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
-from unittest import mock
 
 import tyro
 from tyro import _errors as tyro_errors  # private but documented hook; tyro is pinned exactly
@@ -161,10 +160,16 @@ def parse_config(config_class: type[C], argv: Sequence[str] | None = None, prog:
 
 def help_text(config_class: type[Options], prog: str = "experiment.py", width: int = 120) -> str:
     """What `--help` prints for `config_class`, `width` columns wide."""
-    out = io.StringIO()
-    with mock.patch.dict(os.environ, {"COLUMNS": str(width)}), contextlib.redirect_stdout(out):
-        with contextlib.suppress(SystemExit):
+    out, columns = io.StringIO(), os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = str(width)  # tyro sizes its help box to the terminal
+    try:
+        with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
             parse_config(config_class, ["--help"], prog=prog)
+    finally:
+        if columns is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = columns
     return out.getvalue()
 
 

@@ -67,9 +67,9 @@ class Options:
     """The base of every option group and config: checks each field and then `check_combination`."""
 
     def __post_init__(self) -> None:
-        if isinstance(getattr(self, "resume", None), bool):  # Python callers may say resume=True/False
-            object.__setattr__(self, "resume", "must" if self.resume else None)
         hints = typing.get_type_hints(type(self))
+        if "resume" in hints and self.resume in (True, False, "never"):  # from Python: resume=True is "must"
+            object.__setattr__(self, "resume", "must" if self.resume is True else None)
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             _check_type(field.name, value, hints[field.name])

@@ -62,18 +62,20 @@ def test_resume_spellings(argv, resume):
 
 def test_resume_from_python_takes_a_bool_too():
     assert Config(resume=True).resume == "must" and Config(resume=False).resume is None
+    assert Config(resume="never").resume is None and Config(resume="auto", run_dir="r").resume == "auto"
 
 
 def test_help_lists_every_option_once_with_one_default():
     text = help_text(Config)
     lines = text.splitlines()
-    for field in dataclasses.fields(Config):
-        flag = "--" + field.name.replace("_", "-")
-        starts = [i for i, line in enumerate(lines) if re.match(rf"\W*{flag}\b", line)]
-        assert len(starts) == 1, (flag, starts)
-        # the option's entry runs up to the next line that starts another option
-        end = next((i for i in range(starts[0] + 1, len(lines)) if re.match(r"\W*--\w", lines[i])), len(lines))
-        entry = " ".join(lines[starts[0]:end])
+    option_line = re.compile(r"\W (--[a-z-]+)")  # an option's first line; its help continues indented further
+    starts = {m[1]: i for i, line in enumerate(lines) if (m := option_line.match(line))}
+    flags = ["--" + field.name.replace("_", "-") for field in dataclasses.fields(Config)]
+    assert sorted(starts) == sorted(flags)  # every option, and each once (a second entry would show as an extra)
+    assert len([line for line in lines if option_line.match(line)]) == len(flags)
+    for flag, start in starts.items():
+        end = min([i for i in starts.values() if i > start] + [len(lines)])
+        entry = " ".join(lines[start:end])
         assert entry.count("default:") == 1, entry
     assert "(default: 128)" in text and "hidden width" in text and "(default: never)" in text
 
