@@ -9,13 +9,14 @@ any other is refused. A bad value is refused in one line, `xor.py: error: ...`, 
 
 import contextlib
 import dataclasses
+import inspect
 import io
 import os
 import sys
 import typing
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import tyro
 from tyro import _errors as tyro_errors  # private but documented hook; tyro is pinned exactly
@@ -38,6 +39,7 @@ from .config import (
     TrainConfig,
     Training,
     Tracking,
+    _strip_optional,
     check_combination,
     flag_name,
     non_negative,
@@ -103,14 +105,23 @@ def _config_rule(info: StructTypeInfo) -> StructConstructorSpec | None:
     fields = sorted(dataclasses.fields(info.type), key=lambda f: grouped.get(f.name, -1))
     specs = []
     for field in fields:
-        help = field.metadata.get("help", "")
-        extras: list[Any] = [_RESUME] if hints[field.name] == Resume else []
-        if "default:" in help:
-            extras.append(tyro.conf.arg(help_behavior_hint=""))
-        tp = Annotated[(hints[field.name], *extras)] if extras else hints[field.name]
+        help, hint = field.metadata.get("help", ""), hints[field.name]
+        extras: list[Any] = [_RESUME] if hint == Resume else []
+        extras.append(tyro.conf.arg(metavar=_metavar(hint), help_behavior_hint="" if "default:" in help else None))
+        tp = Annotated[(hint, *extras)]
         default = field.default if field.default is not dataclasses.MISSING else tyro.MISSING_NONPROP
         specs.append(StructFieldSpec(name=field.name, type=tp, default=default, helptext=help))
     return StructConstructorSpec(instantiate=info.type, fields=tuple(specs))
+
+
+def _metavar(hint: Any) -> str | None:
+    """`INT` rather than tyro's `{None}|INT` for an option that may be unset: its help says what unset means."""
+    inner, optional = _strip_optional(hint)
+    if not optional or hint == Resume:
+        return None
+    if typing.get_origin(inner) is Literal:
+        return "{" + ",".join(map(str, typing.get_args(inner))) + "}"
+    return inner.__name__.upper() if inner in (int, float, str) else None
 
 
 class _Refused(Exception):
@@ -149,7 +160,7 @@ def parse_config(config_class: type[C], argv: Sequence[str] | None = None, prog:
     """Parse the command line into `config_class`; on a bad value print one line and exit with 2."""
     prog = prog or Path(sys.argv[0]).name
     args = _resume_shim(list(sys.argv[1:] if argv is None else argv), config_class)
-    description = config_class.__doc__ if "__doc__" in vars(config_class) else None
+    description = inspect.cleandoc(config_class.__doc__) if "__doc__" in vars(config_class) else None
     try:
         with tyro_errors.on_parse_error(_refuse):
             return tyro.cli(config_class, args=args, prog=prog, description=description, registry=_registry)
