@@ -190,7 +190,8 @@ def check_combination(config: Any, processes: int | None = None) -> None:
             f"--batch-size {config.batch_size} is not divisible by the {devices} devices; pick a multiple of {devices}"
         )
     if None not in (config.process_id, config.num_processes) and config.process_id >= config.num_processes:
-        raise ConfigError(f"--process-id must be below --num-processes {config.num_processes} (got {config.process_id})")
+        raise ConfigError(
+            f"--process-id must be below --num-processes {config.num_processes} (got {config.process_id})")
     if config.debug_nans and (devices > 1 or config.parallel in ("pmap", "sharded")):
         raise ConfigError("--debug-nans replays steps op by op on one device; drop --devices and --parallel")
     if config.resume == "auto" and config.run_dir is None:

@@ -53,7 +53,8 @@ def test_defaults_and_overrides():
 
 @pytest.mark.parametrize("argv, resume", [
     ([], None), (["--resume"], "must"), (["--resume", "must"], "must"), (["--resume", "never"], None),
-    (["--no-resume"], None), (["--resume", "auto", "--run-dir", "r"], "auto"), (["--resume=auto", "--run-dir", "r"], "auto"),
+    (["--no-resume"], None), (["--resume", "auto", "--run-dir", "r"], "auto"),
+    (["--resume=auto", "--run-dir", "r"], "auto"),
     (["--resume", "--run-dir", "r"], "must"),
 ])
 def test_resume_spellings(argv, resume):
@@ -115,7 +116,8 @@ def test_options_of_groups_not_taken_read_as_their_defaults():
         (["--resume", "auto"], "--resume auto needs --run-dir"),
         (["--devices", "3"], "--batch-size 128 is not divisible by the 3 devices"),
         (["--devices", "2", "--parallel", "none"], "--parallel none trains on one device, not 2"),
-        (["--num-processes", "2", "--process-id", "2", "--batch-size", "2"], "--process-id must be below --num-processes 2"),
+        (["--num-processes", "2", "--process-id", "2", "--batch-size", "2"],
+         "--process-id must be below --num-processes 2"),
         (["--debug-nans", "--parallel", "pmap"], "--debug-nans replays steps op by op on one device"),
     ],
 )
