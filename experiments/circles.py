@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import optax
 
-from research.cli import TrainConfig, main_entry, option, positive
+from research.cli import EMA, Checkpointing, Devices, Tracking, Training, main_entry, option, positive
 from research.data import DeviceLoader
 from research.experiment import Setup, run_experiment
 from research.nn import build_model
@@ -15,10 +15,10 @@ from research.typing import Float, Int, typecheck
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(TrainConfig):
+class Config(Training, Checkpointing, Devices, EMA, Tracking):
     """Tell the inner circle from the outer one with a tanh MLP (Adam, cosine learning-rate decay)."""
 
-    epochs: int = option(10, "passes over the 2,000 training points", check=positive)
+    epochs: int = option(10, "passes over the 2,000 training points", check=positive, resumable=True)
     hidden: int = option(32, "units in each of the two hidden layers", check=positive)
     noise: float = option(0.1, "standard deviation of the noise added to each coordinate", check=positive)
     lr: float = option(0.01, "peak learning rate of the cosine schedule", check=positive)

@@ -14,7 +14,8 @@ from typing import Any, Literal
 import jax
 import optax
 
-from research.cli import TrainConfig, main_entry, non_negative, option, positive
+from research.cli import (EMA, Checkpointing, Devices, Tracking, Training, main_entry, non_negative, option,
+                          positive)
 from research.data import DeviceLoader, load_mnist1d
 from research.experiment import Setup, run_experiment
 from research.nn import build_model
@@ -27,7 +28,7 @@ def open_unit_interval(value: Any) -> str | None:
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(TrainConfig):
+class Config(Training, Checkpointing, Devices, EMA, Tracking):
     """Train the MNIST-1D CNN with DP-SGD; print the test accuracy and the privacy spent (epsilon at delta)."""
 
     noise_multiplier: float = option(2.0, "sigma: noise std on the clipped sum, in units of --clip-norm",
@@ -40,7 +41,7 @@ class Config(TrainConfig):
                                     "the devices); larger draws are truncated to a random subset, which the "
                                     "accounting includes", check=non_negative)
     epochs: int = option(100, "expected passes over the training set: steps = epochs * round(4000 / batch_size)",
-                         check=positive)
+                         check=positive, resumable=True)
     optimizer: Literal["adam", "sgd"] = option("adam", "adam (DP-Adam) or sgd with momentum 0.9 (DP-SGD)")
     lr: float = option(3e-2, "learning rate", check=positive)
     channels: int = option(25, "channels of the CNN's convolutions", check=positive)

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import optax
 
-from research.cli import TrainConfig, main_entry, option, positive
+from research.cli import EMA, Checkpointing, Devices, Tracking, Training, main_entry, option, positive
 from research.data import MNIST1D_CLASSES, MNIST1D_LENGTH, load_mnist1d, train_and_eval_loaders
 from research.experiment import Setup, run_experiment
 from research.nn import build_model
@@ -25,7 +25,7 @@ from research.train import TrainState, evaluate, fit
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(TrainConfig):
+class Config(Training, Checkpointing, Devices, EMA, Tracking):
     """Train --num-members MNIST-1D models from different seeds in one compiled program; print each
     member's test accuracy and the averaged-prediction ensemble's."""
 
@@ -33,7 +33,7 @@ class Config(TrainConfig):
     model: Literal["mlp", "cnn"] = option(
         "mlp", "mlp: 40 -> hidden -> hidden -> 10 (ReLU); cnn: MNIST-1D's reference CNN")
     hidden: int = option(100, "hidden units of the mlp", check=positive)
-    epochs: int = option(50, "passes over the 4000 training examples", check=positive)
+    epochs: int = option(50, "passes over the 4000 training examples", check=positive, resumable=True)
     batch_size: int = option(100, "examples per training step", check=positive)
     lr: float = option(1e-2, "Adam learning rate", check=positive)
     loader: Literal["device", "torch"] = option(

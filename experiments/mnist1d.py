@@ -16,7 +16,8 @@ from typing import Any, Literal
 import jax
 import optax
 
-from research.cli import TrainConfig, main_entry, non_negative, option, positive
+from research.cli import (EMA, Checkpointing, Devices, Tracking, Training, main_entry, non_negative, option,
+                          positive)
 from research.data import MNIST1D_CLASSES, MNIST1D_LENGTH, load_mnist1d, train_and_eval_loaders
 from research.experiment import Setup, run_experiment
 from research.nn import build_model, model_names
@@ -65,12 +66,13 @@ assert set(RECIPES) == set(MODEL_HPARAMS) == set(ModelName.__args__) <= set(mode
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(TrainConfig):
+class Config(Training, Checkpointing, Devices, EMA, Tracking):
     """Train one model of the zoo on MNIST-1D (4,000 training / 1,000 test signals of length 40).
     Options whose default is None take the model's value from RECIPES in experiments/mnist1d.py."""
 
     model: ModelName = option("cnn", "which model of research.nn to train")
-    steps: int | None = option(None, "training steps (default: per model: mlp, cnn 16000; others 8000)", check=positive)
+    steps: int | None = option(None, "training steps (default: per model: mlp, cnn 16000; others 8000)",
+                               check=positive, resumable=True)
     lr: float | None = option(
         None, "Adam learning rate (default: per model: logistic 3e-3; mlp, cnn, gru 1e-2; resnet, transformer 1e-3)",
         check=positive)

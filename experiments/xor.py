@@ -10,7 +10,7 @@ from typing import Literal
 import jax
 import optax
 
-from research.cli import TrainConfig, main_entry, option, positive
+from research.cli import EMA, Checkpointing, Devices, Tracking, Training, main_entry, option, positive
 from research.data import DeviceLoader, TorchLoader, XORDataset, make_dataloader
 from research.experiment import Setup, run_experiment
 from research.nn import build_model
@@ -18,10 +18,10 @@ from research.train import TrainState
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(TrainConfig):
+class Config(Training, Checkpointing, Devices, EMA, Tracking):
     """Train an MLP on noisy XOR (2,500 training points, 500 test points)."""
 
-    epochs: int = option(100, "passes over the training set", check=positive)
+    epochs: int = option(100, "passes over the training set", check=positive, resumable=True)
     hidden: int = option(8, "hidden units", check=positive)
     train_size: int = option(2500, "training points", check=positive)
     test_size: int = option(500, "test points", check=positive)

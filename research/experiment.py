@@ -13,23 +13,17 @@ from typing import Any
 import jax
 import numpy as np
 
-from .cli import ConfigError, TrainConfig
+from .config import ConfigError, Options, check_combination, resumable_options
 from .data import Batch, DeviceLoader, HostLoader, TorchLoader
 from .parallel import check_device_count, make_placement
 from .tools.plot_runs import plot_runs
 from . import population
 from .population import evaluate_population
 from .train import (FitResult, LossFn, Placement, RunDir, TensorBoardTracker, TrainState, classification_loss,
-                    evaluate_state, fit, load_checkpoint)
+                    evaluate_state, fit, load_checkpoint, read_header)
 
 RUNS_ROOT = Path("runs")
 EXPERIMENTS_DIR = Path(__file__).resolve().parent.parent / "experiments"
-# Options that may change between a run and its resumption (a run may continue on other devices).
-RESUMABLE_OPTIONS = {
-    "skip_nonfinite", "resume", "run_dir", "progress", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "epochs", "steps",
-    "tensorboard", "debug_nans",
-    "devices", "parallel", "coordinator_address", "num_processes", "process_id", "distributed_timeout",
-}
 
 
 def load_experiment(name: str) -> types.ModuleType:
@@ -49,19 +43,33 @@ def _versions() -> dict[str, str]:
     return {n: importlib.metadata.version(n) for n in names}
 
 
-def _config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    keys = sorted((set(saved) | set(current)) - RESUMABLE_OPTIONS)
+def _config_differences(saved: dict[str, Any], config: Options) -> list[str]:
+    current = config.to_dict()
+    keys = sorted((set(saved) | set(current)) - resumable_options(config))
     return [f"{k}: saved {saved.get(k)!r}, now {current.get(k)!r}" for k in keys if saved.get(k) != current.get(k)]
 
 
-def resolve_run_dir(experiment: str, config: TrainConfig, *, writer: bool = True) -> tuple[RunDir, Path | None]:
+def resolve_run_dir(
+    experiment: str, config: Options, *, writer: bool = True, num_steps: int | None = None
+) -> tuple[RunDir, Path | None]:
     """The run directory to use and, when resuming, the checkpoint to resume from.
 
-    Refuses (with `ConfigError`) to resume without a checkpoint, to resume with a different config,
-    and (for the `writer`, process 0) to start a new run in a directory that already holds one.
+    `--resume must` (bare `--resume`) refuses (with `ConfigError`) when there is no run or no valid
+    checkpoint to resume; `--resume auto` then starts the run in `--run-dir` instead (when that
+    directory holds no checkpoint file at all, valid or damaged). Both refuse a config that differs
+    from the run's (but in `resumable` options) and, given `num_steps`, a run already past it. The
+    checkpoint returned may be the run's last step: `finished_summary` tells whether it finished.
+    Without `--resume` the `writer` (process 0) refuses a directory that already holds a run.
     """
     if config.resume:
         path = Path(config.run_dir) if config.run_dir else RunDir.latest(RUNS_ROOT, experiment)
+        if config.resume == "auto" and not RunDir(path).checkpoint_paths():
+            run = RunDir(path)
+            if (path / "config.json").exists():  # a run stopped before its first checkpoint: start it again
+                _check_same_config(run, config)
+                if writer:
+                    run.truncate_metrics(after_step=0)
+            return run, None
         if path is None or not (path / "config.json").exists():
             where = config.run_dir or f"{RUNS_ROOT / experiment}/*"
             raise ConfigError(f"--resume: no run to resume in {where}; start one without --resume")
@@ -71,14 +79,33 @@ def resolve_run_dir(experiment: str, config: TrainConfig, *, writer: bool = True
             print(f"warning: skipping {problem}", file=sys.stderr)
         if checkpoint is None:
             raise ConfigError(f"--resume: no valid checkpoint in {run.checkpoints}")
-        differences = _config_differences(run.read_config()["config"], config.to_dict())
-        if differences:
-            raise ConfigError(f"--resume: the config differs from the run in {path}: " + "; ".join(differences))
+        _check_same_config(run, config)
+        if num_steps is not None:
+            step = read_header(checkpoint)["step"]
+            if step > num_steps:
+                raise ConfigError(f"--resume: the run in {path} is at step {step}, past the {num_steps} steps "
+                                  "this config trains; resume with as many steps or more")
+            if step == num_steps and run.read_summary() is None:
+                raise ConfigError(f"--resume: the run in {path} reached its last step {step} but stopped before "
+                                  "writing summary.json; resume it with more steps, or start a new run")
         return run, checkpoint
     path = Path(config.run_dir) if config.run_dir else RunDir.new_path(RUNS_ROOT, experiment)
     if writer and (path / "config.json").exists():
         raise ConfigError(f"--run-dir {path} already holds a run; pass --resume to continue it, or pick a new directory")
     return RunDir(path), None
+
+
+def _check_same_config(run: RunDir, config: Options) -> None:
+    differences = _config_differences(run.read_config()["config"], config)
+    if differences:
+        raise ConfigError(f"--resume: the config differs from the run in {run.path}: " + "; ".join(differences))
+
+
+def finished_summary(run: RunDir, checkpoint: Path | None, num_steps: int) -> dict[str, Any] | None:
+    """The summary of a run that `resolve_run_dir` resumes at its last step after it finished; else None."""
+    if checkpoint is None or read_header(checkpoint)["step"] != num_steps:
+        return None
+    return run.read_summary()
 
 
 @dataclasses.dataclass
@@ -105,7 +132,7 @@ class Setup:
     population: bool = False
 
 
-def initial_state(setup: Setup, config: TrainConfig) -> TrainState:
+def initial_state(setup: Setup, config: Options) -> TrainState:
     """The step-0 TrainState a run trains (and the skeleton its checkpoints restore into):
     `setup.build_state()`, with an EMA of the model when `config.ema_decay > 0` (unless it has one;
     in a population, one EMA per member)."""
@@ -134,7 +161,7 @@ def _setup_from(setup: Setup | None, kwargs: dict[str, Any]) -> tuple[Setup, dic
 
 def run_experiment(
     experiment: str,
-    config: TrainConfig,
+    config: Options,
     setup: Setup | None = None,
     *,
     summary_extra: dict[str, Any] | None = None,
@@ -158,12 +185,17 @@ def run_experiment(
     setup, fit_kwargs = _setup_from(setup, kwargs)
     check_device_count(config.devices)
     placement = make_placement(config.parallel, config.devices)
-    if config.debug_nans and placement.name != "none":
-        raise ConfigError("--debug-nans replays steps op by op on one device; drop --devices and --parallel")
+    check_combination(config, processes=jax.process_count())
     state = initial_state(setup, config)
     placement.check(state.model, setup.train_data.batch_size)
     writer = jax.process_index() == 0
-    run, checkpoint = resolve_run_dir(experiment, config, writer=writer)
+    run, checkpoint = resolve_run_dir(experiment, config, writer=writer, num_steps=setup.num_steps)
+    finished = finished_summary(run, checkpoint, setup.num_steps)
+    if finished is not None:  # resumed after it finished (say, a requeued job): report it, touch nothing
+        if writer:
+            print(f"{run.path} finished at step {setup.num_steps}: nothing to train", file=sys.stderr)
+            print(summary_line(experiment, finished, run))
+        return finished
     start_step = 0
     header: dict[str, Any] = {}
     if checkpoint is not None:
@@ -188,11 +220,11 @@ def run_experiment(
     if writer:
         run.write_summary(summary)
         plot_runs([run.path], run.path / "curves.png")
-        print(_report(experiment, summary, run))
+        print(summary_line(experiment, summary, run))
     return summary
 
 
-def _train(experiment: str, config: TrainConfig, setup: Setup, state: TrainState, placement: Placement,
+def _train(experiment: str, config: Options, setup: Setup, state: TrainState, placement: Placement,
            run: RunDir | None, header: dict[str, Any], fit_kwargs: dict[str, Any]) -> FitResult:
     """`fit` with the run's options: its hooks write into `run` (None: a process that does not write)."""
     tracker = None
@@ -225,7 +257,8 @@ def _summary(result: FitResult) -> dict[str, Any]:
     return summary
 
 
-def _report(experiment: str, summary: dict[str, Any], run: RunDir) -> str:
+def summary_line(experiment: str, summary: dict[str, Any], run: RunDir) -> str:
+    """What a run prints when it ends (and when it is resumed after it finished)."""
     raw = f", without EMA {100 * summary['test_raw_accuracy']:.2f}%" if "test_raw_accuracy" in summary else ""
     if "test_ensemble_accuracy" in summary:
         members = np.asarray(summary["test_member_accuracy"])

@@ -63,7 +63,7 @@ class Config(TrainConfig):
     model: Literal["mlp", "batchnorm", "dpsgd"] = option(
         "mlp", "mlp (stateless), batchnorm (BatchNorm + dropout), or dpsgd (the mlp trained by DP-SGD with noise)")
     loader: Literal["device", "torch"] = option("device", "device-resident batches or a torch DataLoader")
-    steps: int = option(20, "training steps")
+    steps: int = option(20, "training steps", resumable=True)
     batch_size: int = option(32, "examples per step")
     lr: float = option(0.01, "Adam learning rate")
     log_every: int = option(1, "steps between logged metrics")

@@ -1,4 +1,7 @@
 import dataclasses
+import importlib.util
+import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -6,7 +9,19 @@ from typing import Literal
 
 import pytest
 
-from research.cli import ConfigError, TrainConfig, build_parser, option, parse_config, positive
+from research.cli import (
+    Checkpointing,
+    ConfigError,
+    TrainConfig,
+    Training,
+    check_combination,
+    help_text,
+    main_entry,
+    option,
+    parse_config,
+    positive,
+)
+from research.config import resumable_options
 
 ROOT = Path(__file__).parent.parent
 
@@ -20,20 +35,69 @@ class Config(TrainConfig):
     sizes: tuple[int, ...] = option((4, 4), "layer sizes")
 
 
+@dataclasses.dataclass(frozen=True)
+class Small(Training, Checkpointing):
+    """An experiment that takes two option groups: no devices, EMA or TensorBoard."""
+
+    width: int = option(8, "hidden width", check=positive)
+
+
 def test_defaults_and_overrides():
     config = parse_config(Config, [])
     assert config == Config()
     config = parse_config(Config, ["--width", "3", "--kind", "b", "--lr", "0.5", "--sizes", "1", "2", "3",
                                    "--resume", "--no-progress"])
     assert (config.width, config.kind, config.lr, config.sizes) == (3, "b", 0.5, (1, 2, 3))
-    assert config.resume and not config.progress
+    assert config.resume == "must" and not config.progress
 
 
-def test_help_lists_every_option_with_its_default():
-    text = build_parser(Config).format_help()
-    for field in dataclasses.fields(Config):
-        assert "--" + field.name.replace("_", "-") in text
-    assert "(default: 128)" in text and "hidden width" in text
+@pytest.mark.parametrize("argv, resume", [
+    ([], None), (["--resume"], "must"), (["--resume", "must"], "must"), (["--resume", "never"], None),
+    (["--no-resume"], None), (["--resume", "auto", "--run-dir", "r"], "auto"),
+    (["--resume=auto", "--run-dir", "r"], "auto"),
+    (["--resume", "--run-dir", "r"], "must"),
+])
+def test_resume_spellings(argv, resume):
+    assert parse_config(Config, argv).resume == resume
+
+
+def test_resume_from_python_takes_a_bool_too():
+    assert Config(resume=True).resume == "must" and Config(resume=False).resume is None
+    assert Config(resume="never").resume is None and Config(resume="auto", run_dir="r").resume == "auto"
+
+
+def test_help_lists_every_option_once_with_one_default():
+    text = help_text(Config)
+    lines = text.splitlines()
+    option_line = re.compile(r"\W (--[a-z-]+)")  # an option's first line; its help continues indented further
+    starts = {m[1]: i for i, line in enumerate(lines) if (m := option_line.match(line))}
+    flags = ["--" + field.name.replace("_", "-") for field in dataclasses.fields(Config)]
+    assert sorted(starts) == sorted(flags)  # every option, and each once (a second entry would show as an extra)
+    assert len([line for line in lines if option_line.match(line)]) == len(flags)
+    for flag, start in starts.items():
+        end = min([i for i in starts.values() if i > start] + [len(lines)])
+        entry = " ".join(lines[start:end])
+        assert entry.count("default:") == 1, entry
+    assert "(default: 128)" in text and "hidden width" in text and "(default: never)" in text
+
+
+def test_an_option_the_experiment_does_not_take_is_refused_and_not_in_its_help(capsys):
+    text = help_text(Small)
+    assert "--width" in text and "--batch-size" in text and "--resume" in text
+    for flag in ("--devices", "--parallel", "--ema-decay", "--tensorboard", "--num-processes"):
+        assert flag not in text
+    with pytest.raises(SystemExit) as info:
+        parse_config(Small, ["--ema-decay", "0.9"], prog="small.py")
+    assert info.value.code == 2
+    assert capsys.readouterr().err == "small.py: error: unrecognized arguments: --ema-decay 0.9\n"
+
+
+def test_options_of_groups_not_taken_read_as_their_defaults():
+    config = Small()
+    assert (config.devices, config.parallel, config.ema_decay, config.tensorboard) == (1, "auto", 0.0, False)
+    assert "devices" not in config.to_dict()
+    with pytest.raises(AttributeError):
+        config.no_such_option
 
 
 @pytest.mark.parametrize(
@@ -44,22 +108,46 @@ def test_help_lists_every_option_with_its_default():
         (["--width", "-2"], "--width must be positive (got -2)"),
         (["--ema-decay", "1"], "--ema-decay must be in [0, 1) (got 1.0)"),
         (["--ema-decay", "-0.5"], "--ema-decay must be in [0, 1) (got -0.5)"),
-        (["--kind", "c"], "argument --kind: invalid choice: 'c'"),
+        (["--kind", "c"], "argument --kind: invalid choice: 'c' (choose from 'a', 'b')"),
         (["--batch-size", "many"], "argument --batch-size: invalid int value: 'many'"),
+        (["--lr", "fast"], "argument --lr: invalid float value: 'fast'"),
+        (["--resume", "maybe"], "argument --resume: invalid choice: 'maybe' (choose from 'auto', 'must', 'never')"),
         (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--resume", "auto"], "--resume auto needs --run-dir"),
+        (["--devices", "3"], "--batch-size 128 is not divisible by the 3 devices"),
+        (["--devices", "2", "--parallel", "none"], "--parallel none trains on one device, not 2"),
+        (["--num-processes", "2", "--process-id", "2", "--batch-size", "2"],
+         "--process-id must be below --num-processes 2"),
+        (["--debug-nans", "--parallel", "pmap"], "--debug-nans replays steps op by op on one device"),
     ],
 )
 def test_bad_values_exit_2_with_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
-        parse_config(Config, argv)
+        parse_config(Config, argv, prog="xor.py")
     assert info.value.code == 2
     err = capsys.readouterr().err
-    assert message in err and err.count("\n") == 1
+    assert err.startswith("xor.py: error: ") and message in err and err.count("\n") == 1
 
 
 def test_bad_values_raise_config_error_from_python():
     with pytest.raises(ConfigError, match="--batch-size must be positive"):
         Config(batch_size=0)
+    with pytest.raises(ConfigError, match="--width must be positive"):
+        Small(width=0)
+    with pytest.raises(ConfigError, match="--kind must be one of a, b"):
+        Config(kind="c")
+
+
+def test_options_that_span_options_are_checked_in_one_place():
+    config = Config()
+    check_combination(config)
+    with pytest.raises(ConfigError, match="not divisible by the 4 devices"):
+        check_combination(dataclasses.replace(config, devices=2, batch_size=6), processes=2)  # the processes JAX found
+
+
+def test_resumable_options_come_from_the_fields():
+    assert {"run_dir", "resume", "devices", "progress", "tensorboard"} <= resumable_options(Config)
+    assert not {"seed", "batch_size", "lr", "width", "ema_decay"} & resumable_options(Config)
 
 
 def test_experiment_script_refuses_bad_values_before_any_work(tmp_path):
@@ -70,3 +158,70 @@ def test_experiment_script_refuses_bad_values_before_any_work(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip() == "xor.py: error: --batch-size must be positive (got 0)"
     assert not (tmp_path / "runs").exists()
+
+
+# -- resume: auto, must, and a run that already finished ---------------------------------------------
+spec = importlib.util.spec_from_file_location("xor_experiment_cli", ROOT / "experiments" / "xor.py")
+xor = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(xor)
+QUICK = ["--epochs", "1", "--no-progress", "--train-size", "256", "--test-size", "64", "--batch-size", "32"]
+
+
+def run_xor(argv):
+    main_entry(xor.main, xor.Config, QUICK + argv)
+
+
+def stamps(root):
+    return {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(Path(root).rglob("*")) if p.is_file()}
+
+
+def test_resume_auto_starts_a_run_then_resumes_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    run_xor(["--run-dir", "r", "--resume", "auto"])  # nothing there: a fresh run
+    first = json.loads((tmp_path / "r/summary.json").read_text())
+    assert first["step"] == 8 and "resuming" not in capsys.readouterr().err
+    run_xor(["--run-dir", "r", "--resume", "auto", "--epochs", "2"])  # a checkpoint there: continue it
+    assert "resuming r from step 8" in capsys.readouterr().err
+    assert json.loads((tmp_path / "r/summary.json").read_text())["step"] == 16
+
+
+def test_resume_auto_restarts_a_run_stopped_before_its_first_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run_xor(["--run-dir", "r"])
+    for path in (tmp_path / "r/checkpoints").iterdir():
+        path.unlink()
+    (tmp_path / "r/summary.json").unlink()
+    run_xor(["--run-dir", "r", "--resume", "auto"])
+    steps = [json.loads(line)["step"] for line in (tmp_path / "r/metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps))  # the stopped attempt's records were dropped, not doubled
+
+
+def test_resuming_a_finished_run_reports_it_and_touches_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    run_xor(["--run-dir", "r"])
+    first = capsys.readouterr().out
+    before = stamps(tmp_path)
+    for resume in (["--resume"], ["--resume", "auto"]):
+        run_xor(["--run-dir", "r", *resume])  # used to fail an assertion in run_experiment
+        captured = capsys.readouterr()
+        assert captured.out == first and "finished at step 8: nothing to train" in captured.err
+    assert stamps(tmp_path) == before
+
+
+def test_resume_must_refuses_an_empty_run_dir_in_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        run_xor(["--run-dir", "r", "--resume"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"{Path(sys.argv[0]).name}: error: --resume: no run to resume in r; start one without --resume"]
+    assert not (tmp_path / "r").exists()
+
+
+def test_resuming_a_finished_run_from_the_shell_exits_0(tmp_path):
+    command = [sys.executable, str(ROOT / "experiments" / "xor.py"), *QUICK, "--run-dir", "d"]
+    assert subprocess.run(command, cwd=tmp_path, capture_output=True, timeout=300).returncode == 0
+    before = stamps(tmp_path)
+    result = subprocess.run([*command, "--resume"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "xor: test accuracy" in result.stdout and stamps(tmp_path) == before

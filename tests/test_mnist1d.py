@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from research.cli import ConfigError, build_parser
+from research.cli import ConfigError, help_text
 from research.data import (
     DataError,
     DeviceLoader,
@@ -163,5 +163,5 @@ def test_the_script_generates_the_data_trains_the_cnn_and_prints_the_summary(dat
     verdict = "at or above" if summary["test_accuracy"] >= 0.94 else "BELOW"
     assert f"cnn: {100 * summary['test_accuracy']:.2f}% is {verdict} the published 94% (Greydanus 2020)" in result.stdout
     assert summary["step"] == 400 and summary["test_accuracy"] > 0.45  # measured 0.564
-    help_text = build_parser(mnist1d.Config).format_help()
-    assert "{logistic,mlp,cnn,gru,resnet,transformer}" in help_text and "default: per model" in help_text
+    text = help_text(mnist1d.Config)
+    assert "{logistic,mlp,cnn,gru,resnet,transformer}" in text and "default: per model" in text
