@@ -4,6 +4,16 @@ XLA creates the CPU devices when JAX initialises its backends (the first array, 
 device query), not when `jax` is imported: `--xla_force_host_platform_device_count` in `XLA_FLAGS`
 and `jax_num_cpu_devices` only need to be set before that. Experiment scripts do it in
 `research.cli.main_entry`, right after parsing the command line and before `main` builds any array.
+
+Several CPU devices also need enough client threads. XLA's CPU client launches each device's share of
+a multi-device call on a worker of a pool of `max(cores, devices)` threads, and a launch blocks in that
+worker while its device already has 32 computations queued (`max_inflight_computations_per_device`).
+A one-step-per-call loop (host batches, `steps_per_call=1`) dispatches faster than 4 simulated devices
+on 2 cores compute, so it gets 32 steps ahead; the blocked launches then hold the threads the devices
+of the next all-reduce need, and it waits forever ("Expected 4 threads to join the rendezvous, but only
+3 of them arrived", SIGABRT after 60 s). With `2 * devices` threads the devices of one collective
+always find a thread besides the at most `devices` blocked launches of the one call being dispatched.
+XLA sizes the pool from `PJRT_NPROC` (else `NPROC`, else the cores) when the backend starts.
 """
 
 import os
@@ -14,6 +24,15 @@ import jax
 from ..errors import DeviceError
 
 _COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
+
+
+def _client_threads() -> int:
+    """The size XLA's CPU client gives its thread pool (before it is raised to the device count)."""
+    for name in ("PJRT_NPROC", "NPROC"):
+        value = os.environ.get(name, "")
+        if value.strip().isdigit():
+            return int(value)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def backends_started() -> bool:
@@ -27,6 +46,8 @@ def simulate_cpu_devices(count: int) -> None:
 
     Must run before JAX's backends start; raises `DeviceError` otherwise (unless the CPU already has
     `count` devices). Accelerator backends are unaffected: there `--devices N` takes the first N.
+    With several devices it also raises `PJRT_NPROC` to at least `2 * count`, the client threads a
+    one-step-per-call loop needs not to deadlock in a collective (see the module docstring).
     """
     if backends_started():
         if jax.local_device_count() < count and jax.default_backend() == "cpu":
@@ -39,6 +60,8 @@ def simulate_cpu_devices(count: int) -> None:
         return
     flags = _COUNT_FLAG.sub("", os.environ.get("XLA_FLAGS", "")).strip()
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+    if count > 1 and _client_threads() < 2 * count:
+        os.environ["PJRT_NPROC"] = str(2 * count)
     jax.config.update("jax_num_cpu_devices", count)
 
 
