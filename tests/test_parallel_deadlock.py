@@ -25,9 +25,11 @@ STEPS = 96
 SCRIPT = f"""
 import json
 import numpy as np
-from research.parallel import make_strategy, simulate_cpu_devices
+import sys
+from research.parallel import make_placement, simulate_cpu_devices
 
-simulate_cpu_devices(4)  # what every experiment script does (research.parallel.setup_devices)
+if sys.argv[1] == "script":
+    simulate_cpu_devices(4)  # what every experiment script does (research.parallel.setup_devices)
 
 import equinox as eqx
 import jax
@@ -45,7 +47,7 @@ runs = {{}}
 for loader, parallel in (("torch", "pmap"), ("device", "sharded"), ("torch", "none"), ("device", "none")):
     data = TorchLoader(train, 32, seed=0) if loader == "torch" else DeviceLoader.from_dataset(train, 32, seed=0)
     result = fit(state, data, num_steps={STEPS}, log_every={STEPS}, steps_per_call=1, progress=False,
-                 parallel=None if parallel == "none" else make_strategy(parallel, 4))
+                 placement=make_placement(parallel, 1 if parallel == "none" else 4))
     params = jax.tree.leaves(eqx.filter(result.state.model, eqx.is_array))
     runs[f"{{loader}}-{{parallel}}"] = {{"metrics": result.train_metrics,
                                         "params": [np.asarray(p).ravel()[:256].tolist() for p in params]}}
@@ -54,11 +56,14 @@ print(json.dumps(runs))
 
 
 @pytest.mark.slow
-def test_one_step_per_call_on_four_cpu_devices_does_not_deadlock(tmp_path):
+@pytest.mark.parametrize("started_by", ["script", "user"])
+def test_one_step_per_call_on_four_cpu_devices_does_not_deadlock(tmp_path, started_by):
+    """`script`: as an experiment script starts JAX (XLA's pool gets 2 * devices threads); `user`:
+    as a notebook would, with only XLA_FLAGS, where the engine's cap on calls in flight is the guard."""
     env = {k: v for k, v in os.environ.items() if k not in ("PJRT_NPROC", "NPROC")}
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"  # before JAX starts, as in a real run
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
-    result = subprocess.run([sys.executable, "-c", SCRIPT], cwd=tmp_path, env=env, capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-c", SCRIPT, started_by], cwd=tmp_path, env=env, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     runs = json.loads(result.stdout.strip().splitlines()[-1])

@@ -148,6 +148,13 @@ class Engine:
                 hook(info)
 
 
+# Several devices: wait for the calls in flight after this many. XLA's CPU client starts each
+# device's share of a call on a pool of max(cores, devices) threads, and a start blocks its thread
+# while its device has 32 calls queued; a host far ahead then starves an all-reduce of the threads
+# it needs, which deadlocks ("Expected 4 threads to join the rendezvous"). See test_parallel_deadlock.
+MAX_CALLS_IN_FLIGHT = 16
+
+
 class _Feed:
     """Batches from the loader into compiled calls: device-resident data runs `steps_per_call` steps
     a call; host batches (a torch DataLoader), and every step under `debug_nans`, one step a call."""
@@ -156,6 +163,8 @@ class _Feed:
                  steps_per_call: int, debug_nans: bool):
         self.trainer, self.data, self.debug_nans = trainer, data, debug_nans
         self.steps_per_call = 1 if debug_nans else steps_per_call
+        self.calls = 0
+        self.several_devices = not isinstance(trainer.placement, OneDevice)
         if isinstance(data, DeviceLoader):
             self.example = Batch(*(a[: data.batch_size] for a in data.host))
             self.device_data = trainer.placement.put_data(data.host, data.arrays)
@@ -178,11 +187,18 @@ class _Feed:
                 indices[:n] = self.data.step_indices(step, n)
                 leaves, stats = self.trainer.run(leaves, stats, self.device_data,
                                                  self.trainer.placement.put_indices(indices), n)
+                self._called(stats)
                 step += n
             return leaves, stats
         for position in range(step, until):
             leaves, stats = self._one_step(leaves, stats, position)
+            self._called(stats)
         return leaves, stats
+
+    def _called(self, stats: StepStats) -> None:
+        self.calls += 1
+        if self.several_devices and self.calls % MAX_CALLS_IN_FLIGHT == 0:
+            jax.block_until_ready(stats)
 
     def _one_step(self, leaves: Leaves, stats: StepStats, position: int) -> tuple[Leaves, StepStats]:
         if self.host_batches is None:
