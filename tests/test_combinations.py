@@ -1,0 +1,279 @@
+"""Every training experiment under every combination of the options that should not break it.
+
+Each combination of the grid below is one short invocation of the experiment script's entry point.
+It must either finish (exit 0) or refuse in one line (exit 2, exactly one line on stderr, no
+checkpoint written); never a traceback, never a hang. A run that finishes with `--ema-decay` must
+report the model without the EMA too (test_raw_*); one that finishes on 4 devices must have compiled
+its computations for 4 devices and give the final train loss and test metrics of the same run on 1
+device.
+
+The runs happen in subprocesses of `tests/_combination_worker.py`, which runs many of them in one
+process (imports and compilations are shared): one worker with 1 device, one with 4 simulated devices
+(XLA_FLAGS must be set before JAX starts). A run that hangs or kills its worker is reported as such,
+and a new worker carries on with the runs after it. Each combination is a test of its own, named
+`experiment-placement-ema-loader-phase`.
+"""
+
+import concurrent.futures
+import dataclasses
+import itertools
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+# -- the grid ------------------------------------------------------------------------------------------
+# Flags and spellings change as the CLI evolves: everything the runs pass is in this block.
+
+
+@dataclasses.dataclass(frozen=True)
+class Experiment:
+    short: tuple[str, ...]  # the cheapest real run: a handful of steps on tiny data
+    longer: tuple[str, ...]  # the same run made longer, which `--resume` continues the short one to
+    has_loader: bool = False  # takes --loader {device,torch}
+    data_dir: bool = False  # reads MNIST-1D from --data-dir (tests/conftest.py's generated directory)
+    script: str | None = None  # experiments/<script>.py; None: the name in EXPERIMENTS
+    phases: tuple[str, ...] | None = None  # the PHASES it runs; None: all
+
+
+EXPERIMENTS = {  # state_passing is no training run
+    "xor": Experiment(("--epochs", "1", "--train-size", "256", "--test-size", "64", "--batch-size", "32"),
+                      ("--epochs", "2", "--train-size", "256", "--test-size", "64", "--batch-size", "32"),
+                      has_loader=True),
+    "circles": Experiment(("--epochs", "1", "--batch-size", "500", "--hidden", "8"),
+                          ("--epochs", "2", "--batch-size", "500", "--hidden", "8")),
+    "mnist1d": Experiment(("--model", "mlp", "--steps", "4", "--batch-size", "32"),
+                          ("--model", "mlp", "--steps", "8", "--batch-size", "32"), has_loader=True, data_dir=True),
+    # 4 steps; the default --max-batch-size (expected + 4 std + 4 = 1114 rows) is not a multiple of 4
+    "dp_sgd": Experiment(("--channels", "4", "--epochs", "1", "--batch-size", "1000"),
+                         ("--channels", "4", "--epochs", "2", "--batch-size", "1000"), data_dir=True,
+                         phases=("fresh",)),  # resuming is dp_sgd_maxbatch's
+    "dp_sgd_maxbatch": Experiment(  # 1200 rows: a compiled batch that 4 devices divide
+        ("--channels", "4", "--epochs", "1", "--batch-size", "1000", "--max-batch-size", "1200"),
+        ("--channels", "4", "--epochs", "2", "--batch-size", "1000", "--max-batch-size", "1200"),
+        data_dir=True, script="dp_sgd"),
+    "ensemble": Experiment(("--num-members", "2", "--hidden", "8", "--epochs", "1", "--batch-size", "1000"),
+                           ("--num-members", "2", "--hidden", "8", "--epochs", "2", "--batch-size", "1000"),
+                           data_dir=True),
+}
+PLACEMENTS = {  # the first is the reference the others must match
+    "1dev": (),
+    "pmap4": ("--devices", "4", "--parallel", "pmap"),
+    "sharded4": ("--devices", "4", "--parallel", "sharded"),
+}
+EMAS = {"noema": (), "ema": ("--ema-decay", "0.9")}
+LOADERS = {"device": (), "torch": ("--loader", "torch")}  # only for experiments with --loader
+RESUME = ("--resume",)
+# Invocations in one run directory, in this order: the short run, `--resume` continuing it to the
+# longer run, `--resume` of that finished run.
+PHASES = {"fresh": lambda e: e.short, "resumed": lambda e: (*RESUME, *e.longer),
+          "resumed-finished": lambda e: (*RESUME, *e.longer)}
+COMMON = ("--no-progress",)
+EMA_KEYS = re.compile(r"test_raw_")  # with an EMA the summary also reports the raw (non-EMA) model
+COMPARED = re.compile(r"^(train|test|ensemble|member)")  # summary numbers that must match across placements
+TOLERANCE = 1e-5  # tests/test_parallel.py's
+RUN_TIMEOUT = 45  # seconds for one run (a short run takes a few); then it counts as a hang
+WORKERS_AT_ONCE = 1  # 2: the 1-device and the 4-device worker side by side (on more than 2 cores)
+
+# ------------------------------------------------------------------------------------------------------
+
+WORKER = Path(__file__).parent / "_combination_worker.py"
+
+
+@dataclasses.dataclass(frozen=True)
+class Combination:
+    experiment: str
+    placement: str
+    ema: str
+    loader: str
+    phase: str
+
+    @property
+    def id(self) -> str:
+        return "-".join(dataclasses.astuple(self))
+
+    @property
+    def run_name(self) -> str:  # the phases of one series share a run directory
+        return "-".join(dataclasses.astuple(self)[:4])
+
+    @property
+    def devices(self) -> int:
+        flags = PLACEMENTS[self.placement]
+        return int(flags[flags.index("--devices") + 1]) if "--devices" in flags else 1
+
+    def reference(self) -> "Combination":
+        return dataclasses.replace(self, placement=next(iter(PLACEMENTS)))
+
+    def argv(self, root: Path, data_dir: Path) -> list[str]:
+        experiment = EXPERIMENTS[self.experiment]
+        return [*PHASES[self.phase](experiment), *PLACEMENTS[self.placement], *EMAS[self.ema], *LOADERS[self.loader],
+                *(("--data-dir", str(data_dir)) if experiment.data_dir else ()),
+                "--run-dir", str(root / "runs" / self.run_name), *COMMON]
+
+
+COMBINATIONS = [
+    Combination(name, placement, ema, loader, phase)
+    for name, experiment in EXPERIMENTS.items()
+    for placement, ema, loader, phase in itertools.product(
+        PLACEMENTS, EMAS, LOADERS if experiment.has_loader else list(LOADERS)[:1], experiment.phases or PHASES)
+]
+
+
+def run_worker(runs: list[dict], devices: int, root: Path) -> dict[str, dict]:
+    """Run `runs` in worker processes with `devices` simulated devices; a run that hangs past
+    RUN_TIMEOUT, or kills its worker, gets `{"status": "timeout" | "died", ...}` and a new worker
+    carries on with the runs after it."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    if devices > 1:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    results: dict[str, dict] = {}
+    for attempt in itertools.count():
+        remaining = [r for r in runs if r["id"] not in results]
+        if not remaining:
+            return results
+        spec, out, log = (root / f"worker{devices}-{attempt}.{ext}" for ext in ("json", "jsonl", "log"))
+        spec.write_text(json.dumps(remaining))
+        out.touch()
+        with open(log, "w") as log_file:
+            process = subprocess.Popen([sys.executable, str(WORKER), str(spec), str(out)], cwd=root, env=env,
+                                       stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+        current, started, offset, finished = None, time.monotonic(), 0, 0
+        try:
+            while True:
+                exited = process.poll() is not None
+                with open(out) as f:
+                    f.seek(offset)
+                    text = f.read()
+                lines = text.splitlines(keepends=True)
+                for line in lines:
+                    if not line.endswith("\n"):
+                        break
+                    offset += len(line)
+                    record = json.loads(line)
+                    if record["event"] == "start":
+                        current, started = record["id"], time.monotonic()
+                    else:
+                        results[record["id"]], current, finished = record, None, finished + 1
+                if exited:
+                    break
+                if time.monotonic() - started > RUN_TIMEOUT + (60 if current is None else 0):  # + start-up
+                    os.killpg(process.pid, signal.SIGKILL)
+                    process.wait()
+                    results[current or next(r["id"] for r in remaining if r["id"] not in results)] = {
+                        "status": "timeout", "log": _tail(log), "seconds": time.monotonic() - started}
+                    break
+                time.sleep(0.1)
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        if current is not None and current not in results:  # the worker died during this run
+            code = process.returncode
+            how = f"signal {signal.Signals(-code).name}" if code < 0 else f"status {code}"
+            results[current] = {"status": "died", "how": how, "log": _tail(log)}
+        elif process.returncode == 0 and finished < len(remaining):
+            raise AssertionError(f"the worker exited without running every run; its output:\n{_tail(log)}")
+        elif finished == 0 and current is None and remaining[0]["id"] not in results:
+            raise AssertionError(f"the worker failed before its first run; its output:\n{_tail(log)}")
+    raise AssertionError("unreachable")
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+@pytest.fixture(scope="session")
+def combination_results(request, tmp_path_factory, mnist1d_dir) -> dict[str, dict]:
+    """The result of every combination this session selected (and the 1-device runs they compare with),
+    run in one worker per device count."""
+    selected = {item.callspec.params["combination"] for item in request.session.items
+                if hasattr(item, "callspec") and "combination" in item.callspec.params}
+    selected |= {c.reference() for c in selected}
+    series = {c.run_name for c in selected}  # a resume needs the phases before it
+    needed = [c for c in COMBINATIONS if c.run_name in series]
+    root = tmp_path_factory.mktemp("combinations")
+
+    def runs(devices: int) -> list[dict]:
+        return [{"id": c.id, "script": EXPERIMENTS[c.experiment].script or c.experiment,
+                 "argv": c.argv(root, mnist1d_dir)} for c in needed if c.devices == devices]
+
+    with concurrent.futures.ThreadPoolExecutor(WORKERS_AT_ONCE) as pool:
+        futures = [pool.submit(run_worker, runs(devices), devices, root) for devices in {c.devices for c in needed}]
+        return {k: v for f in futures for k, v in f.result().items()}
+
+
+def problems(combination: Combination, results: dict[str, dict]) -> list[str]:
+    """What is wrong with one combination's run, in one line each (nothing: it passed)."""
+    result = results[combination.id]
+    status = result["status"]
+    if status == "timeout":
+        return [f"hangs: no exit after {result['seconds']:.0f} s (killed)"]
+    if status == "died":
+        last = [line for line in result["log"].splitlines() if line.strip()][-1:] or ["(no output)"]
+        return [f"kills the process ({result['how']}): {last[0][:200]}"]
+    stderr = result["stderr"]
+    last_line = stderr[-1][:160] if stderr else "(nothing on stderr)"
+    if any(line.startswith("Traceback") for line in stderr):
+        frames = [m.groups() for m in map(re.compile(r'\s*File "(.*)", line (\d+), in (.*)').match, stderr) if m]
+        where = f" (at {Path(frames[-1][0]).name}:{frames[-1][1]} in {frames[-1][2]})" if frames else ""
+        return [f"traceback, exit {status}: {last_line}{where}"]
+    if status == 2:
+        found = []
+        if len(stderr) != 1:
+            found.append(f"exit 2 with {len(stderr)} lines on stderr, not 1: {last_line}")
+        if result["checkpoints_after"] != result["checkpoints_before"]:
+            found.append(f"exit 2 after writing a checkpoint: {last_line}")
+        return found
+    if status != 0:
+        return [f"exit {status}: {last_line}"]
+
+    summary = result["summary"]
+    if summary is None:
+        return ["exit 0 without writing summary.json"]
+    found = []
+    if EMAS[combination.ema] and not any(EMA_KEYS.match(k) for k in summary):
+        found.append("ignores --ema-decay: the summary has no test_raw_* (non-EMA) numbers")
+    if combination.devices > 1 and result["compilations"] and result["compiled_devices"] == 1:
+        found.append(f"ignores --devices {combination.devices}: every computation it compiled runs on one device")
+    reference = results.get(combination.reference().id)
+    if combination.devices > 1 and reference and reference["status"] == 0 and reference["summary"]:
+        differences = compare(summary, reference["summary"])
+        if differences:
+            found.append("differs from 1 device: " + "; ".join(differences))
+    return found
+
+
+def compare(summary: dict, reference: dict) -> list[str]:
+    differences = []
+    for key in sorted(k for k in set(summary) | set(reference) if COMPARED.match(k)):
+        a, b = summary.get(key), reference.get(key)
+        pairs = list(zip(a, b)) if isinstance(a, list) and isinstance(b, list) and len(a) == len(b) else [(a, b)]
+        if not all(isinstance(x, (int, float)) and isinstance(y, (int, float)) and
+                   math.isclose(x, y, rel_tol=TOLERANCE, abs_tol=TOLERANCE) for x, y in pairs):
+            differences.append(f"{key} {_short(a)} vs {_short(b)}")
+    for key in ("step",):
+        if summary.get(key) != reference.get(key):
+            differences.append(f"{key} {summary.get(key)} vs {reference.get(key)}")
+    return differences
+
+
+def _short(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_short(v) for v in value) + "]"
+    return repr(value)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("combination", COMBINATIONS, ids=lambda c: c.id)
+def test_combination_finishes_or_refuses_in_one_line(combination, combination_results):
+    found = problems(combination, combination_results)
+    assert not found, " | ".join(found)
