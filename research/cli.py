@@ -39,7 +39,7 @@ from .config import (
     TrainConfig,
     Training,
     Tracking,
-    _strip_optional,
+    strip_optional,
     check_combination,
     flag_name,
     non_negative,
@@ -116,7 +116,7 @@ def _config_rule(info: StructTypeInfo) -> StructConstructorSpec | None:
 
 def _metavar(hint: Any) -> str | None:
     """`INT` rather than tyro's `{None}|INT` for an option that may be unset: its help says what unset means."""
-    inner, optional = _strip_optional(hint)
+    inner, optional = strip_optional(hint)
     if not optional or hint == Resume:
         return None
     if typing.get_origin(inner) is Literal:

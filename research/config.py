@@ -203,7 +203,7 @@ def resumable_options(config: Any) -> set[str]:
     return {f.name for f in dataclasses.fields(config) if f.metadata.get("resumable")}
 
 
-def _strip_optional(tp: Any) -> tuple[Any, bool]:
+def strip_optional(tp: Any) -> tuple[Any, bool]:
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if len(args) == 1:
@@ -212,7 +212,7 @@ def _strip_optional(tp: Any) -> tuple[Any, bool]:
 
 
 def _check_type(name: str, value: Any, tp: Any) -> None:
-    tp, optional = _strip_optional(tp)
+    tp, optional = strip_optional(tp)
     if value is None:
         if not optional:
             raise ConfigError(f"{flag_name(name)} must be set")

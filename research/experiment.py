@@ -3,10 +3,11 @@
 import dataclasses
 import importlib.metadata
 import importlib.util
+import math
 import sys
 import types
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,6 @@ import numpy as np
 from .config import ConfigError, Options, check_combination, resumable_options
 from .data import Batch, DeviceLoader, HostLoader, TorchLoader
 from .parallel import check_device_count, make_placement
-from .tools.plot_runs import plot_runs
 from . import population
 from .population import evaluate_population
 from .train import (FitResult, LossFn, Placement, RunDir, TensorBoardTracker, TrainState, classification_loss,
@@ -159,6 +159,53 @@ def _setup_from(setup: Setup | None, kwargs: dict[str, Any]) -> tuple[Setup, dic
     return Setup(**{k: v for k, v in kwargs.items() if k in names}), {k: v for k, v in kwargs.items() if k not in names}
 
 
+CURVE_PANELS = (("loss", "loss"), ("accuracy", "accuracy"))
+
+
+def _curve(records: list[dict[str, Any]], name: str) -> tuple[list[int], list[float]]:
+    points = [(r["step"], r[name]) for r in records
+              if isinstance(r.get(name), (int, float)) and math.isfinite(r[name])]
+    return [s for s, _ in points], [v for _, v in points]
+
+
+def plot_curves(runs: Sequence[RunDir], labels: Sequence[str], out: str | Path, *, title: str | None = None) -> Path:
+    """Draw the learning curves of `runs` (one colour each, named by `labels`) into the PNG file `out`;
+    returns its path. Training metrics are solid lines, test metrics dashed with dots.
+    `scripts/plot_runs` (`research.tools.plot_runs`) draws several runs with it."""
+    from matplotlib.figure import Figure  # imported here: a second to import, needed only at the end of a run
+    from matplotlib.ticker import PercentFormatter
+
+    figure = Figure(figsize=(11, 4.2), layout="constrained", dpi=110)
+    axes = figure.subplots(1, len(CURVE_PANELS))
+    experiments = []
+    for i, (run, label) in enumerate(zip(runs, labels)):
+        records = run.read_metrics()
+        experiment = run.read_config().get("experiment")
+        if experiment and experiment not in experiments:
+            experiments.append(experiment)
+        for ax, (metric, _) in zip(axes, CURVE_PANELS):
+            steps, values = _curve(records, f"train/{metric}")
+            ax.plot(steps, values, color=f"C{i}", linewidth=1.6, label=label)
+            steps, values = _curve(records, f"test/{metric}")
+            ax.plot(steps, values, color=f"C{i}", linestyle="--", marker="o", markersize=4, linewidth=1.2)
+    for ax, (metric, ylabel) in zip(axes, CURVE_PANELS):
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{metric} (solid: train, dashed: test)", fontsize=10)
+        ax.grid(True, alpha=0.3)
+        values = [y for line in ax.get_lines() for y in line.get_ydata()]
+        if metric == "loss" and values and min(values) > 0 and max(values) / min(values) > 20:
+            ax.set_yscale("log")  # losses fall over orders of magnitude
+        if metric == "accuracy":
+            ax.yaxis.set_major_formatter(PercentFormatter(1.0))
+    axes[0].legend(title="run", fontsize=9)
+    figure.suptitle(title or ", ".join(experiments) or "runs")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out)
+    return out
+
+
 def run_experiment(
     experiment: str,
     config: Options,
@@ -219,7 +266,7 @@ def run_experiment(
                **(summary_extra or {})}
     if writer:
         run.write_summary(summary)
-        plot_runs([run.path], run.path / "curves.png")
+        plot_curves([run], [run.path.resolve().name], run.path / "curves.png")
         print(summary_line(experiment, summary, run))
     return summary
 
