@@ -29,7 +29,7 @@ from jaxtyping import install_import_hook
 with install_import_hook("research", "beartype.beartype"):  # the same shape checks as the test suite
     import jax
 
-    import research.ensemble
+    import research.population
     import research.per_example  # the experiments' imports of research, checked too
     from research.cli import main_entry
     from research.experiment import load_experiment
@@ -87,6 +87,13 @@ def checkpoints(run_dir: Path | None) -> dict[str, int]:
     return {p.name: p.stat().st_mtime_ns for p in sorted((run_dir / "checkpoints").iterdir())}
 
 
+def files(run_dir: Path | None) -> dict[str, int]:
+    """Every file of the run directory -> mtime_ns, to tell whether a run touched any."""
+    if run_dir is None or not run_dir.is_dir():
+        return {}
+    return {str(p.relative_to(run_dir)): p.stat().st_mtime_ns for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
 def mtime(path: Path | None) -> int | None:
     return path.stat().st_mtime_ns if path is not None and path.exists() else None
 
@@ -94,7 +101,7 @@ def mtime(path: Path | None) -> int | None:
 def run_one(script: str, argv: list[str]) -> dict:
     module = load_experiment(script)
     run_dir = run_dir_of(argv)
-    before = checkpoints(run_dir)
+    before, files_before = checkpoints(run_dir), files(run_dir)
     summary_path = run_dir / "summary.json" if run_dir is not None else None
     summary_before = mtime(summary_path)
     stdout, stderr = io.StringIO(), io.StringIO()
@@ -118,6 +125,8 @@ def run_one(script: str, argv: list[str]) -> dict:
         "summary": summary,
         "checkpoints_before": before,
         "checkpoints_after": checkpoints(run_dir),
+        "files_touched": sorted(k for k, v in files(run_dir).items() if files_before.get(k) != v),
+        "stdout": stdout.getvalue().splitlines()[:20],
         "run_dir_exists": bool(run_dir and run_dir.exists()),
         "compilations": compiled.compiled,
         "compiled_devices": compiled.most,

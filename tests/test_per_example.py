@@ -6,6 +6,7 @@ import optax
 import pytest
 
 from research.data import Batch, DeviceLoader, XORDataset
+from research.errors import DeviceError
 from research.nn import MLP, build_model
 from research.per_example import (
     PADDING_LABEL,
@@ -248,3 +249,20 @@ def test_zoo_models_per_example_grads_equal_a_loop(name, getkey):
         model = eqx.nn.inference_mode(model)  # running statistics: every example on its own again
     grads, looped = vmapped_and_loop(model, state, batch, getkey())
     assert_trees_close(grads, looped, atol=1e-6)
+
+
+def test_the_default_poisson_batch_is_a_multiple_of_the_devices_that_share_it():
+    """`./scripts/run dp_sgd --devices 4` used to end in a reshape traceback: its default compiled batch
+    (expected 512 + 4 std + 4 = 601 rows) cannot be split over 4 devices. The default now rounds up."""
+    from research.parallel import check_split
+    from research.per_example import PoissonLoader, default_max_batch_size
+
+    assert default_max_batch_size(4000, 512) == 601
+    assert default_max_batch_size(4000, 512, multiple_of=4) == 604
+    assert default_max_batch_size(10, 9, multiple_of=4) == 10  # never more rows than examples
+    inputs, labels = np.zeros((4000, 3), np.float32), np.zeros(4000, np.int32)
+    loader = PoissonLoader(inputs, labels, 512, seed=0, multiple_of=4)
+    assert loader.batch_size == loader.max_batch_size == 604
+    check_split(loader.batch_size, 4)
+    with pytest.raises(DeviceError, match="a training batch of 601 rows cannot be split evenly over 4 devices"):
+        check_split(PoissonLoader(inputs, labels, 512, seed=0, max_batch_size=601).batch_size, 4)
