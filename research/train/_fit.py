@@ -3,6 +3,8 @@
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from ..data import DeviceLoader, HostLoader, TorchLoader
 from ..progress import Progress
 from ._engine import Engine, FitResult
@@ -66,7 +68,7 @@ def fit(
         engine.add_hook(Evaluate(eval_data, progress, evaluator), every=eval_every)
     trackers = ([JsonlTracker(run)] if run is not None else []) + ([tracker] if tracker is not None else [])
     engine.add_hook(Track(trackers, lr_schedule))
-    start = int(max(state.step.reshape(-1)))
+    start = int(np.max(np.asarray(state.step)))  # a population steps its members together
     bar = Progress(num_steps, initial=start, enabled=progress)
     engine.add_hook(ShowProgress(bar, start))
     if run is not None:
