@@ -152,3 +152,21 @@ def test_evaluate_weights_batches_by_size(xor):
     accuracy = jnp.mean((logits[:, 0] > 0) == (train.labels == 1))
     np.testing.assert_allclose(metrics["loss"], float(jnp.mean(losses)), rtol=1e-5)
     np.testing.assert_allclose(metrics["accuracy"], float(accuracy), rtol=1e-6)
+
+
+def test_fit_evaluates_and_checkpoints_at_its_cadences_and_at_the_end_only(tmp_path):
+    """Without `eval_every` / `checkpoint_every` the engine's hooks run once, at the end; with them, on
+    their multiples (and at the end), never at the other stops (`log_every` makes a stop every 10 steps)."""
+    from research.train import RunDir
+
+    train = DeviceLoader.from_dataset(XORDataset(256, seed=0), 32, seed=0)
+    test = DeviceLoader.from_dataset(XORDataset(64, seed=1), 32, shuffle=False)
+    state = TrainState.create(MLP(2, 1, hidden=(4,), key=jax.random.key(0)), optax.sgd(0.1), key=jax.random.key(1))
+    for eval_every, checkpoint_every, evaluated, saved in ((None, None, [50], [50]), (20, 25, [20, 40, 50], [25, 50])):
+        run = RunDir(tmp_path / f"run{eval_every}").create()
+        fit(state, train, num_steps=50, eval_data=test, eval_every=eval_every, log_every=10, run=run,
+            checkpoint_every=checkpoint_every, keep_checkpoints=10, progress=False)
+        records = run.read_metrics()
+        assert [r["step"] for r in records] == [10, 20, 30, 40, 50]
+        assert [r["step"] for r in records if "test/accuracy" in r] == evaluated
+        assert [int(p.stem.split("_")[1]) for p in run.checkpoint_paths()] == saved

@@ -50,11 +50,12 @@ def fit(
       one compiled call) or a `TorchLoader` (host batches from a torch DataLoader, one call a step).
       Batch order is a pure function of the seed and the step, so a resumed run sees the same data.
     - `num_steps`: the total number of steps (not the number still to take).
-    - `eval_data`, `eval_every`, `evaluator`: evaluate every `eval_every` steps and at the end
-      (`Evaluate`).
+    - `eval_data`, `eval_every`, `evaluator`: evaluate every `eval_every` steps (`None`: only at the
+      end) and at the end (`Evaluate`).
     - `run`: where to log (`metrics.jsonl`) and checkpoint; nothing is written when `None`.
     - `checkpoint_every`, `keep_checkpoints`, `checkpoint_header`: `Checkpoint`'s cadence, how many
-      to keep and the JSON header written with each (the final step is always checkpointed).
+      to keep and the JSON header written with each (`None`: only the final step, which is always
+      checkpointed).
     - `progress`: show a progress bar (or log lines when not on a terminal).
     - `tracker`: another destination for the logged records (say a `TensorBoardTracker`); the
       caller owns it and calls its `finish()`.
@@ -65,14 +66,14 @@ def fit(
     if not skip_nonfinite:
         engine.add_hook(NonFiniteGuard(run))
     if eval_data is not None:
-        engine.add_hook(Evaluate(eval_data, progress, evaluator), every=eval_every)
+        engine.add_hook(Evaluate(eval_data, progress, evaluator), every=eval_every or num_steps)
     trackers = ([JsonlTracker(run)] if run is not None else []) + ([tracker] if tracker is not None else [])
     engine.add_hook(Track(trackers, lr_schedule))
     start = int(np.max(np.asarray(state.step)))  # a population steps its members together
     bar = Progress(num_steps, initial=start, enabled=progress)
     engine.add_hook(ShowProgress(bar, start))
     if run is not None:
-        engine.add_hook(Checkpoint(run, keep_checkpoints, checkpoint_header or {}), every=checkpoint_every)
+        engine.add_hook(Checkpoint(run, keep_checkpoints, checkpoint_header or {}), every=checkpoint_every or num_steps)
     try:
         return engine.fit(state, train_data, num_steps, resume_window=resume_window)
     finally:
