@@ -85,9 +85,6 @@ def resolve_run_dir(
             if step > num_steps:
                 raise ConfigError(f"--resume: the run in {path} is at step {step}, past the {num_steps} steps "
                                   "this config trains; resume with as many steps or more")
-            if step == num_steps and run.read_summary() is None:
-                raise ConfigError(f"--resume: the run in {path} reached its last step {step} but stopped before "
-                                  "writing summary.json; resume it with more steps, or start a new run")
         return run, checkpoint
     path = Path(config.run_dir) if config.run_dir else RunDir.new_path(RUNS_ROOT, experiment)
     if writer and (path / "config.json").exists():
@@ -261,7 +258,10 @@ def run_experiment(
             "command": [Path(sys.argv[0]).name, *sys.argv[1:]],
         })
     start = time.perf_counter()
-    result = _train(experiment, config, setup, state, placement, run if writer else None, header, fit_kwargs)
+    if header.get("step") == setup.num_steps:  # checkpointed at its last step, stopped before its summary
+        result = _evaluate_finished(setup, state, run)
+    else:
+        result = _train(experiment, config, setup, state, placement, run if writer else None, header, fit_kwargs)
     summary = {"experiment": experiment, **_summary(result), "wall_seconds": time.perf_counter() - start,
                **(summary_extra or {})}
     if writer:
@@ -292,6 +292,16 @@ def _train(experiment: str, config: Options, setup: Setup, state: TrainState, pl
     finally:
         if tracker is not None:
             tracker.finish()
+
+
+def _evaluate_finished(setup: Setup, state: TrainState, run: RunDir) -> FitResult:
+    """The result of a run whose training ended (its last checkpoint is at its last step) but that was
+    stopped before it wrote its summary: its final model evaluated again, its last logged train metrics."""
+    metrics, raw = (evaluate_population if setup.population else evaluate_state)(state, setup.eval_data)
+    records = run.read_metrics()
+    last = records[-1] if records else {}
+    train = {k[len("train/"):]: v for k, v in last.items() if k.startswith("train/")}
+    return FitResult(state, train, metrics, 0.0, raw)
 
 
 def _summary(result: FitResult) -> dict[str, Any]:

@@ -208,6 +208,22 @@ def test_resuming_a_finished_run_reports_it_and_touches_nothing(tmp_path, monkey
     assert stamps(tmp_path) == before
 
 
+def test_resume_auto_completes_a_run_stopped_between_its_last_checkpoint_and_its_summary(tmp_path, monkeypatch):
+    """A job killed after writing its final checkpoint but before summary.json, then requeued: the run
+    is not trained again; its final model is evaluated and the summary written, with the same numbers."""
+    monkeypatch.chdir(tmp_path)
+    run_xor(["--run-dir", "r"])
+    summary_file = tmp_path / "r/summary.json"
+    first = json.loads(summary_file.read_text())
+    summary_file.unlink()
+    checkpoints, metrics = stamps(tmp_path / "r/checkpoints"), (tmp_path / "r/metrics.jsonl").read_bytes()
+    run_xor(["--run-dir", "r", "--resume", "auto"])
+    again = json.loads(summary_file.read_text())
+    assert {k: v for k, v in again.items() if k != "wall_seconds"} == {
+        k: v for k, v in first.items() if k != "wall_seconds"}
+    assert stamps(tmp_path / "r/checkpoints") == checkpoints and (tmp_path / "r/metrics.jsonl").read_bytes() == metrics
+
+
 def test_resume_must_refuses_an_empty_run_dir_in_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as info:
