@@ -47,7 +47,7 @@ from .config import (
     positive,
     unit_interval,
 )
-from .errors import ConfigError, ResearchInputError
+from .errors import Preempted, ConfigError, ResearchInputError
 
 __all__ = [
     "EMA", "Checkpointing", "ConfigError", "Devices", "Options", "TrainConfig", "Training", "Tracking",
@@ -187,7 +187,8 @@ def help_text(config_class: type[Options], prog: str = "experiment.py", width: i
 def main_entry(main: Callable[[C], Any], config_class: type[C], argv: Sequence[str] | None = None) -> None:
     """Run `main(parse_config(...))` as a script. Bad input found inside `main` (`--resume` with no
     checkpoint, data that does not fit the model, a damaged or foreign checkpoint) exits with status 2,
-    a non-finite loss with status 1, each with one line on stderr.
+    a non-finite loss with status 1, SIGTERM or SIGINT (after checkpointing) with 128 + the signal
+    number (143, 130), each with one line on stderr.
 
     Before `main`, `research.parallel.setup_devices` applies `--devices` (simulated CPU devices must be
     requested before JAX creates its first array) and joins the other processes of a multi-process
@@ -206,3 +207,6 @@ def main_entry(main: Callable[[C], Any], config_class: type[C], argv: Sequence[s
         except FloatingPointError as e:
             print(f"{prog}: error: {e}", file=sys.stderr)
             raise SystemExit(1) from None
+        except Preempted as e:  # SIGTERM/SIGINT: the run saved a checkpoint and stopped
+            print(f"{prog}: {e}", file=sys.stderr)
+            raise SystemExit(e.status) from None

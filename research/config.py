@@ -122,6 +122,9 @@ class Checkpointing(Options):
     checkpoint_every: int = option(0, "steps between checkpoints (0: only at the end)", check=non_negative,
                                    resumable=True)
     keep_checkpoints: int = option(3, "number of most recent checkpoints kept", check=positive, resumable=True)
+    checkpoint_minutes: float = option(
+        10.0, "also checkpoint at the first logging stop this many minutes after the last checkpoint, so a "
+              "killed run loses bounded work (0: off)", check=non_negative, resumable=True)
 
 
 @dataclasses.dataclass(frozen=True)

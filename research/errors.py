@@ -28,3 +28,13 @@ class CheckpointError(ResearchInputError):
 
 class NonFiniteError(FloatingPointError):
     """The training loss or gradient became NaN or infinite."""
+
+
+class Preempted(Exception):
+    """The run stopped on a signal (SIGTERM, SIGINT) after the compiled call in flight, having saved
+    a checkpoint when it has a run directory; `status` is the exit status a script ends with
+    (128 + the signal number: 143 for SIGTERM, 130 for SIGINT), `step` the step it stopped at."""
+
+    def __init__(self, message: str, *, step: int, status: int):
+        super().__init__(message)
+        self.step, self.status = step, status

@@ -12,6 +12,7 @@ import numpy as np
 import optax
 import pytest
 
+from research.cli import main_entry
 from research.data import DeviceLoader, XORDataset
 from research.nn import MLP
 from research.train import NonFiniteError, RunDir, TrainState, fit, load_checkpoint
@@ -98,6 +99,56 @@ def test_a_run_killed_with_sigkill_resumes_to_bit_identical_results(tmp_path, ca
     assert "resuming" in result.stderr
     assert payload(final_checkpoint(killed)) == payload(final_checkpoint(tmp_path / "straight"))
     assert metrics_without_timing(killed) == metrics_without_timing(tmp_path / "straight")
+
+
+def stop_with_signal_mid_run(cwd, run_dir, args, number, after_records=2, timeout=300):
+    """Start a run, send it `number` (SIGTERM, SIGINT) once it has logged `after_records` records."""
+    process = subprocess.Popen([sys.executable, str(ROOT / "experiments" / "xor.py"), "--no-progress",
+                                "--run-dir", run_dir, *args], cwd=cwd, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    metrics = Path(cwd) / run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    while not metrics.exists() or len(metrics.read_text().splitlines()) < after_records:
+        assert process.poll() is None, "the run ended before it could be stopped"
+        assert time.monotonic() < deadline, "the run logged nothing in time"
+        time.sleep(0.005)
+    process.send_signal(number)
+    _, err = process.communicate(timeout=timeout)
+    return process.returncode, err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("number, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_stops_the_run_after_a_checkpoint_and_it_resumes_bit_identical(tmp_path, number, status):
+    """SIGTERM (a scheduler's preemption) or SIGINT mid-run: the compiled call in flight finishes, a
+    checkpoint is written at that step (between two step cadences: its metric window is saved too), the
+    script exits with 128 + the signal in one line, and rerunning with --resume auto continues to the
+    same bits as a run never stopped."""
+    args = ["--epochs", "400", "--train-size", "1024", "--batch-size", "32", "--steps-per-call", "7",
+            "--log-every", "100", "--eval-every", "3200", "--checkpoint-minutes", "0"]
+    assert run_script(tmp_path, *args, "--run-dir", "straight").returncode == 0
+    code, err = stop_with_signal_mid_run(tmp_path, "stopped", args, number)
+    lines = err.strip().splitlines()
+    assert code == status and len(lines) == 1, err
+    step = int(lines[0].split(" at step ")[1].split()[0])
+    assert f"stopped by {signal.Signals(number).name} at step {step} of 12800; its checkpoint is saved" in lines[0]
+    assert 0 < step < 12800 and RunDir(tmp_path / "stopped").checkpoint_paths()[-1].name == f"step_{step:09d}.ckpt"
+    result = run_script(tmp_path, *args, "--run-dir", "stopped", "--resume", "auto")
+    assert result.returncode == 0, result.stderr
+    assert f"resuming stopped from step {step}" in result.stderr
+    assert payload(final_checkpoint(tmp_path / "stopped")) == payload(final_checkpoint(tmp_path / "straight"))
+    assert metrics_without_timing(tmp_path / "stopped") == metrics_without_timing(tmp_path / "straight")
+
+
+def test_a_time_cadence_checkpoints_at_the_first_stop_after_it(tmp_path, monkeypatch):
+    """--checkpoint-minutes: a checkpoint at the first logging stop once that much time has passed since
+    the last one (here 60 ns, so every stop), beside the step cadence and the final one."""
+    monkeypatch.chdir(tmp_path)
+    main_entry(xor.main, xor.Config, ["--epochs", "2", "--train-size", "256", "--batch-size", "32", "--log-every",
+                                      "4", "--no-progress", "--run-dir", "r", "--checkpoint-minutes", "1e-9",
+                                      "--keep-checkpoints", "10"])
+    assert [p.name for p in RunDir(tmp_path / "r").checkpoint_paths()] == [
+        f"step_{s:09d}.ckpt" for s in (4, 8, 12, 16)]
 
 
 @pytest.mark.slow

@@ -22,9 +22,10 @@ from jaxtyping import TypeCheckError
 
 from ..data import Batch, DeviceLoader, TorchLoader
 from ..debug import describe_nan_error
-from ..errors import DataError, NonFiniteError
+from ..errors import DataError, NonFiniteError, Preempted
 from ._compiled import CompiledTrainer, StepStats, compiled_trainer, decode_first_bad, host_means, unpack_sums
 from ._placement import Leaves, OneDevice, Placement
+from ._signals import StopSignals
 from ._state import LossFn, TrainState, classification_loss
 
 Hook = Callable[["StepInfo"], None]
@@ -91,21 +92,28 @@ class Engine:
     - `debug_nans`: one step per call with `jax_debug_nans`, replaying a bad step op by op to name the
       operation that made the NaN (`NonFiniteError`); slow, one device only.
     - `population`: the state is a population (a leading member axis on every array).
+    - `stop_signals`: while training, SIGTERM and SIGINT stop the run after the compiled call in
+      flight: the hooks added with `on_preemption=True` run there (the checkpoint), then `Preempted`.
+      One process only (processes of a multi-process run would stop at different steps).
     """
 
     def __init__(self, loss_fn: LossFn = classification_loss, *, placement: Placement = OneDevice(),
                  log_every: int = 100, steps_per_call: int = 1, skip_nonfinite: bool = False,
-                 debug_nans: bool = False, population: bool = False):
+                 debug_nans: bool = False, population: bool = False, stop_signals: bool = False):
         if debug_nans and not isinstance(placement, OneDevice):
             raise ValueError("debug_nans replays steps op by op on one device; train without a parallel placement")
         self.loss_fn, self.placement, self.population = loss_fn, placement, population
         self.log_every, self.steps_per_call = log_every, steps_per_call
-        self.skip_nonfinite, self.debug_nans = skip_nonfinite, debug_nans
+        self.skip_nonfinite, self.debug_nans, self.stop_signals = skip_nonfinite, debug_nans, stop_signals
         self.hooks: list[tuple[Hook, int | None]] = []
+        self.preemption_hooks: list[Hook] = []
 
-    def add_hook(self, hook: Hook, *, every: int | None = None) -> "Engine":
-        """Call `hook(info)` every `every` steps and at the end; `every=None`: at every stop."""
+    def add_hook(self, hook: Hook, *, every: int | None = None, on_preemption: bool = False) -> "Engine":
+        """Call `hook(info)` every `every` steps and at the end (`every=None`: at every stop), and,
+        with `on_preemption`, where a signal stopped the run."""
         self.hooks.append((hook, every))
+        if on_preemption:
+            self.preemption_hooks.append(hook)
         return self
 
     def fit(self, state: TrainState, train_data: DeviceLoader | TorchLoader, num_steps: int, *,
@@ -123,11 +131,13 @@ class Engine:
         stats = fresh() if resume_window is None else trainer.placement.put_stats(
             _window_from_header(resume_window, trainer.host(fresh())))
         clock, record, final = _Clock(step, self.skip_nonfinite), {}, {}
-        with _nan_checks(self.debug_nans):
+        with _nan_checks(self.debug_nans), _signals(self.stop_signals) as signals:
             while step < num_steps:
                 until = self._next_stop(step, num_steps)
-                leaves, stats = feed.advance(leaves, stats, step, until)
-                step, checked, record = until, stats, {}
+                leaves, stats, step = feed.advance(leaves, stats, step, until, signals)
+                if step < until:
+                    self._preempted(StepInfo(step, num_steps, {}, trainer, leaves, stats, stats), signals)
+                checked, record = stats, {}
                 if step % self.log_every == 0 or step == num_steps:
                     record = clock.window_record(step, trainer.host(stats))
                     stats = fresh()
@@ -137,6 +147,13 @@ class Engine:
                 final.update(record)
         _warn_on_retrace(trainer, traces_before)
         return _result(trainer.state(leaves), final, time.perf_counter() - start_time)
+
+    def _preempted(self, info: StepInfo, signals: StopSignals) -> None:
+        for hook in self.preemption_hooks:
+            hook(info)
+        saved = "; its checkpoint is saved" if self.preemption_hooks else "; nothing was saved (no run directory)"
+        raise Preempted(f"stopped by {signals.name} at step {info.step} of {info.num_steps}{saved}: rerun the same "
+                        "command with --resume auto to continue", step=info.step, status=signals.status)
 
     def _next_stop(self, step: int, num_steps: int) -> int:
         cadences = [self.log_every, *(every for _, every in self.hooks)]
@@ -179,9 +196,13 @@ class _Feed:
         except TypeCheckError as e:
             raise DataError(_summarise_type_error(e)) from None
 
-    def advance(self, leaves: Leaves, stats: StepStats, step: int, until: int) -> tuple[Leaves, StepStats]:
+    def advance(self, leaves: Leaves, stats: StepStats, step: int, until: int,
+                signals: StopSignals | None = None) -> tuple[Leaves, StepStats, int]:
+        """Steps `step .. until` in compiled calls; stops early (returning the step reached) after the
+        call in flight when `signals` caught a stop signal."""
+        stopped = lambda: signals is not None and signals.received is not None  # noqa: E731
         if self.host_batches is None and not self.debug_nans:
-            while step < until:
+            while step < until and not stopped():
                 n = min(self.steps_per_call, until - step)
                 indices = np.zeros((self.steps_per_call, self.data.batch_size), np.int32)
                 indices[:n] = self.data.step_indices(step, n)
@@ -189,11 +210,12 @@ class _Feed:
                                                  self.trainer.placement.put_indices(indices), n)
                 self._called(stats)
                 step += n
-            return leaves, stats
-        for position in range(step, until):
-            leaves, stats = self._one_step(leaves, stats, position)
+            return leaves, stats, step
+        while step < until and not stopped():
+            leaves, stats = self._one_step(leaves, stats, step)
             self._called(stats)
-        return leaves, stats
+            step += 1
+        return leaves, stats, step
 
     def _called(self, stats: StepStats) -> None:
         self.calls += 1
@@ -259,6 +281,15 @@ class _Clock:
 def _scalar(value: np.ndarray) -> float:
     """A metric as one number: its mean over a population's members."""
     return float(np.mean(value))
+
+
+@contextlib.contextmanager
+def _signals(on: bool) -> Iterator[StopSignals | None]:
+    if not on:
+        yield None
+        return
+    with StopSignals() as signals:
+        yield signals
 
 
 @contextlib.contextmanager

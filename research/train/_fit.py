@@ -31,6 +31,7 @@ def fit(
     checkpoint_every: int | None = None,
     keep_checkpoints: int = 3,
     checkpoint_header: dict[str, Any] | None = None,
+    checkpoint_seconds: float | None = None,
     resume_window: dict[str, Any] | None = None,
     skip_nonfinite: bool = False,
     progress: bool = True,
@@ -39,6 +40,7 @@ def fit(
     debug_nans: bool = False,
     population: bool = False,
     evaluator: Evaluator = evaluate_state,
+    stop_signals: bool = False,
 ) -> FitResult:
     """Train `state` until `state.step == num_steps`: an `Engine` with the standard hooks.
 
@@ -55,16 +57,19 @@ def fit(
     - `run`: where to log (`metrics.jsonl`) and checkpoint; nothing is written when `None`.
     - `checkpoint_every`, `keep_checkpoints`, `checkpoint_header`: `Checkpoint`'s cadence, how many
       to keep and the JSON header written with each (`None`: only the final step, which is always
-      checkpointed).
+      checkpointed); `checkpoint_seconds`: also checkpoint at the first stop after so many seconds.
+    - `stop_signals`: on SIGTERM/SIGINT stop after the compiled call in flight, checkpoint there
+      (with `run`) and raise `Preempted` (see `Engine`).
     - `progress`: show a progress bar (or log lines when not on a terminal).
     - `tracker`: another destination for the logged records (say a `TensorBoardTracker`); the
       caller owns it and calls its `finish()`.
     - `lr_schedule`: the optimizer's schedule (`step -> lr`), logged as `lr`.
     """
     engine = Engine(loss_fn, placement=placement, log_every=log_every, steps_per_call=steps_per_call,
-                    skip_nonfinite=skip_nonfinite, debug_nans=debug_nans, population=population)
+                    skip_nonfinite=skip_nonfinite, debug_nans=debug_nans, population=population,
+                    stop_signals=stop_signals)
     if not skip_nonfinite:
-        engine.add_hook(NonFiniteGuard(run))
+        engine.add_hook(NonFiniteGuard(run), on_preemption=True)  # a NaN state is not saved on preemption
     if eval_data is not None:
         engine.add_hook(Evaluate(eval_data, progress, evaluator), every=eval_every or num_steps)
     trackers = ([JsonlTracker(run)] if run is not None else []) + ([tracker] if tracker is not None else [])
@@ -73,7 +78,9 @@ def fit(
     bar = Progress(num_steps, initial=start, enabled=progress)
     engine.add_hook(ShowProgress(bar, start))
     if run is not None:
-        engine.add_hook(Checkpoint(run, keep_checkpoints, checkpoint_header or {}), every=checkpoint_every or num_steps)
+        checkpoint = Checkpoint(run, keep_checkpoints, checkpoint_header or {}, checkpoint_seconds)
+        engine.add_hook(checkpoint, every=checkpoint_every or num_steps, on_preemption=True)
+        engine.add_hook(checkpoint.when_due)
     try:
         return engine.fit(state, train_data, num_steps, resume_window=resume_window)
     finally:

@@ -6,6 +6,7 @@ earlier one put in `StepInfo.record`.
 """
 
 import dataclasses
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -94,14 +95,28 @@ class ShowProgress:
 @dataclasses.dataclass
 class Checkpoint:
     """Save the state (atomically, with `header` and the unlogged metrics window) and keep the
-    `keep` newest checkpoints plus the best by `test/accuracy`."""
+    `keep` newest checkpoints plus the best by `test/accuracy`.
+
+    Add it with a step cadence (`every=N`) and, for a cadence in time, add `when_due` too (at every
+    stop): it saves once `every_seconds` have passed since the last save, so a killed run loses
+    bounded work whatever its step cadence."""
 
     run: RunDir
     keep: int = 3
     header: dict[str, Any] = dataclasses.field(default_factory=dict)
+    every_seconds: float | None = None
+    _last: float = dataclasses.field(default_factory=time.monotonic, init=False)
+    _saved_step: int = dataclasses.field(default=-1, init=False)
 
     def __call__(self, info: StepInfo) -> None:
+        if info.step == self._saved_step:
+            return
         header = {**self.header, "step": info.step, "window": info.window(),
                   "eval": {k: v for k, v in info.record.items() if k.startswith("test/")}}
         save_checkpoint(self.run.checkpoint_path(info.step), info.state, header)
         self.run.prune_checkpoints(self.keep)
+        self._last, self._saved_step = time.monotonic(), info.step
+
+    def when_due(self, info: StepInfo) -> None:
+        if self.every_seconds is not None and time.monotonic() - self._last >= self.every_seconds:
+            self(info)
