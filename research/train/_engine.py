@@ -151,7 +151,8 @@ class Engine:
     def _preempted(self, info: StepInfo, signals: StopSignals) -> None:
         for hook in self.preemption_hooks:
             hook(info)
-        saved = "; its checkpoint is saved" if self.preemption_hooks else "; nothing was saved (no run directory)"
+        saves = any(getattr(hook, "saves_state", False) for hook in self.preemption_hooks)
+        saved = "; its checkpoint is saved" if saves else "; nothing was saved (no run directory)"
         raise Preempted(f"stopped by {signals.name} at step {info.step} of {info.num_steps}{saved}: rerun the same "
                         "command with --resume auto to continue", step=info.step, status=signals.status)
 

@@ -101,6 +101,8 @@ class Checkpoint:
     stop): it saves once `every_seconds` have passed since the last save, so a killed run loses
     bounded work whatever its step cadence."""
 
+    saves_state = True  # the engine tells a preempted run's user that its state was saved
+
     run: RunDir
     keep: int = 3
     header: dict[str, Any] = dataclasses.field(default_factory=dict)
