@@ -133,8 +133,9 @@ class Devices(Options):
 
     devices: int = option(1, "devices per process; on the CPU, simulated host devices "
                              "(XLA_FLAGS=--xla_force_host_platform_device_count=N)", check=positive, resumable=True)
-    parallel: Literal["auto", "none", "pmap", "sharded"] = option(
-        "auto", "data parallelism: none (one device), pmap, sharded (jit over a device mesh); "
+    parallel: Literal["auto", "none", "pmap", "sharded", "fsdp"] = option(
+        "auto", "data parallelism: none (one device), pmap, sharded (jit over a device mesh), fsdp (sharded, "
+                "with the train state's large arrays split over the devices too); "
                 "auto: none on one device, sharded otherwise", resumable=True)
     coordinator_address: str | None = option(
         None, "host:port of process 0 in a multi-process run; unset: $JAX_COORDINATOR_ADDRESS", resumable=True)
@@ -195,7 +196,7 @@ def check_combination(config: Any, processes: int | None = None) -> None:
     if None not in (config.process_id, config.num_processes) and config.process_id >= config.num_processes:
         raise ConfigError(
             f"--process-id must be below --num-processes {config.num_processes} (got {config.process_id})")
-    if config.debug_nans and (devices > 1 or config.parallel in ("pmap", "sharded")):
+    if config.debug_nans and (devices > 1 or config.parallel in ("pmap", "sharded", "fsdp")):
         raise ConfigError("--debug-nans replays steps op by op on one device; drop --devices and --parallel")
     if config.resume == "auto" and config.run_dir is None:
         raise ConfigError("--resume auto needs --run-dir: the directory a restarted job finds its run in")

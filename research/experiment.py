@@ -312,6 +312,8 @@ def _summary(result: FitResult) -> dict[str, Any]:
     summary.update({f"test_raw_{k}": v for k, v in (result.raw_eval_metrics or {}).items()})
     summary.update({f"train_{k}": v for k, v in result.train_metrics.items() if k in ("loss", "member_loss")})
     summary["step"] = int(np.max(np.asarray(result.state.step)))
+    if result.state_bytes_per_device is not None:
+        summary["state_bytes_per_device"] = result.state_bytes_per_device
     return summary
 
 

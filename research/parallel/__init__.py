@@ -11,6 +11,7 @@ from ._distributed import ProcessGroup, exit_together, process_group, setup_devi
 from ._placements import (
     DATA_AXIS,
     DEVICE_AXIS,
+    Fsdp,
     ParallelName,
     Pmap,
     Sharded,
@@ -26,6 +27,7 @@ __all__ = [
     "DATA_AXIS",
     "DEVICE_AXIS",
     "DeviceError",
+    "Fsdp",
     "OneDevice",
     "ParallelName",
     "Placement",

@@ -16,12 +16,14 @@ process by process, so process `p` owns rows `[p * B / P, (p + 1) * B / P)`).
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Any, Literal
 
 import equinox as eqx
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..data import Batch
@@ -31,7 +33,7 @@ from ._devices import check_device_count
 
 DEVICE_AXIS = "devices"  # pmap's axis name; BatchNorm reduces over (DEVICE_AXIS, "batch") under pmap
 DATA_AXIS = "data"  # the mesh axis that splits the batch under jit
-ParallelName = Literal["auto", "none", "pmap", "sharded"]
+ParallelName = Literal["auto", "none", "pmap", "sharded", "fsdp"]
 
 
 def batch_axis_name(parallel: str) -> str | tuple[str, str]:
@@ -90,6 +92,9 @@ class Pmap(Placement):
 
     def constrain(self, batch: Batch) -> Batch:
         return batch
+
+    def constrain_state(self, leaves: Leaves) -> Leaves:
+        return leaves
 
     def _replicate(self, x) -> jax.Array:
         host = np.asarray(x)
@@ -177,6 +182,9 @@ class Sharded(Placement):
     def constrain(self, batch: Batch) -> Batch:
         return jax.lax.with_sharding_constraint(batch, self._batch)
 
+    def constrain_state(self, leaves: Leaves) -> Leaves:
+        return leaves
+
     def _replicate(self, x) -> jax.Array:
         return jax.make_array_from_process_local_data(self._replicated, np.asarray(x))
 
@@ -215,6 +223,86 @@ class Sharded(Placement):
         check_batch_norm_axis(model, self.batch_axis)
 
 
+@dataclasses.dataclass(frozen=True)
+class Fsdp(Placement):
+    """Fully sharded data parallelism: `jax.jit` over the same mesh as `Sharded`, the batch split along
+    `"data"`, and every array of the train state (parameters, optimizer state, EMA) of at least
+    `min_size` elements sharded along its largest axis that the devices divide (big_vision's fsdp
+    rule); smaller arrays are replicated. XLA inserts the all-gathers before use and the
+    reduce-scatters of the gradients. Each device holds about 1/N of the state."""
+
+    devices: int = 1
+    min_size: int = 1024
+    name = "fsdp"
+    axis_name = None
+    packs = False
+    batch_axis = "batch"
+
+    @functools.cached_property
+    def _sharded(self) -> Sharded:  # the mesh, the batch layout and the replicated values are Sharded's
+        return Sharded(self.devices)
+
+    def leaf_spec(self, shape: tuple[int, ...]) -> PartitionSpec:
+        """Where one array of the state lives: split along its largest axis the devices divide."""
+        count = self._sharded.mesh.size
+        axes = [a for a, size in enumerate(shape) if size % count == 0 and size >= count]
+        if math.prod(shape) < self.min_size or not axes:
+            return PartitionSpec()
+        axis = max(axes, key=lambda a: shape[a])
+        return PartitionSpec(*(DATA_AXIS if a == axis else None for a in range(len(shape))))
+
+    def _sharding(self, shape: tuple[int, ...]) -> NamedSharding:
+        return NamedSharding(self._sharded.mesh, self.leaf_spec(shape))
+
+    def compile(self, fn: Callable, *, broadcast_last: bool = False) -> Callable:
+        return jax.jit(fn, donate_argnums=(0, 1))  # the state's layout is set inside (constrain_state)
+
+    def constrain(self, batch: Batch) -> Batch:
+        return self._sharded.constrain(batch)
+
+    def constrain_state(self, leaves: Leaves) -> Leaves:
+        return [jax.lax.with_sharding_constraint(x, self._sharding(x.shape)) for x in leaves]
+
+    def place(self, leaves: Leaves) -> Leaves:
+        def put(x) -> jax.Array:
+            host = np.asarray(x)  # every process holds the whole state; each places its devices' shards
+            return jax.make_array_from_callback(host.shape, self._sharding(host.shape), lambda index: host[index])
+
+        return [put(x) for x in leaves]
+
+    def gather(self, leaves: Leaves) -> Leaves:
+        """Whole arrays on this process's first device (an all-gather across processes)."""
+        if jax.process_count() == 1:
+            return [jax.device_put(x, jax.local_devices()[0]) for x in leaves]
+        return [jax.device_put(multihost_utils.process_allgather(x, tiled=True), jax.local_devices()[0])
+                for x in leaves]
+
+    def put_stats(self, stats: Any) -> Any:
+        return self._sharded.put_stats(stats)
+
+    def put_batch(self, batch: Batch) -> Batch:
+        return self._sharded.put_batch(batch)
+
+    def put_data(self, host: Batch, device: Batch) -> Batch:
+        return self._sharded.put_data(host, device)
+
+    def put_indices(self, indices: np.ndarray) -> jax.Array:
+        return self._sharded.put_indices(indices)
+
+    def put_count(self, count: int) -> jax.Array:
+        return self._sharded.put_count(count)
+
+    def host(self, tree: Any) -> Any:
+        return jax.tree.map(
+            lambda x: local_copy(x if x.is_fully_replicated else jax.device_put(x, self._sharded._replicated)), tree)
+
+    def metric_shapes(self, fn: Callable, leaves: Leaves, batch: Batch) -> dict[str, jax.ShapeDtypeStruct]:
+        return jax.eval_shape(fn, leaves, batch)
+
+    def check(self, model: eqx.Module, rows: int) -> None:
+        self._sharded.check(model, rows)
+
+
 def make_placement(parallel: ParallelName, devices: int = 1) -> Placement:
     """The placement named on the command line. `auto` is `none` for one device in one process and
     `sharded` otherwise; `none` refuses more than one device or process."""
@@ -228,4 +316,4 @@ def make_placement(parallel: ParallelName, devices: int = 1) -> Placement:
                 "pass --parallel sharded or pmap"
             )
         return OneDevice(1)
-    return {"pmap": Pmap, "sharded": Sharded}[parallel](devices)
+    return {"pmap": Pmap, "sharded": Sharded, "fsdp": Fsdp}[parallel](devices)

@@ -4,7 +4,7 @@ trackers."""
 from ._checkpoint import load_checkpoint, read_header, save_checkpoint
 from ._compiled import CompiledTrainer, compiled_trainer
 from ._evaluate import evaluate, evaluate_state, padded_batches
-from ._placement import Leaves, OneDevice, Placement, batch_norm_layers, check_batch_norm_axis
+from ._placement import Leaves, OneDevice, Placement, batch_norm_layers, bytes_on_first_device, check_batch_norm_axis
 from ..errors import CheckpointError, DataError, NonFiniteError
 from ._engine import Engine, FitResult, StepInfo
 from ._fit import fit
@@ -55,6 +55,7 @@ __all__ = [
     "Tracker",
     "TrainState",
     "batch_norm_layers",
+    "bytes_on_first_device",
     "check_batch_norm_axis",
     "classification_loss",
     "classification_metrics",

@@ -271,7 +271,7 @@ class CompiledTrainer:
         flat, treedef = jax.tree.flatten(new_leaves)
         if treedef != self._treedef:
             raise ValueError(f"the train step changed the state's structure: {self._treedef} -> {treedef}")
-        return flat, metrics
+        return self.placement.constrain_state(flat), metrics
 
     def _record(self, leaves: Leaves, stats: StepStats, batch: Batch) -> tuple[Leaves, StepStats]:
         step = self._combine(leaves).step

@@ -24,7 +24,7 @@ from ..data import Batch, DeviceLoader, TorchLoader
 from ..debug import describe_nan_error
 from ..errors import DataError, NonFiniteError, Preempted
 from ._compiled import CompiledTrainer, StepStats, compiled_trainer, decode_first_bad, host_means, unpack_sums
-from ._placement import Leaves, OneDevice, Placement
+from ._placement import Leaves, OneDevice, Placement, bytes_on_first_device
 from ._signals import StopSignals
 from ._state import LossFn, TrainState, classification_loss
 
@@ -74,6 +74,7 @@ class FitResult:
     eval_metrics: dict[str, float] | None  # at the final step; of the EMA model when the state keeps one
     wall_seconds: float
     raw_eval_metrics: dict[str, float] | None = None  # of the trained (not averaged) model, when EMA is on
+    state_bytes_per_device: int | None = None  # the train state's bytes on the first device (FSDP: ~1/N)
 
 
 class Engine:
@@ -126,6 +127,7 @@ class Engine:
         traces_before = dict(trainer.num_traces)
         step = int(np.max(np.asarray(state.step)))
         leaves = trainer.place(state)  # fresh copies: the compiled steps donate them
+        state_bytes = bytes_on_first_device(leaves)
         feed = _Feed(trainer, train_data, step, self.steps_per_call, self.debug_nans)
         fresh = lambda: feed.init_stats(leaves)  # noqa: E731
         stats = fresh() if resume_window is None else trainer.placement.put_stats(
@@ -146,7 +148,7 @@ class Engine:
                     self._run_hooks(info)
                 final.update(record)
         _warn_on_retrace(trainer, traces_before)
-        return _result(trainer.state(leaves), final, time.perf_counter() - start_time)
+        return _result(trainer.state(leaves), final, time.perf_counter() - start_time, state_bytes)
 
     def _preempted(self, info: StepInfo, signals: StopSignals) -> None:
         for hook in self.preemption_hooks:
@@ -302,12 +304,12 @@ def _nan_checks(on: bool) -> Iterator[None]:
         yield
 
 
-def _result(state: TrainState, record: dict[str, Any], seconds: float) -> FitResult:
+def _result(state: TrainState, record: dict[str, Any], seconds: float, state_bytes: int) -> FitResult:
     def prefixed(prefix: str) -> dict[str, float] | None:
         found = {k[len(prefix):]: v for k, v in record.items() if k.startswith(prefix)}
         return found or None
 
-    return FitResult(state, prefixed("train/") or {}, prefixed("test/"), seconds, prefixed("test_raw/"))
+    return FitResult(state, prefixed("train/") or {}, prefixed("test/"), seconds, prefixed("test_raw/"), state_bytes)
 
 
 def _next_multiple(step: int, every: int | None) -> int | float:

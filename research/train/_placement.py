@@ -29,7 +29,8 @@ class Placement(abc.ABC):
     - `packs`: whether a small state may travel packed into one buffer (`_packing.py`).
     - `compile(fn, broadcast_last=...)`: `fn(leaves, stats, *inputs)` compiled with the leaves and
       statistics donated; `broadcast_last`: the last input is one host scalar for every device.
-    - `constrain(batch)`: inside a traced step, the batch as the placement wants it laid out.
+    - `constrain(batch)`: inside a traced step, the batch as the placement wants it laid out;
+      `constrain_state(leaves)`: the same for the state's leaves a step returns (FSDP keeps them sharded).
     - `place(leaves)`: fresh copies of host leaves on the devices (the steps donate their inputs);
       `gather(leaves)`: one host-usable copy of each placed leaf.
     - `put_stats`, `put_batch`, `put_data`, `put_indices`, `put_count`: host values as the compiled
@@ -47,6 +48,9 @@ class Placement(abc.ABC):
 
     @abc.abstractmethod
     def constrain(self, batch: Batch) -> Batch: ...
+
+    @abc.abstractmethod
+    def constrain_state(self, leaves: Leaves) -> Leaves: ...
 
     @abc.abstractmethod
     def place(self, leaves: Leaves) -> Leaves: ...
@@ -77,6 +81,12 @@ class Placement(abc.ABC):
 
     @abc.abstractmethod
     def check(self, model: eqx.Module, rows: int) -> None: ...
+
+
+def bytes_on_first_device(leaves: Leaves) -> int:
+    """The bytes of `leaves` held by this process's first device (a replica, or its shards)."""
+    device = jax.local_devices()[0]
+    return sum(shard.data.nbytes for leaf in leaves for shard in leaf.addressable_shards if shard.device == device)
 
 
 @jax.jit
@@ -116,6 +126,9 @@ class OneDevice(Placement):
 
     def constrain(self, batch: Batch) -> Batch:
         return batch
+
+    def constrain_state(self, leaves: Leaves) -> Leaves:
+        return leaves
 
     def place(self, leaves: Leaves) -> Leaves:
         return copy_leaves(leaves)
