@@ -284,7 +284,7 @@ def _train(experiment: str, config: Options, setup: Setup, state: TrainState, pl
             lr_schedule=setup.lr_schedule, eval_data=setup.eval_data, eval_every=config.eval_every or None,
             log_every=config.log_every, steps_per_call=config.steps_per_call, run=run,
             checkpoint_every=config.checkpoint_every or None, keep_checkpoints=config.keep_checkpoints,
-            checkpoint_seconds=60 * config.checkpoint_minutes or None, stop_signals=jax.process_count() == 1,
+            checkpoint_seconds=60 * config.checkpoint_minutes or None, stop_signals=True,
             checkpoint_header={"experiment": experiment, "config": config.to_dict()},
             resume_window=header.get("window"), skip_nonfinite=config.skip_nonfinite,
             progress=config.progress and run is not None, tracker=tracker, debug_nans=config.debug_nans,

@@ -21,6 +21,7 @@ with install_import_hook("research", "beartype.beartype"):  # the same shape che
     import jax.numpy as jnp
     import optax
 
+    from research.errors import Preempted
     from research.cli import ConfigError, TrainConfig, option, parse_config
     from research.data import DeviceLoader, TorchLoader, XORDataset
     from research.experiment import run_experiment
@@ -116,3 +117,6 @@ if __name__ == "__main__":
         except ConfigError as e:
             print(f"worker: error: {e}", file=sys.stderr)
             raise SystemExit(2) from None
+        except Preempted as e:  # as research.cli.main_entry does
+            print(f"worker: {e}", file=sys.stderr)
+            raise SystemExit(e.status) from None

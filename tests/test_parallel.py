@@ -157,6 +157,43 @@ def test_two_processes_give_the_same_numbers_and_stop_together_when_one_dies(one
     assert out.count("test accuracy") == 2 + 1  # only process 0 reports
 
 
+@pytest.mark.slow
+def test_two_processes_stop_together_on_sigterm_and_resume_to_the_same_bits(one_process_runs, tmp_path):
+    """SIGTERM to `scripts/launch` reaches both processes; they agree on the step (at the next logging
+    stop), process 0 checkpoints there, every process exits 143, and the same command with
+    `--resume auto` ends where an uninterrupted two-process run ends, bit for bit."""
+    args = ["--model", "mlp", "--loader", "device", "--parallel", "sharded", "--devices", "1", "--steps", "400",
+            "--log-every", "20", "--checkpoint-minutes", "0", "--no-progress"]
+    launch_cmd = [sys.executable, "-m", "research.parallel.launch", "--num-processes", "2", "--", str(WORKER)]
+    straight = subprocess.run([*launch_cmd, *args, "--run-dir", str(tmp_path / "straight")], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=600)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    launcher = subprocess.Popen([*launch_cmd, *args, "--run-dir", str(tmp_path / "stopped")], cwd=tmp_path,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "stopped" / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while not metrics.exists() or len(metrics.read_text().splitlines()) < 2:
+        assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[1][-3000:]
+        time.sleep(0.05)
+    launcher.send_signal(signal.SIGTERM)
+    _, err = launcher.communicate(timeout=300)
+    assert launcher.returncode == 143, err[-3000:]
+    steps = {int(line.split(" at step ")[1].split()[0]) for line in err.splitlines() if "stopped by SIGTERM" in line}
+    assert len(steps) == 1 and "launch: every process stopped on a signal (status 143)" in err, err[-3000:]
+    step = steps.pop()
+    assert 0 < step < 400 and step % 20 == 0
+    assert (tmp_path / "stopped" / "checkpoints" / f"step_{step:09d}.ckpt").exists()
+    resumed = subprocess.run([*launch_cmd, *args, "--run-dir", str(tmp_path / "stopped"), "--resume", "auto"],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    records = lambda run: [{k: v for k, v in json.loads(line).items() if k != "steps_per_s"}  # noqa: E731
+                           for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert records(tmp_path / "stopped") == records(tmp_path / "straight")
+    final = "checkpoints/step_000000400.ckpt"
+    assert ((tmp_path / "stopped" / final).read_bytes().split(b"\n", 2)[2]
+            == (tmp_path / "straight" / final).read_bytes().split(b"\n", 2)[2])
+
+
 def _children(pid: int) -> list[int]:
     return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 

@@ -23,7 +23,6 @@ from typing import Any, Literal
 import equinox as eqx
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..data import Batch
@@ -271,11 +270,8 @@ class Fsdp(Placement):
         return [put(x) for x in leaves]
 
     def gather(self, leaves: Leaves) -> Leaves:
-        """Whole arrays on this process's first device (an all-gather across processes)."""
-        if jax.process_count() == 1:
-            return [jax.device_put(x, jax.local_devices()[0]) for x in leaves]
-        return [jax.device_put(multihost_utils.process_allgather(x, tiled=True), jax.local_devices()[0])
-                for x in leaves]
+        """Whole arrays on the first device, for evaluation and checkpoints."""
+        return [jax.device_put(x, jax.local_devices()[0]) for x in leaves]
 
     def put_stats(self, stats: Any) -> Any:
         return self._sharded.put_stats(stats)
@@ -300,6 +296,10 @@ class Fsdp(Placement):
         return jax.eval_shape(fn, leaves, batch)
 
     def check(self, model: eqx.Module, rows: int) -> None:
+        if jax.process_count() > 1:
+            # Gathering shards across processes is a collective, but only process 0 checkpoints.
+            raise ConfigError("--parallel fsdp runs in one process for now (its checkpoints gather the shards on "
+                              "process 0 alone); use --parallel sharded across processes")
         self._sharded.check(model, rows)
 
 

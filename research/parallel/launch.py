@@ -41,6 +41,9 @@ def script_path(experiment: str) -> Path:
     return path
 
 
+PREEMPTED = (143, 130)  # a process stopped by SIGTERM / SIGINT after its checkpoint
+
+
 def _describe(status: int) -> str:
     if status < 0:
         return f"was killed by {signal.Signals(-status).name}"
@@ -64,7 +67,20 @@ def launch(num_processes: int, command: list[str], *, port: int | None = None) -
     """Run `command` (an experiment and its flags) in `num_processes` processes; return the exit status."""
     script = script_path(command[0])
     address = f"127.0.0.1:{port or free_port()}"
-    processes = []
+    processes: list[subprocess.Popen] = []
+    forward = lambda number, frame: [p.send_signal(number) for p in processes if p.poll() is None]  # noqa: E731
+    previous = {number: signal.signal(number, forward) for number in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return _watch(processes, script, command, address, num_processes)
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+def _watch(processes: list[subprocess.Popen], script: Path, command: list[str], address: str,
+           num_processes: int) -> int:
+    """Start the processes and wait: the first failure stops the others. SIGTERM and SIGINT are
+    passed on to every process (they stop together, after a checkpoint, with 143 or 130)."""
     for index in range(num_processes):
         env = {**os.environ, "JAX_COORDINATOR_ADDRESS": address, "JAX_NUM_PROCESSES": str(num_processes),
                "JAX_PROCESS_ID": str(index)}
@@ -73,7 +89,11 @@ def launch(num_processes: int, command: list[str], *, port: int | None = None) -
         while True:
             statuses = [p.poll() for p in processes]
             failed = [(i, s) for i, s in enumerate(statuses) if s not in (None, 0)]
-            if failed:
+            if failed and all(s in PREEMPTED for s in statuses):
+                print(f"launch: every process stopped on a signal (status {statuses[0]}); rerun with --resume auto "
+                      "to continue", file=sys.stderr)
+                return max(statuses)
+            if failed and not all(s in PREEMPTED or s is None for s in statuses):
                 # A process that lost a peer is a consequence; report the cause when it is known.
                 index, status = min(failed, key=lambda f: f[1] == LOST_PEER_STATUS)
                 running = [i for i, s in enumerate(statuses) if s is None]
@@ -84,10 +104,8 @@ def launch(num_processes: int, command: list[str], *, port: int | None = None) -
             if all(s == 0 for s in statuses):
                 return 0
             time.sleep(0.2)
-    except KeyboardInterrupt:
-        print("launch: interrupted; stopping every process", file=sys.stderr)
-        stop(processes)
-        return 130
+    finally:
+        stop(processes)  # none is left running, whatever ended the wait
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import signal
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -18,6 +19,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jaxtyping import TypeCheckError
 
 from ..data import Batch, DeviceLoader, TorchLoader
@@ -95,7 +97,8 @@ class Engine:
     - `population`: the state is a population (a leading member axis on every array).
     - `stop_signals`: while training, SIGTERM and SIGINT stop the run after the compiled call in
       flight: the hooks added with `on_preemption=True` run there (the checkpoint), then `Preempted`.
-      One process only (processes of a multi-process run would stop at different steps).
+      The processes of a multi-process run stop together at the next stop (after its hooks), having
+      agreed through one small all-gather per stop.
     """
 
     def __init__(self, loss_fn: LossFn = classification_loss, *, placement: Placement = OneDevice(),
@@ -134,11 +137,12 @@ class Engine:
             _window_from_header(resume_window, trainer.host(fresh())))
         clock, record, final = _Clock(step, self.skip_nonfinite), {}, {}
         with _nan_checks(self.debug_nans), _signals(self.stop_signals) as signals:
+            alone = jax.process_count() == 1  # several processes may only stop where all of them stop
             while step < num_steps:
                 until = self._next_stop(step, num_steps)
-                leaves, stats, step = feed.advance(leaves, stats, step, until, signals)
+                leaves, stats, step = feed.advance(leaves, stats, step, until, signals if alone else None)
                 if step < until:
-                    self._preempted(StepInfo(step, num_steps, {}, trainer, leaves, stats, stats), signals)
+                    self._preempted(StepInfo(step, num_steps, {}, trainer, leaves, stats, stats), signals.received)
                 checked, record = stats, {}
                 if step % self.log_every == 0 or step == num_steps:
                     record = clock.window_record(step, trainer.host(stats))
@@ -146,17 +150,22 @@ class Engine:
                 info = StepInfo(step, num_steps, record, trainer, leaves, checked, stats)
                 with clock.paused():
                     self._run_hooks(info)
+                    if signals is not None and not alone and step < num_steps:
+                        received = _agreed_signal(signals)
+                        if received:
+                            self._preempted(info, received)
                 final.update(record)
         _warn_on_retrace(trainer, traces_before)
         return _result(trainer.state(leaves), final, time.perf_counter() - start_time, state_bytes)
 
-    def _preempted(self, info: StepInfo, signals: StopSignals) -> None:
+    def _preempted(self, info: StepInfo, received: int) -> None:
         for hook in self.preemption_hooks:
             hook(info)
         saves = any(getattr(hook, "saves_state", False) for hook in self.preemption_hooks)
         saved = "; its checkpoint is saved" if saves else "; nothing was saved (no run directory)"
-        raise Preempted(f"stopped by {signals.name} at step {info.step} of {info.num_steps}{saved}: rerun the same "
-                        "command with --resume auto to continue", step=info.step, status=signals.status)
+        name = signal.Signals(received).name
+        raise Preempted(f"stopped by {name} at step {info.step} of {info.num_steps}{saved}: rerun the same "
+                        "command with --resume auto to continue", step=info.step, status=128 + received)
 
     def _next_stop(self, step: int, num_steps: int) -> int:
         cadences = [self.log_every, *(every for _, every in self.hooks)]
@@ -284,6 +293,13 @@ class _Clock:
 def _scalar(value: np.ndarray) -> float:
     """A metric as one number: its mean over a population's members."""
     return float(np.mean(value))
+
+
+def _agreed_signal(signals: StopSignals) -> int:
+    """The stop signal any process of the run has received (0: none): every process calls this at
+    the same stops, so they all stop at the same step."""
+    received = multihost_utils.process_allgather(np.int32(signals.received or 0))
+    return int(np.max(received))
 
 
 @contextlib.contextmanager

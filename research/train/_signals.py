@@ -33,11 +33,3 @@ class StopSignals:
         if self.received == signal.SIGINT and number == signal.SIGINT:
             raise KeyboardInterrupt
         self.received = number
-
-    @property
-    def name(self) -> str:
-        return signal.Signals(self.received).name if self.received is not None else ""
-
-    @property
-    def status(self) -> int:
-        return 128 + (self.received or 0)
