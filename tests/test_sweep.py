@@ -102,6 +102,13 @@ def test_a_failing_run_is_reported_with_its_last_line_and_the_others_finish(tmp_
     assert (tmp_path / "batch_size=32/summary.json").exists()
     assert "batch_size=32" in out.splitlines()[2]  # the table of the run that finished
 
+    # Another --keep-checkpoints (an option a run resumes with) starts the finished run: it only says so.
+    before = mtimes([tmp_path / "batch_size=32"])
+    code, _, err = run_sweep(["xor", "batch_size=32", "--sweep-dir", str(tmp_path), "--", "--epochs", "1",
+                              "--train-size", "256", "--test-size", "64", "--keep-checkpoints", "2"], capsys)
+    assert code == 0 and "[sweep] 1/1 done: batch_size=32 already finished" in err
+    assert mtimes([tmp_path / "batch_size=32"]) == before
+
 
 @pytest.mark.slow
 def test_a_random_search_keeps_its_trials_in_sqlite_and_resumes_a_killed_trial(tmp_path, capsys):

@@ -53,13 +53,15 @@ class _Started:
     logs: tuple[io.TextIOWrapper, io.TextIOWrapper]
 
 
-def _die_with_the_sweep() -> None:
-    """Linux: a run gets SIGTERM when the sweep dies, even by SIGKILL, so no orphan keeps writing a
-    run directory that the next sweep resumes (PR_SET_PDEATHSIG)."""
+def _death_signal() -> Callable[[], None] | None:
+    """Linux: what makes a run get SIGTERM when the sweep dies, even by SIGKILL, so that no orphan
+    keeps writing a run directory the next sweep resumes (prctl PR_SET_PDEATHSIG). Looked up here,
+    in the sweep: the child, forked from a process with threads, only calls it."""
     try:
-        ctypes.CDLL(None).prctl(1, int(signal.SIGTERM))
+        prctl = ctypes.CDLL(None).prctl
     except (OSError, AttributeError):
-        pass
+        return None
+    return lambda: prctl(1, int(signal.SIGTERM))
 
 
 def _start(run: Run, log_dir: Path) -> _Started:
@@ -67,7 +69,7 @@ def _start(run: Run, log_dir: Path) -> _Started:
     out = open(log_dir / f"{run.name}.out", "w")
     err = open(log_dir / f"{run.name}.err", "w+")
     process = subprocess.Popen(run.command, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                               preexec_fn=_die_with_the_sweep)
+                               preexec_fn=_death_signal())
     return _Started(run, process, time.monotonic(), (out, err))
 
 

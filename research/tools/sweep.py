@@ -144,7 +144,8 @@ def report(runs: Sequence[Run], sweep_dir: Path, over: Sequence[str], title: str
     (sweep_dir / "results.md").write_text(table + "\n")
     plot = plot_runs(started, sweep_dir / "curves.png", title=title)
     print(table, flush=True)
-    print(f"sweep: {len(started)} runs in {sweep_dir} (table: {sweep_dir / 'results.md'}, plot: {plot})",
+    runs_in = f"{len(started)} run" + ("s" if len(started) > 1 else "")
+    print(f"sweep: {runs_in} in {sweep_dir} (table: {sweep_dir / 'results.md'}, plot: {plot})",
           file=sys.stderr)
 
 
