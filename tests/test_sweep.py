@@ -92,6 +92,35 @@ def test_a_grid_runs_every_combination_resumes_after_a_kill_then_skips_every_fin
     assert [row.split(" | ")[:2] for row in again.splitlines()] == [row.split(" | ")[:2] for row in table]
 
 
+def processes_running(word: str) -> list[str]:
+    """The command lines of this machine's processes that mention `word` (Linux /proc)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if word in text:
+            found.append(text)
+    return found
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_sweep_and_its_running_runs(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    process = subprocess.Popen([sys.executable, "-m", "research.tools.sweep", "xor", "lr=0.1,0.3", "--sweep-dir",
+                                str(sweep_dir), *TINY], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    deadline = time.monotonic() + 120
+    while not list(sweep_dir.glob("logs/*.err")) and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    process.terminate()
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "sweep: interrupted; its runs were stopped: rerun the same command to resume"
+    assert not processes_running(str(sweep_dir))
+
+
 @pytest.mark.slow
 def test_a_failing_run_is_reported_with_its_last_line_and_the_others_finish(tmp_path, capsys):
     code, out, err = run_sweep(["xor", "batch_size=32,512", "--jobs", "2", "--sweep-dir", str(tmp_path),
