@@ -6,7 +6,8 @@
 - ```python blocks run as they are; ```python file=PATH blocks, put together, must be that file.
 - ```shell blocks are long reproductions (docs/results.md: hours of training) that are not run; each
   `./scripts/run` command in them must still parse (its experiment and flags exist), with a loop
-  variable read as its first value (`for seed in 0 1 2` -> `$seed` is 0).
+  variable read as its first value (`for seed in 0 1 2` -> `$seed` is 0); each `./scripts/sweep`
+  command must pass its `--dry-run` (every run's flags are checked, nothing starts).
 
 Commands run in-process (no new interpreter per command: JAX takes seconds to import) in a fresh
 directory per document, with `CI=true` so progress comes as plain lines. `./scripts/test` and
@@ -26,14 +27,14 @@ import pytest
 
 from research.cli import main_entry, parse_config
 from research.experiment import EXPERIMENTS_DIR, load_experiment
-from research.tools import compare_runs, plot_runs, show_jaxpr
+from research.tools import compare_runs, plot_runs, show_jaxpr, sweep
 
 ROOT = Path(__file__).parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"^```(\w*)([^\n]*)\n(.*?)^```\s*$", re.MULTILINE | re.DOTALL)
 RUN_BY_CI = {"./scripts/test", "./scripts/setup"}
 TOOLS = {"./scripts/plot_runs": plot_runs.main, "./scripts/compare_runs": compare_runs.main,
-         "./scripts/show_jaxpr": show_jaxpr.main}
+         "./scripts/show_jaxpr": show_jaxpr.main, "./scripts/sweep": sweep.main}
 
 
 def blocks(doc: Path) -> list[tuple[str, str, str]]:
@@ -93,6 +94,12 @@ def check_parses(body: str) -> None:
     """Every `./scripts/run EXPERIMENT FLAGS` in a shell block names an experiment and valid flags."""
     body = re.sub(r"\\\n", " ", body)
     first = {name: values.split()[0] for name, values in re.findall(r"for (\w+) in ([^;]+);", body)}
+    for command in re.findall(r"\./scripts/sweep [^;&|\n]+", body):
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
+            try:
+                sweep.main(["--dry-run", *shlex.split(command, comments=True)[1:]])
+            except SystemExit:
+                raise AssertionError(f"`{command}` does not pass --dry-run: {err.getvalue().strip()}") from None
     for command in re.findall(r"\./scripts/run [^;&|\n]+", body):
         words = shlex.split(re.sub(r"\$\{?(\w+)\}?", lambda m: first.get(m[1], "0"), command), comments=True)
         module = load_experiment(words[1])
@@ -135,9 +142,9 @@ def test_the_documented_experiment_is_under_60_lines():
 
 
 def test_the_script_wrappers_run_their_tools():
-    """scripts/plot_runs, compare_runs and show_jaxpr are the same thin bash wrapper around
-    `python -m research.tools.NAME`; check all three, and run one for real (each costs a JAX import)."""
-    for name in ("plot_runs", "compare_runs", "show_jaxpr"):
+    """scripts/plot_runs, compare_runs, show_jaxpr and sweep are the same thin bash wrapper around
+    `python -m research.tools.NAME`; check all four, and run one for real (each costs a JAX import)."""
+    for name in ("plot_runs", "compare_runs", "show_jaxpr", "sweep"):
         script = ROOT / "scripts" / name
         assert os.access(script, os.X_OK) and f"-m research.tools.{name} " in script.read_text(), name
     result = subprocess.run(["scripts/show_jaxpr", "xor", "--hidden", "2"], cwd=ROOT, capture_output=True,

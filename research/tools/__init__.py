@@ -1,5 +1,6 @@
-"""The command-line tools behind `scripts/plot_runs`, `scripts/compare_runs` and `scripts/show_jaxpr`.
+"""The command-line tools behind `scripts/plot_runs`, `scripts/compare_runs`, `scripts/show_jaxpr` and
+`scripts/sweep`.
 
 Each module has a `main(argv)` (run it as `python -m research.tools.NAME`) and a function that does
-the work from Python: `plot_runs`, `compare_runs`, `show_jaxpr`.
+the work from Python: `plot_runs`, `compare_runs`, `show_jaxpr`, `sweep`.
 """
