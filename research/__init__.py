@@ -6,7 +6,19 @@ from .nn import MLP, LinearSigmoid, build_model
 from .train import RunDir, TrainState, evaluate, fit, load_checkpoint, save_checkpoint, train_step
 from .typing import typecheck
 
+
+def __getattr__(name: str):
+    # `research.experiment` (run directories around the engine) sits above the layers imported here;
+    # loaded on first use so that `import research` stays light.
+    if name in ("LoadedRun", "load_run"):
+        from . import experiment
+
+        return getattr(experiment, name)
+    raise AttributeError(f"module 'research' has no attribute {name!r}")
+
+
 __all__ = [
+    "LoadedRun",
     "MLP",
     "DeviceLoader",
     "LinearSigmoid",
@@ -20,6 +32,7 @@ __all__ = [
     "evaluate",
     "fit",
     "load_checkpoint",
+    "load_run",
     "make_dataloader",
     "nn",
     "numpy_collate",

@@ -9,6 +9,7 @@ any other is refused. A bad value is refused in one line, `xor.py: error: ...`, 
 
 import contextlib
 import dataclasses
+import importlib.util
 import inspect
 import io
 import os
@@ -51,8 +52,8 @@ from .errors import Preempted, ConfigError, ResearchInputError
 
 __all__ = [
     "EMA", "Checkpointing", "ConfigError", "Devices", "Options", "TrainConfig", "Training", "Tracking",
-    "check_combination", "flag_name", "help_text", "main_entry", "non_negative", "option", "parse_config",
-    "positive", "unit_interval",
+    "check_combination", "compilation_cache_dir", "flag_name", "help_text", "main_entry", "non_negative", "option",
+    "parse_config", "positive", "unit_interval", "use_compilation_cache",
 ]
 
 C = TypeVar("C", bound=Options)
@@ -184,21 +185,73 @@ def help_text(config_class: type[Options], prog: str = "experiment.py", width: i
     return out.getvalue()
 
 
+CACHE_SWITCH = "RESEARCH_COMPILATION_CACHE"  # 0 (or false, off, no): no persistent compilation cache
+CACHE_DIR = "RESEARCH_COMPILATION_CACHE_DIR"
+CACHE_MAX_BYTES = 2 * 1024**3
+
+
+def compilation_cache_dir() -> Path:
+    """Where compiled programs are kept: `$RESEARCH_COMPILATION_CACHE_DIR`, else
+    `$XDG_CACHE_HOME/research/jax`, else `~/.cache/research/jax`."""
+    if os.environ.get(CACHE_DIR):
+        return Path(os.environ[CACHE_DIR])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "research" / "jax"
+
+
+def use_compilation_cache(enabled: bool = True) -> Path | None:
+    """Turn JAX's persistent compilation cache on (every program, however small or quick to compile) or
+    off; returns its directory when on. A directory already given to JAX (`$JAX_COMPILATION_CACHE_DIR`)
+    is kept. Off with `enabled=False` or `$RESEARCH_COMPILATION_CACHE=0`. Call it before the first
+    compilation: JAX opens the cache once per process.
+
+    The cache holds XLA's compiled executables under a hash of the program, the compile options, the
+    devices, `XLA_FLAGS` and the jaxlib version, so a hit runs the executable a fresh compilation
+    would make: the numbers do not change. Python still traces every function; only XLA's
+    compilation is skipped. Past `CACHE_MAX_BYTES` the least recently used entries are deleted.
+    """
+    import jax
+
+    path = None
+    if enabled and os.environ.get(CACHE_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no"):
+        path = jax.config.jax_compilation_cache_dir  # given to JAX already (maybe a bucket): JAX's business
+        if not path:
+            path = str(compilation_cache_dir())
+            try:
+                Path(path).mkdir(parents=True, exist_ok=True)
+            except OSError as e:  # a read-only home: run without the cache, not warn at every compilation
+                print(f"warning: no compilation cache: cannot create {path} ({e.strerror}); set "
+                      f"${CACHE_DIR} to a writable directory", file=sys.stderr)
+                path = None
+    jax.config.update("jax_enable_compilation_cache", path is not None)
+    if path is None:
+        return None
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # -1: no minimum size
+    if importlib.util.find_spec("filelock") is not None:
+        # A size limit makes JAX evict the least recently used entries and hold a file lock around every
+        # read and write, so that a process never reads an entry another (of a multi-process run) is writing.
+        jax.config.update("jax_compilation_cache_max_size", CACHE_MAX_BYTES)
+    return Path(path)
+
+
 def main_entry(main: Callable[[C], Any], config_class: type[C], argv: Sequence[str] | None = None) -> None:
     """Run `main(parse_config(...))` as a script. Bad input found inside `main` (`--resume` with no
     checkpoint, data that does not fit the model, a damaged or foreign checkpoint) exits with status 2,
     a non-finite loss with status 1, SIGTERM or SIGINT (after checkpointing) with 128 + the signal
     number (143, 130), each with one line on stderr.
 
-    Before `main`, `research.parallel.setup_devices` applies `--devices` (simulated CPU devices must be
-    requested before JAX creates its first array) and joins the other processes of a multi-process
-    run (`jax.distributed.initialize`)."""
+    Before `main`, `use_compilation_cache` turns on JAX's persistent compilation cache (unless
+    `--no-compilation-cache`), and `research.parallel.setup_devices` applies `--devices` (simulated
+    CPU devices must be requested before JAX creates its first array) and joins the other processes
+    of a multi-process run (`jax.distributed.initialize`)."""
     from .parallel import exit_together, setup_devices  # imports jax; its backends start after setup_devices
 
     config = parse_config(config_class, argv)
     prog = Path(sys.argv[0]).name
     with exit_together(prog):
         try:
+            use_compilation_cache(config.compilation_cache)
             setup_devices(config)
             main(config)
         except ResearchInputError as e:

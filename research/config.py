@@ -129,7 +129,7 @@ class Checkpointing(Options):
 
 @dataclasses.dataclass(frozen=True)
 class Devices(Options):
-    """Devices and processes (research.parallel); none of them changes the numbers."""
+    """Devices, processes and compilation (research.parallel); none of them changes the numbers."""
 
     devices: int = option(1, "devices per process; on the CPU, simulated host devices "
                              "(XLA_FLAGS=--xla_force_host_platform_device_count=N)", check=positive, resumable=True)
@@ -146,6 +146,10 @@ class Devices(Options):
     distributed_timeout: int = option(
         60, "seconds to wait for all processes to start, and for a silent process before the others stop",
         check=positive, resumable=True)
+    compilation_cache: bool = option(
+        True, "keep compiled programs in JAX's persistent compilation cache, so that a run started again skips "
+              "most compilation: $RESEARCH_COMPILATION_CACHE_DIR, else $XDG_CACHE_HOME/research/jax, else "
+              "~/.cache/research/jax ($RESEARCH_COMPILATION_CACHE=0 turns it off too)", resumable=True)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""What every experiment script does around `fit`: the run directory, resume, the summary, the plot."""
+"""What every experiment script does around `fit`: the run directory, resume, the summary, the plot; and
+`load_run`, which rebuilds a run's trained model from its directory."""
 
 import dataclasses
 import importlib.metadata
@@ -7,6 +8,8 @@ import math
 import sys
 import types
 import time
+import typing
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -14,11 +17,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from .config import ConfigError, Options, check_combination, resumable_options
+from .config import ConfigError, Options, check_combination, resumable_options, strip_optional
 from .data import Batch, DeviceLoader, HostLoader, TorchLoader
 from .parallel import check_device_count, make_placement
 from . import population
 from .population import evaluate_population
+from .errors import CheckpointError
 from .train import (FitResult, LossFn, Placement, RunDir, TensorBoardTracker, TrainState, classification_loss,
                     evaluate_state, fit, load_checkpoint, read_header)
 
@@ -329,3 +333,104 @@ def summary_line(experiment: str, summary: dict[str, Any], run: RunDir) -> str:
             f"(test loss {summary['test_loss']:.4f}, train loss {summary['train_loss']:.4f}) "
             f"at step {summary['step']}, {summary['wall_seconds']:.1f} s\nrun directory: {run.path} "
             "(learning curves: curves.png)")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedRun:
+    """A trained run rebuilt from its directory by `load_run`, without training.
+
+    **Fields:**
+
+    - `path`: the run directory.
+    - `experiment`: the experiment's name (`xor` is `experiments/xor.py`).
+    - `config`: that script's `Config`, rebuilt from `config.json`.
+    - `setup`: what the script's `setup(config)` returns: `setup.eval_data` is the run's test set.
+    - `state`: the `TrainState` restored from `checkpoint` (a population's: its members stacked on a
+      leading axis, as `research.population.stack_states` makes them).
+    - `step`: the step of that checkpoint.
+    - `checkpoint`: the newest valid checkpoint file of the run.
+    - `summary`: `summary.json` when it describes this state (the run finished at `step`), else `None`.
+
+    `model`, `model_state` are the trained model's; `ema_model`, `ema_model_state` the EMA's
+    (`None` when the run kept no EMA).
+    """
+
+    path: Path
+    experiment: str
+    config: Options
+    setup: Setup
+    state: TrainState
+    step: int
+    checkpoint: Path
+    summary: dict[str, Any] | None
+
+    @property
+    def model(self) -> Any:
+        return self.state.model
+
+    @property
+    def model_state(self) -> Any:
+        return self.state.model_state
+
+    @property
+    def ema_model(self) -> Any:
+        return None if self.state.ema is None else self.state.ema.average[0]
+
+    @property
+    def ema_model_state(self) -> Any:
+        return None if self.state.ema is None else self.state.ema.average[1]
+
+
+def _rebuild_config(config_class: type[Options], saved: dict[str, Any], where: Path,
+                    overrides: dict[str, Any]) -> Options:
+    """`config_class` from the `config` of a run's config.json (JSON lists back to tuples)."""
+    hints = typing.get_type_hints(config_class)
+    unknown = sorted((set(saved) | set(overrides)) - set(hints))
+    if unknown:
+        raise ConfigError(f"{where} has options that {config_class.__module__}.Config does not: "
+                          f"{', '.join(unknown)} (the experiment script changed since the run)")
+    values = {**saved, **overrides}
+    for name, value in values.items():
+        if isinstance(value, list) and typing.get_origin(strip_optional(hints[name])[0]) is tuple:
+            values[name] = tuple(value)
+    return config_class(**values)
+
+
+def load_run(run_dir: str | Path, **overrides: Any) -> LoadedRun:
+    """The trained model of a run directory, rebuilt in one call without training.
+
+    The config comes from `config.json` through the experiment script's `Config`; the skeleton from
+    its `setup(config)` and `initial_state` (with the EMA of `--ema-decay`); the arrays from the newest
+    valid checkpoint (a damaged newer one is skipped with a warning). `setup` builds the run's data
+    too (MNIST-1D from its cache in `--data-dir`, relative to the current directory: generated again
+    where it is missing).
+
+    **Arguments:**
+
+    - `run_dir`: the run directory (`runs/xor/lr0.1`).
+    - `overrides`: options to change from the saved config, say `data_dir="/data"`; one that changes
+      the model does not fit the checkpoint (`CheckpointError`).
+
+    **Raises:** `CheckpointError` when the directory holds no run or no valid checkpoint;
+    `ConfigError` when `config.json` no longer fits the experiment script.
+    """
+    run = RunDir(run_dir)
+    if not run.config_file.exists():
+        raise CheckpointError(f"no run to load in {run.path}: it has no config.json")
+    saved = run.read_config()
+    checkpoint, problems = run.latest_valid_checkpoint()
+    for problem in problems:
+        warnings.warn(f"skipping {problem}", stacklevel=2)
+    if checkpoint is None:
+        found = f"{len(problems)} damaged checkpoint(s)" if problems else "no checkpoint"
+        raise CheckpointError(f"no checkpoint to load in {run.checkpoints}: the run has {found} "
+                              "(it stopped before its first one?)")
+    module = load_experiment(saved["experiment"])
+    config = _rebuild_config(module.Config, saved["config"], run.config_file, overrides)
+    setup = module.setup(config)
+    state, header = load_checkpoint(checkpoint, initial_state(setup, config))
+    summary = run.read_summary()
+    if summary is not None and summary.get("step") != header["step"]:
+        summary = None  # the run ended at a later step whose checkpoint is damaged
+    return LoadedRun(path=run.path, experiment=saved["experiment"], config=config, setup=setup, state=state,
+                     step=header["step"], checkpoint=checkpoint, summary=summary)

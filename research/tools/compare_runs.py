@@ -3,7 +3,7 @@
     scripts/compare_runs RUN_DIR...
     scripts/compare_runs --over seed RUN_DIR...
 
-Options that do not change what is trained (the run directory, resume, the progress bar,
+Options that do not change what is trained (the run directory, resume, the progress bar, the compilation cache,
 TensorBoard, NaN debugging) are left out. Final numbers come from `summary.json`; a run without
 one (still running, or killed) shows its last logged metrics, marked `(unfinished)`.
 
@@ -21,7 +21,7 @@ from typing import Any
 from ..train import RunDir
 from ._runs import Parser, UsageError, fail, open_runs, run_labels
 
-NOT_COMPARED = {"run_dir", "resume", "progress", "tensorboard", "debug_nans"}
+NOT_COMPARED = {"run_dir", "resume", "progress", "tensorboard", "debug_nans", "compilation_cache"}
 FIRST_METRICS = ["test_accuracy", "test_loss", "train_loss", "step", "wall_seconds"]
 _FROM_METRICS = {"test_accuracy": "test/accuracy", "test_loss": "test/loss", "train_loss": "train/loss"}
 

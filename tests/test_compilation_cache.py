@@ -1,0 +1,57 @@
+"""The persistent compilation cache every experiment script turns on (`research.cli.use_compilation_cache`):
+a second run loads every program it compiles from the cache, and no number changes."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from research.cli import compilation_cache_dir
+from research.train import RunDir
+
+ROOT = Path(__file__).parent.parent
+ARGS = ["--no-progress", "--epochs", "4", "--log-every", "19", "--eval-every", "38"]
+
+
+def run_xor(cwd: Path, cache: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RESEARCH_COMPILATION_CACHE", "JAX_COMPILATION_CACHE_DIR")}
+    env["RESEARCH_COMPILATION_CACHE_DIR"] = str(cache)
+    result = subprocess.run([sys.executable, str(ROOT / "experiments/xor.py"), *ARGS, *args], cwd=cwd, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+def entries(cache: Path) -> set[str]:
+    return {p.name for p in cache.glob("*-cache")} if cache.exists() else set()
+
+
+def numbers(run: Path) -> tuple[list[dict], bytes]:
+    metrics = [{k: v for k, v in r.items() if k != "steps_per_s"} for r in RunDir(run).read_metrics()]
+    return metrics, RunDir(run).checkpoint_paths()[-1].read_bytes().split(b"\n", 2)[2]
+
+
+def test_the_cache_lives_in_the_users_cache_directory(monkeypatch):
+    monkeypatch.delenv("RESEARCH_COMPILATION_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", "/somewhere")
+    assert compilation_cache_dir() == Path("/somewhere/research/jax")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert compilation_cache_dir() == Path.home() / ".cache/research/jax"
+    monkeypatch.setenv("RESEARCH_COMPILATION_CACHE_DIR", "/elsewhere")
+    assert compilation_cache_dir() == Path("/elsewhere")
+
+
+@pytest.mark.slow
+def test_a_warm_cache_serves_every_program_and_changes_no_number(tmp_path):
+    cache = tmp_path / "cache"
+    cold = run_xor(tmp_path, cache, "--run-dir", "cold")
+    written = entries(cache)
+    assert written, "the first run wrote nothing to the cache"
+    warm = run_xor(tmp_path, cache, "--run-dir", "warm")
+    assert entries(cache) == written  # every program of the second run came from the cache
+    assert "cache" not in cold.stderr + warm.stderr  # no warning about unreadable entries
+    off = run_xor(tmp_path, tmp_path / "unused", "--run-dir", "off", "--no-compilation-cache")
+    assert not (tmp_path / "unused").exists() and off.returncode == 0
+    assert numbers(tmp_path / "cold") == numbers(tmp_path / "warm") == numbers(tmp_path / "off")
