@@ -340,7 +340,11 @@ def _summarise_type_error(error: TypeCheckError) -> str:
     parameter = next((line.split("'")[1] for line in lines if "typechecking parameter" in line), "return value")
     got = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("Actual value:")), "?")
     expected = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("Expected type:")), "?")
-    return f"the data does not fit the model: {function} parameter '{parameter}' got {got}, expected {expected}"
+    # typecheck's note gives the sizes behind `{self.in_size}`; JAX adds notes of its own (multi-line).
+    notes = "; ".join(note for note in getattr(error, "__notes__", []) if note.startswith("where "))
+    where_sizes = f" ({notes})" if notes else ""
+    return (f"the data does not fit the model: {function} parameter '{parameter}' got {got}, expected {expected}"
+            f"{where_sizes}")
 
 
 def window_to_header(stats: StepStats) -> dict[str, Any]:
