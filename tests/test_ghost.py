@@ -251,3 +251,14 @@ def test_the_experiment_exposes_the_method():
     assert module.Config(clipping="vmap").clipping == "vmap"
     with pytest.raises(ConfigError, match="--clipping must be one of auto, ghost, vmap"):
         module.Config(clipping="fast")
+
+
+@pytest.mark.parametrize("shape", [(1, 7, 5), (6, 30, 20), (3, 200, 150), (200, 150, 120)])
+def test_every_way_to_a_layer_norm_gives_the_same_number(shape, getkey):
+    """Products of norms (one position), g^T x (small layers, or cheaper) and Gram matrices (large
+    layers, few positions) against the norm of the per-example gradient formed directly."""
+    from research.per_example._ghost import _weight_gradient_square
+
+    positions, a, b = shape
+    x, g = jax.random.normal(getkey(), (positions, a)), jax.random.normal(getkey(), (positions, b))
+    np.testing.assert_allclose(_weight_gradient_square(x, g), jnp.sum(jnp.square(g.T @ x)), rtol=1e-5)

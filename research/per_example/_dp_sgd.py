@@ -29,7 +29,10 @@ PADDING_LABEL = -1
 
 @typecheck
 def add_gaussian_noise(tree: PyTree, key: PRNGKeyArray, std: float | Float[Array, ""]) -> PyTree:
-    """`tree + std * N(0, I)`, an independent draw for every array leaf (each leaf its own key)."""
+    """`tree + std * N(0, I)`, an independent draw for every array leaf (each leaf its own key).
+    A Python `std` of 0 draws nothing (on a large model the draw costs about a gradient computation)."""
+    if isinstance(std, (int, float)) and std == 0:
+        return tree
     leaves, treedef = jax.tree.flatten(tree)
     keys = jax.random.split(key, max(len(leaves), 1))
     noisy = [x + std * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]

@@ -4,7 +4,7 @@ For a linear map applied to the rows of one example, `Y = X W^T (+ b)` with `X` 
 the example's weight gradient is `G^T X` (`G = dloss/dY`, [positions, out]), so its squared norm is
 `||G^T X||^2 = sum_{t,t'} (x_t . x_t') (g_t . g_t')`: for one position `|x|^2 |g|^2` (Goodfellow
 2015), for several (a convolution's output positions) the "ghost norm" of Li et al. 2022 from two
-small Gram matrices, or `G^T X` itself when that is smaller (Bu et al. 2022, mixed ghost
+small Gram matrices, or `G^T X` itself when that is small (Bu et al. 2022, mixed ghost
 clipping). The bias gradient is `sum_t g_t`.
 
 `X` and `G` come from the forward pass and one backward pass that stops at the layer outputs:
@@ -93,16 +93,24 @@ class GhostPlan:
         return total
 
 
+# A layer's per-example weight gradient of at most this many elements is formed directly (g^T x):
+# XLA's CPU backend runs the small batched matmuls of the Gram matrices slower than that (CNN1d,
+# batch 256: the norms took ~2.4 ms with Gram matrices for its 25-channel convolutions, ~1.8 ms
+# direct; benchmarks/findings.md, case (e)), and memory is no concern at that size.
+_DIRECT_MAX_ELEMENTS = 16384
+
+
 def _weight_gradient_square(x: Float[Array, "positions a"], g: Float[Array, "positions b"]) -> Float[Array, ""]:
-    """`||g^T x||_F^2`, the cheaper way round: products of norms for one position, Gram matrices
-    (positions^2 (a + b) work) when positions^2 < a b, else `g^T x` itself."""
+    """`||g^T x||_F^2`: products of norms for one position; for several, `g^T x` itself when it is
+    small or cheaper (positions a b <= positions^2 (a + b)), else from the Gram matrices `x x^T` and
+    `g g^T` (Li et al.'s ghost norm: positions^2 memory instead of a b)."""
     positions, a = x.shape
     b = g.shape[1]
     if positions == 1:
         return jnp.sum(jnp.square(x)) * jnp.sum(jnp.square(g))
-    if positions * positions < a * b:
-        return jnp.sum((x @ x.T) * (g @ g.T))
-    return jnp.sum(jnp.square(g.T @ x))
+    if a * b <= _DIRECT_MAX_ELEMENTS or a * b <= positions * (a + b):
+        return jnp.sum(jnp.square(g.T @ x))
+    return jnp.sum((x @ x.T) * (g @ g.T))
 
 
 def _covered_layers(model: eqx.Module) -> list[eqx.Module]:
