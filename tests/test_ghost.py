@@ -262,3 +262,15 @@ def test_every_way_to_a_layer_norm_gives_the_same_number(shape, getkey):
     positions, a, b = shape
     x, g = jax.random.normal(getkey(), (positions, a)), jax.random.normal(getkey(), (positions, b))
     np.testing.assert_allclose(_weight_gradient_square(x, g), jnp.sum(jnp.square(g.T @ x)), rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(), (5,), (1000, 7), (3, 1, 4)])
+def test_the_noise_is_jax_random_normal_bit_for_bit(shape):
+    """DP-SGD draws its noise with `research.train.random_normal` (threefry unrolled): the same bits."""
+    from research.train import random_normal
+
+    for seed in (0, 7):
+        key = jax.random.key(seed)
+        expected = jax.jit(lambda k: jax.random.normal(k, shape))(key)
+        np.testing.assert_array_equal(np.asarray(jax.jit(lambda k: random_normal(k, shape))(key)), np.asarray(expected))
+    assert random_normal(jax.random.key(1, impl="rbg"), (4,)).shape == (4,)  # other keys: jax.random.normal

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from ..data import Batch
-from ..train import Metrics
+from ..train import Metrics, random_normal
 from ..typing import Array, Float, PRNGKeyArray, PyTree, typecheck
 from ._grads import (CLIPPING_METHODS, ClippingMethod, ExampleLossFn, classification_example_loss,
                      clipped_gradient_sum, per_example_losses)
@@ -35,7 +35,8 @@ def add_gaussian_noise(tree: PyTree, key: PRNGKeyArray, std: float | Float[Array
         return tree
     leaves, treedef = jax.tree.flatten(tree)
     keys = jax.random.split(key, max(len(leaves), 1))
-    noisy = [x + std * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
+    # random_normal: jax.random.normal's bits with the threefry rounds unrolled (several times faster on CPU).
+    noisy = [x + std * random_normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
     return jax.tree.unflatten(treedef, noisy)
 
 
