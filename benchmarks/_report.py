@@ -201,7 +201,8 @@ def write_chart(path: Path, results: dict) -> str | None:
         ("xor", "step", "(a) XOR step (us)", 1e6), ("xor", "fit", "(a) XOR 100 epochs (ms)", 1e3),
         ("mlp", "step", "(b) MLP step (ms)", 1e3), ("cnn", "runs", "(c) MNIST-1D CNN run (s)", 1),
         ("per_example", "calls", "(d) per-example grads (ms)", 1e3)] if k in results]
-    panels += [("dp_sgd", model, f"(e) {model}: DP-SGD step (ms)", 1e3) for model in results.get("dp_sgd", {}).get("models", {})]
+    panels += [("dp_sgd", model, f"(e) {model}: DP-SGD step (ms)", 1e3)
+               for model in results.get("dp_sgd", {}).get("models", {})]
     fig, axes = plt.subplots(len(panels), 1, figsize=(8, 2.2 * len(panels) + 0.5), squeeze=False)
     for ax, (case, key, title, scale) in zip(axes[:, 0], panels):
         timings = results[case]["models"][key] if case == "dp_sgd" else results[case][key]

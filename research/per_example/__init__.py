@@ -2,8 +2,9 @@
 
 Write the loss of one example; `per_example_grads` maps it over the batch (model shared, examples
 mapped). Norms and clipped sums can also be taken without any per-example gradient ("ghost
-clipping", `method="ghost"`, the default where the model is covered; see `ghost_problem`). `DPSGDLoss` turns that into DP-SGD for the ordinary train step, `PoissonLoader` draws the
-batches its privacy accounting (`dp_sgd_epsilon`, via `dp-accounting`) assumes.
+clipping", `method="ghost"`, the default where the model is covered; see `ghost_problem`).
+`DPSGDLoss` turns that into DP-SGD for the ordinary train step, `PoissonLoader` draws the batches
+its privacy accounting (`dp_sgd_epsilon`, via `dp-accounting`) assumes.
 """
 
 from ._dp_sgd import PADDING_LABEL, DPSGDLoss, add_gaussian_noise
