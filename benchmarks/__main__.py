@@ -1,4 +1,4 @@
-"""`python -m benchmarks [--quick] [--cases a,b,c,d] [--out DIR]`: run the benchmark suite side by
+"""`python -m benchmarks [--quick] [--cases a,b,c,d,e] [--out DIR]`: run the benchmark suite side by
 side and write DIR/benchmarks.md, DIR/benchmarks.png and DIR/benchmarks.json."""
 
 import argparse
@@ -8,13 +8,14 @@ import sys
 import time
 from pathlib import Path
 
-CASES = {"a": "xor", "b": "mlp", "c": "cnn", "d": "per_example"}
+CASES = {"a": "xor", "b": "mlp", "c": "cnn", "d": "per_example", "e": "dp_sgd"}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="scripts/bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run of a few seconds a case (not a measurement)")
-    parser.add_argument("--cases", default="a,b,c,d", help="comma-separated subset of a,b,c,d (default: all)")
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {','.join(CASES)} "
+                        "(default: all)")
     parser.add_argument("--out", default=None, help="output directory (default: docs, or runs/bench-quick with --quick)")
     args = parser.parse_args(argv)
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
@@ -24,9 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or ("runs/bench-quick" if args.quick else "docs"))
     out.mkdir(parents=True, exist_ok=True)
 
-    from . import _cnn, _frameworks, _mlp, _per_example, _report, _xor
+    from . import _cnn, _dp_sgd, _frameworks, _mlp, _per_example, _report, _xor
 
-    modules = {"xor": _xor, "mlp": _mlp, "cnn": _cnn, "per_example": _per_example}
+    modules = {"xor": _xor, "mlp": _mlp, "cnn": _cnn, "per_example": _per_example, "dp_sgd": _dp_sgd}
     start = time.perf_counter()
     info = _report.machine()
     info["load_before"] = " / ".join(f"{x:.1f}" for x in os.getloadavg())

@@ -38,6 +38,10 @@ def _fmt_seconds(s: float) -> str:
     return f"{s:.2f} s"
 
 
+def _fmt_bytes(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.1f} MiB"
+
+
 def _find(timings: list[Timing], prefix: str) -> Timing | None:
     return next((t for t in timings if t.name.startswith(prefix)), None)
 
@@ -91,6 +95,16 @@ def targets(results: dict) -> list[tuple[str, str, str, bool | None]]:
         ours, tf = _find(calls, "ours"), _find(calls, "torch.func")
         r = tf.median / ours.median
         rows.append(("(d) per-example gradients vs torch.func", ">= 1x as fast", f"{r:.2f}x as fast", r >= 1))
+    if "dp_sgd" in results:
+        for model, timings in results["dp_sgd"]["models"].items():
+            ordinary, vmap = _find(timings, "ordinary"), _find(timings, "DP-SGD, vmap")
+            ghost = _find(timings, "DP-SGD, ghost clipping")  # the first: with noise
+            r = ghost.median / ordinary.median
+            rows.append((f"(e) DP-SGD step (ghost) vs ordinary step, {model} (issue 18)", "<= 2x", f"{r:.2f}x", r <= 2))
+            if "MLP" in model:
+                m = vmap.extra["memory"]["temp"] / max(ghost.extra["memory"]["temp"], 1)
+                rows.append((f"(e) gradient memory, vmap(grad) / ghost, {model} (issue 18)", ">= 5x", f"{m:.0f}x",
+                             m >= 5))
     return rows
 
 
@@ -152,6 +166,25 @@ def write_markdown(path: Path, results: dict, info: dict, quick: bool, seconds: 
                   "here), and the vmapped backward pass keeps every example's activations, so peak memory grows "
                   "linearly with the batch; for large models take them in chunks of the batch, or compute only "
                   "their norms."]
+    if "dp_sgd" in results:
+        lines += ["", "## (e) DP-SGD at the cost of ordinary training", "",
+                  f"One engine step (`CompiledTrainer.step`, Adam, batch {results['dp_sgd']['batch']}) of the ordinary "
+                  "loss and of `DPSGDLoss` (clip 1, noise 1, whole batch at once) with ghost clipping (per-example "
+                  "norms from layer inputs and output gradients, then a second backward pass) and with vmap(grad) "
+                  "(every per-example gradient materialised). Memory: the temporary bytes XLA plans for the "
+                  "gradient computation of the step (`memory_analysis()`, deterministic; for DP-SGD including "
+                  "its parameter-sized Gaussian noise), and for the clipped sum alone (`clipped_gradient_sum`, no "
+                  "noise); parameters, batch and gradient outputs come on top and are the same for all three.", ""]
+        lines += ["| model | candidate | median per step | IQR | x ordinary | gradient temp memory | x ordinary "
+                  "| clipped sum alone |", "|" + " --- |" * 8]
+        for model, timings in results["dp_sgd"]["models"].items():
+            base = _find(timings, "ordinary")
+            for t in timings:
+                q1, q3 = t.quartiles
+                temp, base_temp = t.extra["memory"]["temp"], max(base.extra["memory"]["temp"], 1)
+                lines.append(f"| {model} | {t.name} | {_fmt_seconds(t.median)} | {_fmt_seconds(q1)} - "
+                             f"{_fmt_seconds(q3)} | {t.median / base.median:.2f} | {_fmt_bytes(temp)} | "
+                             f"{temp / base_temp:.1f} | {_fmt_bytes(t.extra['memory'].get('clipped_sum_temp'))} |")
     lines += ["", findings.strip(), ""]
     path.write_text("\n".join(lines))
 
@@ -168,9 +201,11 @@ def write_chart(path: Path, results: dict) -> str | None:
         ("xor", "step", "(a) XOR step (us)", 1e6), ("xor", "fit", "(a) XOR 100 epochs (ms)", 1e3),
         ("mlp", "step", "(b) MLP step (ms)", 1e3), ("cnn", "runs", "(c) MNIST-1D CNN run (s)", 1),
         ("per_example", "calls", "(d) per-example grads (ms)", 1e3)] if k in results]
+    panels += [("dp_sgd", model, f"(e) {model}: DP-SGD step (ms)", 1e3)
+               for model in results.get("dp_sgd", {}).get("models", {})]
     fig, axes = plt.subplots(len(panels), 1, figsize=(8, 2.2 * len(panels) + 0.5), squeeze=False)
     for ax, (case, key, title, scale) in zip(axes[:, 0], panels):
-        timings = results[case][key]
+        timings = results[case]["models"][key] if case == "dp_sgd" else results[case][key]
         medians = [t.median * scale for t in timings]
         errors = [[(t.median - t.quartiles[0]) * scale for t in timings],
                   [(t.quartiles[1] - t.median) * scale for t in timings]]

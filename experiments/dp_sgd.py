@@ -47,6 +47,11 @@ class Config(Training, Checkpointing, Devices, EMA, Tracking):
     channels: int = option(25, "channels of the CNN's convolutions", check=positive)
     chunk_size: int = option(64, "per-example gradients this many examples at a time (0: the whole batch)",
                              check=non_negative)
+    clipping: Literal["auto", "ghost", "vmap"] = option(
+        "auto", "how per-example gradients are clipped: vmap materialises each of them; ghost takes their norms "
+                "from each layer's inputs and output gradients, then a second backward pass (no per-example "
+                "gradients); auto: ghost where the model is covered, else vmap. The same update up to float "
+                "rounding", resumable=True)
     data_dir: str = option("data", "where MNIST-1D is generated and cached")
     steps_per_call: int = option(100, "training steps per compiled call", check=positive)
     log_every: int = option(100, "steps between logged training metrics", check=positive)
@@ -71,7 +76,7 @@ def setup(config: Config) -> Setup:
         eval_data=DeviceLoader(test.inputs, test.labels, 500, shuffle=False),
         num_steps=config.epochs * train_data.steps_per_epoch,
         loss_fn=DPSGDLoss(config.clip_norm, config.noise_multiplier, train_data.expected_batch_size,
-                          chunk_size=config.chunk_size or None),
+                          chunk_size=config.chunk_size or None, method=config.clipping),
     )
 
 

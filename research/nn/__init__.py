@@ -11,6 +11,7 @@ from ._logistic import Logistic
 from ._mlp import ACTIVATIONS, MLP, LinearSigmoid
 from ._registry import build_model, model_names, register_model
 from ._resnet import ResidualBlock, ResNet1d
+from ._taps import LinearMapObserver, observed_linear_map, observing_linear_maps
 from ._transformer import TransformerBlock, TransformerClassifier
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "GRUClassifier",
     "Logistic",
     "MLP",
+    "LinearMapObserver",
     "LinearSigmoid",
     "ResNet1d",
     "ResidualBlock",
@@ -27,5 +29,7 @@ __all__ = [
     "build_model",
     "conv1d_as_matmul",
     "model_names",
+    "observed_linear_map",
+    "observing_linear_maps",
     "register_model",
 ]

@@ -11,6 +11,7 @@ import equinox as eqx
 import jax.numpy as jnp
 
 from ..typing import Array, Float, typecheck
+from ._taps import observed_linear_map
 
 
 @typecheck
@@ -27,6 +28,7 @@ def conv1d_as_matmul(conv: eqx.nn.Conv1d, x: Float[Array, "channels length"]) ->
     taps = jnp.stack([x[:, k:k + span:stride] for k in range(kernel)], axis=-1)  # [in, out_length, kernel]
     # Patches as rows [out_length, in * kernel] against the weight as [out, in * kernel]: one plain
     # matmul (batched over examples under vmap), the layout XLA's CPU backend runs fastest in a loop.
+    # The rows go through `observed_linear_map` (the identity unless ghost clipping is tracing them).
     patches = jnp.transpose(taps, (1, 0, 2)).reshape(out_length, -1)
-    y = (patches @ conv.weight.reshape(conv.weight.shape[0], -1).T).T
+    y = observed_linear_map(conv, patches, patches @ conv.weight.reshape(conv.weight.shape[0], -1).T).T
     return y if conv.bias is None else y + conv.bias

@@ -19,19 +19,24 @@ import jax
 import jax.numpy as jnp
 
 from ..data import Batch
-from ..train import Metrics
+from ..train import Metrics, random_normal
 from ..typing import Array, Float, PRNGKeyArray, PyTree, typecheck
-from ._grads import ExampleLossFn, classification_example_loss, clipped_gradient_sum, per_example_losses
+from ._grads import (CLIPPING_METHODS, ClippingMethod, ExampleLossFn, classification_example_loss,
+                     clipped_gradient_sum, per_example_losses)
 
 PADDING_LABEL = -1
 
 
 @typecheck
 def add_gaussian_noise(tree: PyTree, key: PRNGKeyArray, std: float | Float[Array, ""]) -> PyTree:
-    """`tree + std * N(0, I)`, an independent draw for every array leaf (each leaf its own key)."""
+    """`tree + std * N(0, I)`, an independent draw for every array leaf (each leaf its own key).
+    A Python `std` of 0 draws nothing (on a large model the draw costs about a gradient computation)."""
+    if isinstance(std, (int, float)) and std == 0:
+        return tree
     leaves, treedef = jax.tree.flatten(tree)
     keys = jax.random.split(key, max(len(leaves), 1))
-    noisy = [x + std * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
+    # random_normal: jax.random.normal's bits with the threefry rounds unrolled (several times faster on CPU).
+    noisy = [x + std * random_normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
     return jax.tree.unflatten(treedef, noisy)
 
 
@@ -60,6 +65,11 @@ class DPSGDLoss:
     - `example_loss`: the loss of one example (default: classification cross-entropy).
     - `chunk_size`: accumulate the clipped sum this many examples at a time (bounds memory; chunks
       that are all padding are skipped); `None`: the whole batch in one vmap.
+    - `method`: how the per-example gradients are clipped: `"vmap"` materialises each of them;
+      `"ghost"` takes their norms from each layer's inputs and output gradients and the clipped sum
+      from a second backward pass (no per-example gradient: the memory of ordinary training; models
+      of `eqx.nn.Linear` layers and `conv1d_as_matmul` convolutions); `"auto"`: ghost where it covers
+      the model (`ghost_problem`), else vmap. The same update up to float rounding.
 
     Calling it gives the (non-private) mean loss over the real examples, like any `LossFn`. The
     training metrics it reports (loss, accuracy, `clipped_fraction`, `example_grad_norm`,
@@ -71,8 +81,11 @@ class DPSGDLoss:
     expected_batch_size: float | int
     example_loss: ExampleLossFn = classification_example_loss
     chunk_size: int | None = None
+    method: ClippingMethod = "auto"
 
     def __post_init__(self) -> None:
+        if self.method not in CLIPPING_METHODS:
+            raise ValueError(f"DPSGDLoss: method must be one of {', '.join(CLIPPING_METHODS)}, got {self.method!r}")
         if not self.clip_norm > 0:
             raise ValueError(f"DPSGDLoss: clip_norm must be positive, got {self.clip_norm}")
         if not self.noise_multiplier >= 0:
@@ -104,7 +117,7 @@ class DPSGDLoss:
         batch, weights = _real_examples(batch)
         summed, norms, example_metrics = clipped_gradient_sum(
             model, model_state, batch, example_key, clip_norm=self.clip_norm, weights=weights,
-            loss_fn=self.example_loss, chunk_size=self.chunk_size,
+            loss_fn=self.example_loss, chunk_size=self.chunk_size, method=self.method,
         )
         values = {**example_metrics, "clipped_fraction": norms > self.clip_norm, "example_grad_norm": norms}
         sums = {k: jnp.sum(v.astype(jnp.float32) * weights) for k, v in values.items()}

@@ -9,9 +9,16 @@ included.
 `chunk_size` bounds memory for large batches: the batch is processed `chunk_size` examples at a
 time (`jax.lax.map` over micro-batches, or a `jax.lax.scan` accumulating the clipped sum), with the
 same result as the direct computation up to float rounding.
+
+`method` picks how norms and clipped sums are taken: `"vmap"` materialises every example's gradient
+(memory batch x parameters); `"ghost"` takes the norms from each layer's inputs and output gradients
+and the clipped sum from a second backward pass, with no per-example gradient (`_ghost.py`; for
+models built from `eqx.nn.Linear` and `conv1d_as_matmul` convolutions); `"auto"` is ghost where it
+covers the model, else vmap. Both give the same numbers up to float rounding.
 """
 
 from collections.abc import Callable
+from typing import Literal
 
 import equinox as eqx
 import jax
@@ -20,6 +27,7 @@ import jax.numpy as jnp
 from ..data import Batch
 from ..train import classification_metrics, example_keys
 from ..typing import Array, Float, Int, PRNGKeyArray, PyTree, Shaped, typecheck
+from ._ghost import GhostPlan, ghost_clipped_sum, ghost_norm_of_one, ghost_plan
 
 # Metrics of one example (scalars) or of a batch of examples (one value per example).
 ExampleMetrics = dict[str, Float[Array, ""]]
@@ -28,6 +36,9 @@ BatchMetrics = dict[str, Float[Array, " batch"]]
 ExampleLossFn = Callable[
     [eqx.Module, eqx.nn.State | None, Array, Array, PRNGKeyArray | None], tuple[Float[Array, ""], ExampleMetrics]
 ]
+# How per-example norms are taken: see the module docstring.
+ClippingMethod = Literal["auto", "ghost", "vmap"]
+CLIPPING_METHODS = ("auto", "ghost", "vmap")
 
 
 @typecheck
@@ -101,6 +112,43 @@ def _check_batch(inputs: Shaped[Array, "batch *example"], labels: Shaped[Array, 
     return inputs.shape[0]
 
 
+def _first_example(examples: tuple) -> tuple:
+    return jax.tree.map(lambda x: x[0], examples)
+
+
+def _ghost_plan_for(method: str, model: eqx.Module, model_state: eqx.nn.State | None, loss_fn: ExampleLossFn,
+                    examples: tuple) -> GhostPlan | None:
+    """The ghost plan to use, or None for the vmap path; `method="ghost"` on a model it does not cover raises."""
+    if method not in CLIPPING_METHODS:
+        raise ValueError(f"method must be one of {', '.join(CLIPPING_METHODS)}, got {method!r}")
+    if method == "vmap":
+        return None
+    plan = ghost_plan(model, model_state, loss_fn, _first_example(examples))
+    if isinstance(plan, str):
+        if method == "ghost":
+            raise ValueError(f"method='ghost' cannot take this model's per-example gradient norms: {plan}. "
+                             "Use method='vmap' (or 'auto', which falls back to it).")
+        return None
+    return plan
+
+
+@typecheck
+def ghost_problem(
+    model: eqx.Module,
+    model_state: eqx.nn.State | None,
+    batch: Batch,
+    key: PRNGKeyArray | None = None,
+    *,
+    loss_fn: ExampleLossFn = classification_example_loss,
+) -> str | None:
+    """Why ghost clipping cannot take this model's per-example norms (None: it can, and
+    `method="auto"` uses it). Traces the model on the batch's first example; runs nothing."""
+    batch_size = _check_batch(batch.inputs, batch.labels)
+    examples = (batch.inputs, batch.labels, _example_keys(key, batch_size))
+    plan = ghost_plan(model, model_state, loss_fn, _first_example(examples))
+    return plan if isinstance(plan, str) else None
+
+
 @typecheck
 def per_example_grads(
     model: eqx.Module,
@@ -163,6 +211,35 @@ def per_example_grad_norms(grads: PyTree) -> Float[Array, " batch"]:
     return jnp.sqrt(sum(squares[1:], squares[0]))
 
 
+@typecheck
+def per_example_norms(
+    model: eqx.Module,
+    model_state: eqx.nn.State | None,
+    batch: Batch,
+    key: PRNGKeyArray | None = None,
+    *,
+    loss_fn: ExampleLossFn = classification_example_loss,
+    chunk_size: int | None = None,
+    method: ClippingMethod = "auto",
+) -> tuple[Float[Array, " batch"], BatchMetrics]:
+    """Every example's gradient norm (over all parameters) and metrics, arguments as in
+    `per_example_grads`; with `method="ghost"` (or `"auto"` on a covered model) no per-example
+    gradient is formed."""
+    check_per_example_model(model)
+    batch_size = _check_batch(batch.inputs, batch.labels)
+    examples = (batch.inputs, batch.labels, _example_keys(key, batch_size))
+    plan = _ghost_plan_for(method, model, model_state, loss_fn, examples)
+    if plan is not None:
+        return _map_examples(ghost_norm_of_one(plan, loss_fn, model, model_state), examples, chunk_size)
+    one = _value_and_grad_of_one(loss_fn, model, model_state)
+
+    def norm_of_one(example):
+        grads, metrics = one(example)
+        return per_example_grad_norms(jax.tree.map(lambda g: g[None], grads))[0], metrics
+
+    return _map_examples(norm_of_one, examples, chunk_size)
+
+
 def _clip_factors(norms: Float[Array, " batch"], clip_norm: float | int | Float[Array, ""]) -> Float[Array, " batch"]:
     # min(1, C / norm), written so that a zero gradient gets factor 1 and no division by zero.
     return clip_norm / jnp.maximum(norms, clip_norm)
@@ -198,12 +275,15 @@ def clipped_gradient_sum(
     weights: Float[Array, " batch"] | None = None,
     loss_fn: ExampleLossFn = classification_example_loss,
     chunk_size: int | None = None,
+    method: ClippingMethod = "auto",
 ) -> tuple[PyTree, Float[Array, " batch"], BatchMetrics]:
     """`sum_i weights_i * clip(grad_i, clip_norm)`, the aggregate DP-SGD adds noise to.
 
     With `chunk_size` the sum is accumulated `chunk_size` examples at a time in a `jax.lax.scan`, so
     memory holds one chunk of per-example gradients rather than the whole batch's; chunks whose
     weights are all zero (padding) are skipped. `weights` defaults to ones (0/1 masks padding).
+    `method`: `"vmap"` (per-example gradients), `"ghost"` (norms from layer inputs and output
+    gradients, then a second backward pass; no per-example gradients), `"auto"` (ghost where covered).
 
     **Returns:** `(summed, norms, metrics)`: the model-shaped sum, each example's gradient norm
     before clipping, and each example's metrics.
@@ -215,8 +295,12 @@ def clipped_gradient_sum(
     weights = jnp.ones(batch_size, jnp.float32) if weights is None else weights
     examples = (batch.inputs, batch.labels, _example_keys(key, batch_size))
     one = _value_and_grad_of_one(loss_fn, model, model_state)
+    plan = _ghost_plan_for(method, model, model_state, loss_fn, examples)
 
     def chunk_sum(chunk, chunk_weights):
+        if plan is not None:  # no per-example gradients: norms, then the gradient of the clipped, weighted loss
+            return ghost_clipped_sum(plan, loss_fn, model, model_state, chunk,
+                                     lambda norms: chunk_weights * _clip_factors(norms, clip_norm))
         grads, metrics = eqx.filter_vmap(one, axis_name="batch")(chunk)
         clipped, norms = clip_per_example(grads, clip_norm)
         return _weighted_sum(clipped, chunk_weights), norms, metrics

@@ -18,6 +18,7 @@ from ._tracking import (
     read_tensorboard_scalars,
     tensorboard_problem,
 )
+from ._keys import random_normal
 from ._state import (
     LossFn,
     Metrics,
@@ -67,6 +68,7 @@ __all__ = [
     "forward",
     "load_checkpoint",
     "padded_batches",
+    "random_normal",
     "loss_value_and_grad",
     "read_header",
     "read_tensorboard_scalars",

@@ -1,0 +1,96 @@
+"""Case (e): DP-SGD at the cost of ordinary training (issue 18). One train step (the engine's
+`CompiledTrainer.step`, Adam, batch 256) with `DPSGDLoss` clipping by ghost norms and by
+vmap(grad), against the ordinary step, on the MNIST-1D CNN and the 784-1024-1024-10 MLP; and the
+temporary memory XLA plans for each step's gradient computation (`memory_analysis()` of the compiled
+function: deterministic, nothing is run)."""
+
+import functools
+
+import equinox as eqx
+import jax
+import numpy as np
+import optax
+
+from research.data import Batch
+from research.nn import MLP, CNN1d
+from research.per_example import DPSGDLoss, clipped_gradient_sum
+from research.train import TrainState, classification_loss, compiled_trainer
+
+from ._timing import interleave, timed
+
+BATCH, LR, CLIP, SIGMA = 256, 1e-3, 1.0, 1.0
+MODELS = {
+    "MNIST-1D CNN": (lambda key: CNN1d(key=key), 40),
+    "MLP 784-1024-1024-10": (lambda key: MLP(784, 10, hidden=(1024, 1024), activation="relu", key=key), 784),
+}
+ORDINARY = "ordinary step"
+LOSSES = {
+    ORDINARY: classification_loss,
+    "DP-SGD, ghost clipping": DPSGDLoss(CLIP, SIGMA, BATCH, method="ghost"),
+    "DP-SGD, ghost clipping, no noise (sigma 0)": DPSGDLoss(CLIP, 0.0, BATCH, method="ghost"),
+    "DP-SGD, vmap(grad)": DPSGDLoss(CLIP, SIGMA, BATCH, method="vmap"),
+}
+
+
+def _batch(features: int) -> Batch:
+    rng = np.random.default_rng(0)
+    return Batch(rng.normal(size=(BATCH, features)).astype(np.float32), rng.integers(0, 10, BATCH).astype(np.int32))
+
+
+def step_candidate(model_name: str, loss_name: str, steps: int):
+    """`steps` engine steps per call, on a device-resident batch."""
+    make_model, features = MODELS[model_name]
+    state = TrainState.create(make_model(jax.random.key(0)), optax.adam(LR), key=jax.random.key(1))
+    trainer = compiled_trainer(LOSSES[loss_name], state)
+    batch = jax.device_put(_batch(features))
+    leaves = trainer.leaves(state)
+    carry = [leaves, trainer.init_stats(leaves, batch)]
+
+    def run():
+        leaves, sums = carry
+        for _ in range(steps):
+            leaves, sums = trainer.step(leaves, sums, batch)
+        jax.block_until_ready(leaves)
+        carry[:] = leaves, sums
+
+    run()  # compile
+    return functools.partial(timed, run, steps)
+
+
+def gradient_memory(model_name: str, loss_name: str) -> dict[str, int]:
+    """Bytes XLA plans for the gradient of one step (the loss's `value_and_grad`, or the plain gradient)."""
+    make_model, features = MODELS[model_name]
+    params, static = eqx.partition(make_model(jax.random.key(0)), eqx.is_inexact_array)
+    loss = LOSSES[loss_name]
+
+    def gradient(params, batch, key):
+        model = eqx.combine(params, static)
+        if hasattr(loss, "value_and_grad"):
+            return loss.value_and_grad(model, None, batch, key)[1]
+        return eqx.filter_grad(lambda m: loss(m, None, batch, key)[0])(model)
+
+    def clipped_sum(params, batch):  # the DP gradient without its noise (which is parameter-sized)
+        return clipped_gradient_sum(eqx.combine(params, static), None, batch, None, clip_norm=CLIP,
+                                    method=loss.method)[0]
+
+    batch = _batch(features)
+    analysis = jax.jit(gradient).lower(params, batch, jax.random.key(2)).compile().memory_analysis()
+    memory = {"temp": int(analysis.temp_size_in_bytes), "arguments": int(analysis.argument_size_in_bytes),
+              "output": int(analysis.output_size_in_bytes)}
+    if hasattr(loss, "method"):
+        memory["clipped_sum_temp"] = int(jax.jit(clipped_sum).lower(params, batch).compile().memory_analysis()
+                                         .temp_size_in_bytes)
+    return memory
+
+
+def run(quick: bool) -> dict:
+    repeats = 2 if quick else 7
+    results = {}
+    for model_name in MODELS:
+        steps = 1 if quick or "MLP" in model_name else 10
+        candidates = {name: step_candidate(model_name, name, steps) for name in LOSSES}
+        timings = interleave(candidates, repeats)
+        for name, timing in timings.items():
+            timing.extra["memory"] = gradient_memory(model_name, name)
+        results[model_name] = list(timings.values())
+    return {"models": results, "batch": BATCH}
