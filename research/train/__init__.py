@@ -8,7 +8,8 @@ from ._placement import Leaves, OneDevice, Placement, batch_norm_layers, bytes_o
 from ..errors import CheckpointError, DataError, NonFiniteError
 from ._engine import Engine, FitResult, StepInfo
 from ._fit import fit
-from ._hooks import Checkpoint, Evaluate, NonFiniteGuard, ShowProgress, Track
+from ._language import NextTokenLoss, evaluate_language_model, next_token_sums
+from ._hooks import Checkpoint, Evaluate, Evaluator, NonFiniteGuard, ShowProgress, Track
 from ._rundir import RunDir
 from ._tracking import (
     JsonlTracker,
@@ -37,12 +38,14 @@ __all__ = [
     "DataError",
     "Engine",
     "Evaluate",
+    "Evaluator",
     "FitResult",
     "JsonlTracker",
     "Leaves",
     "LossFn",
     "Metrics",
     "MultiTracker",
+    "NextTokenLoss",
     "NonFiniteError",
     "NonFiniteGuard",
     "OneDevice",
@@ -61,6 +64,7 @@ __all__ = [
     "classification_metrics",
     "compiled_trainer",
     "evaluate",
+    "evaluate_language_model",
     "evaluate_state",
     "example_keys",
     "fit",
@@ -68,6 +72,7 @@ __all__ = [
     "load_checkpoint",
     "padded_batches",
     "loss_value_and_grad",
+    "next_token_sums",
     "read_header",
     "read_tensorboard_scalars",
     "save_checkpoint",
