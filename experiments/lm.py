@@ -69,8 +69,8 @@ def learning_rate(config: Config) -> optax.Schedule:
 def setup(config: Config) -> Setup:
     """The model, the windows of text and the loss of a run, built without training."""
     if config.dim % config.heads or config.batch_size % (config.grad_accum * config.devices):
-        raise ConfigError(f"--heads {config.heads} must divide --dim {config.dim}, and --grad-accum "
-                          f"{config.grad_accum} x --devices {config.devices} must divide --batch-size {config.batch_size}")
+        raise ConfigError(f"--heads {config.heads} must divide --dim {config.dim}, and --grad-accum {config.grad_accum}"
+                          f" x --devices {config.devices} must divide --batch-size {config.batch_size}")
     train, held_out = split_held_out(read_text_bytes(config.text, max_bytes=config.text_bytes), config.held_out)
     train_data = DeviceLoader(*next_byte_windows(train, config.context), config.batch_size, seed=config.seed)
     test = next_byte_windows(held_out, config.context)

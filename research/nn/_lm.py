@@ -100,7 +100,9 @@ class LanguageModel(eqx.Module):
             raise ValueError(f"token_embedding should have {self.vocab} rows, got {self.token_embedding.weight.shape}")
 
     @typecheck
-    def __call__(self, tokens: Int[Array, " tokens"], *, key: PRNGKeyArray | None = None) -> Float[Array, "tokens vocab"]:
+    def __call__(
+        self, tokens: Int[Array, " tokens"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "tokens vocab"]:
         length = tokens.shape[0]
         if length > self.context:
             raise ValueError(f"LanguageModel takes at most {self.context} tokens (its context), got {length}")
