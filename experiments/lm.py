@@ -13,7 +13,7 @@ import jax
 import optax
 
 from research.cli import (EMA, Checkpointing, ConfigError, Devices, Tracking, Training, main_entry, option,
-                          positive)
+                          non_negative, positive)
 from research.data import DeviceLoader, next_byte_windows, read_text_bytes, reference_bits_per_byte, split_held_out
 from research.experiment import Setup, run_experiment
 from research.nn import build_model
@@ -28,14 +28,14 @@ def _fraction(value: float) -> str | None:
 class Config(Training, Checkpointing, Devices, EMA, Tracking):
     """Train a GPT-style byte-level language model (AdamW, warmup + cosine decay, gradient clipping at 1)."""
 
-    steps: int = option(1500, "training steps", check=positive, resumable=True)
+    steps: int = option(600, "training steps", check=positive, resumable=True)
     batch_size: int = option(32, "windows per optimizer step (split over --grad-accum micro-batches)", check=positive)
     lr: float = option(2e-3, "peak learning rate (linear warmup over the first 5% of steps, cosine to 10%)",
                        check=positive)
-    weight_decay: float = option(0.0, "decoupled weight decay (AdamW)")
+    weight_decay: float = option(0.0, "decoupled weight decay (AdamW)", check=non_negative)
     context: int = option(128, "bytes per window (learned positions)", check=positive)
     depth: int = option(4, "transformer blocks (stacked and run with lax.scan)", check=positive)
-    dim: int = option(128, "model width", check=positive)
+    dim: int = option(64, "model width", check=positive)
     heads: int = option(4, "attention heads (must divide --dim)", check=positive)
     untied: bool = option(False, "give the output head its own weights instead of the token embedding's")
     text: str | None = option(None, "a file or a folder (all its files, sorted) to learn; default: the Python "
