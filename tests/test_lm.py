@@ -196,3 +196,21 @@ def test_experiment_trains_and_reports_bits_per_byte(tmp_path, monkeypatch, caps
     with pytest.raises(SystemExit) as exit_info:
         main_entry(module.main, module.Config, [*flags[:-3], "--grad-accum", "3", "--run-dir", "r2"])
     assert exit_info.value.code == 2
+
+
+def test_resumed_run_ends_where_an_uninterrupted_one_does(tmp_path, monkeypatch):
+    """The windows of a step are a pure function of (seed, step): a run resumed at step 4 logs what an
+    uninterrupted one does."""
+    (tmp_path / "text.txt").write_bytes(b"pack my box with five dozen liquor jugs. " * 200)
+    monkeypatch.chdir(tmp_path)
+    module = load_experiment("lm")
+    flags = ["--text", "text.txt", "--context", "16", "--dim", "16", "--depth", "1", "--heads", "2", "--batch-size",
+             "8", "--steps-per-call", "2", "--log-every", "2", "--no-progress"]
+    main_entry(module.main, module.Config, [*flags, "--steps", "8", "--run-dir", "whole"])
+    main_entry(module.main, module.Config, [*flags, "--steps", "8", "--run-dir", "parts", "--checkpoint-every", "4"])
+    (tmp_path / "parts/checkpoints/step_000000008.ckpt").unlink()  # as if killed between steps 4 and 8
+    main_entry(module.main, module.Config, [*flags, "--steps", "8", "--run-dir", "parts", "--checkpoint-every", "4",
+                                            "--resume"])
+    losses = {name: [json.loads(line)["train/loss"] for line in (tmp_path / name / "metrics.jsonl").open()]
+              for name in ("whole", "parts")}
+    assert len(losses["whole"]) == 4 and losses["whole"] == losses["parts"]
