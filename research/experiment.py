@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import equinox as eqx
 import jax
 import numpy as np
 
@@ -23,8 +24,8 @@ from .parallel import check_device_count, make_placement
 from . import population
 from .population import evaluate_population
 from .errors import CheckpointError
-from .train import (FitResult, LossFn, Placement, RunDir, TensorBoardTracker, TrainState, classification_loss,
-                    evaluate_state, fit, load_checkpoint, read_header)
+from .train import (Evaluator, FitResult, LossFn, Placement, RunDir, TensorBoardTracker, TrainState,
+                    bytes_on_first_device, classification_loss, evaluate_state, fit, load_checkpoint, read_header)
 
 RUNS_ROOT = Path("runs")
 EXPERIMENTS_DIR = Path(__file__).resolve().parent.parent / "experiments"
@@ -122,6 +123,9 @@ class Setup:
     - `num_steps`: the total number of training steps.
     - `loss_fn`: `(model, model_state, batch, key) -> (loss, (metrics, model_state))`.
     - `lr_schedule`: the optimizer's learning-rate schedule, when it has one (logged as `lr`).
+    - `evaluator`: `(state, eval_data, progress=...) -> (metrics, raw_metrics)` (say,
+      `research.train.evaluate_language_model`); `None`: `evaluate_state` (classification), or
+      `evaluate_population` for a population.
     """
 
     build_state: Callable[[], TrainState]
@@ -131,6 +135,13 @@ class Setup:
     loss_fn: LossFn = classification_loss
     lr_schedule: Callable[[int], Any] | None = None
     population: bool = False
+    evaluator: Evaluator | None = None
+
+    def evaluate_with(self) -> Evaluator:
+        """The evaluator this run uses."""
+        if self.evaluator is not None:
+            return self.evaluator
+        return evaluate_population if self.population else evaluate_state
 
 
 def initial_state(setup: Setup, config: Options) -> TrainState:
@@ -212,11 +223,12 @@ def run_experiment(
     config: Options,
     setup: Setup | None = None,
     *,
-    summary_extra: dict[str, Any] | None = None,
+    summary_extra: dict[str, Any] | Callable[[FitResult], dict[str, Any]] | None = None,
     **kwargs: Any,
 ) -> dict[str, Any]:
     """Train, evaluate and record one run; returns (and writes to `summary.json`) its final numbers,
-    with `summary_extra` (say, the privacy spent) added.
+    with `summary_extra` (say, the privacy spent) added: a dict, or a function of the run's
+    `FitResult` (say, tokens/s from its `steps_per_s`).
 
     The run directory gets `config.json` (with the resolved step count and library versions),
     `metrics.jsonl`, `checkpoints/`, `summary.json` and `curves.png` (and TensorBoard event files
@@ -263,11 +275,11 @@ def run_experiment(
         })
     start = time.perf_counter()
     if header.get("step") == setup.num_steps:  # checkpointed at its last step, stopped before its summary
-        result = _evaluate_finished(setup, state, run)
+        result = _evaluate_finished(setup, state, run, placement)
     else:
         result = _train(experiment, config, setup, state, placement, run if writer else None, header, fit_kwargs)
-    summary = {"experiment": experiment, **_summary(result), "wall_seconds": time.perf_counter() - start,
-               **(summary_extra or {})}
+    summary = {"experiment": experiment, **_summary(result), "wall_seconds": time.perf_counter() - start}
+    summary.update((summary_extra(result) if callable(summary_extra) else summary_extra) or {})
     if writer:
         run.write_summary(summary)
         plot_curves([run], [run.path.resolve().name], run.path / "curves.png")
@@ -284,7 +296,7 @@ def _train(experiment: str, config: Options, setup: Setup, state: TrainState, pl
     try:
         return fit(
             state, setup.train_data, num_steps=setup.num_steps, loss_fn=setup.loss_fn, placement=placement,
-            population=setup.population, evaluator=evaluate_population if setup.population else evaluate_state,
+            population=setup.population, evaluator=setup.evaluate_with(),
             lr_schedule=setup.lr_schedule, eval_data=setup.eval_data, eval_every=config.eval_every or None,
             log_every=config.log_every, steps_per_call=config.steps_per_call, run=run,
             checkpoint_every=config.checkpoint_every or None, keep_checkpoints=config.keep_checkpoints,
@@ -299,14 +311,15 @@ def _train(experiment: str, config: Options, setup: Setup, state: TrainState, pl
             tracker.finish()
 
 
-def _evaluate_finished(setup: Setup, state: TrainState, run: RunDir) -> FitResult:
+def _evaluate_finished(setup: Setup, state: TrainState, run: RunDir, placement: Placement) -> FitResult:
     """The result of a run whose training ended (its last checkpoint is at its last step) but that was
     stopped before it wrote its summary: its final model evaluated again, its last logged train metrics."""
-    metrics, raw = (evaluate_population if setup.population else evaluate_state)(state, setup.eval_data)
+    metrics, raw = setup.evaluate_with()(state, setup.eval_data)
     records = run.read_metrics()
     last = records[-1] if records else {}
     train = {k[len("train/"):]: v for k, v in last.items() if k.startswith("train/")}
-    return FitResult(state, train, metrics, 0.0, raw)
+    placed = bytes_on_first_device(placement.place(jax.tree.leaves(eqx.filter(state, eqx.is_array))))
+    return FitResult(state, train, metrics, 0.0, raw, placed, steps_per_s=last.get("steps_per_s"))
 
 
 def _summary(result: FitResult) -> dict[str, Any]:

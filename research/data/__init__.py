@@ -1,4 +1,4 @@
-"""Datasets, numpy collation, a torch DataLoader builder and a device-resident loader."""
+"""Datasets (XOR, MNIST-1D, byte-level text), numpy collation, a torch DataLoader builder and a device-resident loader."""
 
 from ._loaders import (
     ArrayDataset,
@@ -23,6 +23,7 @@ from ._mnist1d import (
     generate_mnist1d,
     load_mnist1d,
 )
+from ._text import next_byte_windows, read_text_bytes, reference_bits_per_byte, split_held_out
 from ._xor import XORDataset
 
 __all__ = [
@@ -44,6 +45,10 @@ __all__ = [
     "generate_mnist1d",
     "load_mnist1d",
     "make_dataloader",
+    "next_byte_windows",
     "numpy_collate",
+    "read_text_bytes",
+    "reference_bits_per_byte",
+    "split_held_out",
     "train_and_eval_loaders",
 ]

@@ -1,12 +1,14 @@
 """Typed `eqx.Module` models. Each takes ONE example; batch with `jax.vmap`.
 
 Registered names (`build_model(name, key=..., **hparams)`): `logistic`, `mlp`, `cnn`, `gru`,
-`resnet` (stateful: built with its `eqx.nn.State`), `transformer`, and `linear_sigmoid`.
+`resnet` (stateful: built with its `eqx.nn.State`), `transformer`, `lm` (a byte-level decoder-only
+language model), and `linear_sigmoid`.
 """
 
 from ._cnn import CNN1d
 from ._conv import conv1d_as_matmul
 from ._gru import GRUClassifier
+from ._lm import DecoderBlock, LanguageModel, cast_floating
 from ._logistic import Logistic
 from ._mlp import ACTIVATIONS, MLP, LinearSigmoid
 from ._registry import build_model, model_names, register_model
@@ -17,7 +19,9 @@ from ._transformer import TransformerBlock, TransformerClassifier
 __all__ = [
     "ACTIVATIONS",
     "CNN1d",
+    "DecoderBlock",
     "GRUClassifier",
+    "LanguageModel",
     "Logistic",
     "MLP",
     "LinearMapObserver",
@@ -27,6 +31,7 @@ __all__ = [
     "TransformerBlock",
     "TransformerClassifier",
     "build_model",
+    "cast_floating",
     "conv1d_as_matmul",
     "model_names",
     "observed_linear_map",

@@ -6,6 +6,7 @@ import equinox as eqx
 from ..typing import PRNGKeyArray
 from ._cnn import CNN1d
 from ._gru import GRUClassifier
+from ._lm import LanguageModel
 from ._logistic import Logistic
 from ._mlp import MLP, LinearSigmoid
 from ._resnet import ResNet1d
@@ -48,3 +49,4 @@ register_model("cnn", CNN1d)
 register_model("gru", GRUClassifier)
 register_model("resnet", ResNet1d)
 register_model("transformer", TransformerClassifier)
+register_model("lm", LanguageModel)

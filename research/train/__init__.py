@@ -8,7 +8,8 @@ from ._placement import Leaves, OneDevice, Placement, batch_norm_layers, bytes_o
 from ..errors import CheckpointError, DataError, NonFiniteError
 from ._engine import Engine, FitResult, StepInfo
 from ._fit import fit
-from ._hooks import Checkpoint, Evaluate, NonFiniteGuard, ShowProgress, Track
+from ._language import NextTokenLoss, evaluate_language_model, next_token_sums
+from ._hooks import Checkpoint, Evaluate, Evaluator, NonFiniteGuard, ShowProgress, Track
 from ._rundir import RunDir
 from ._tracking import (
     JsonlTracker,
@@ -38,12 +39,14 @@ __all__ = [
     "DataError",
     "Engine",
     "Evaluate",
+    "Evaluator",
     "FitResult",
     "JsonlTracker",
     "Leaves",
     "LossFn",
     "Metrics",
     "MultiTracker",
+    "NextTokenLoss",
     "NonFiniteError",
     "NonFiniteGuard",
     "OneDevice",
@@ -62,6 +65,7 @@ __all__ = [
     "classification_metrics",
     "compiled_trainer",
     "evaluate",
+    "evaluate_language_model",
     "evaluate_state",
     "example_keys",
     "fit",
@@ -70,6 +74,7 @@ __all__ = [
     "padded_batches",
     "random_normal",
     "loss_value_and_grad",
+    "next_token_sums",
     "read_header",
     "read_tensorboard_scalars",
     "save_checkpoint",

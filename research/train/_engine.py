@@ -77,6 +77,7 @@ class FitResult:
     wall_seconds: float
     raw_eval_metrics: dict[str, float] | None = None  # of the trained (not averaged) model, when EMA is on
     state_bytes_per_device: int | None = None  # the train state's bytes on the first device (FSDP: ~1/N)
+    steps_per_s: float | None = None  # over the last logging window (compile and hooks left out)
 
 
 class Engine:
@@ -325,7 +326,8 @@ def _result(state: TrainState, record: dict[str, Any], seconds: float, state_byt
         found = {k[len(prefix):]: v for k, v in record.items() if k.startswith(prefix)}
         return found or None
 
-    return FitResult(state, prefixed("train/") or {}, prefixed("test/"), seconds, prefixed("test_raw/"), state_bytes)
+    return FitResult(state, prefixed("train/") or {}, prefixed("test/"), seconds, prefixed("test_raw/"), state_bytes,
+                     record.get("steps_per_s"))
 
 
 def _next_multiple(step: int, every: int | None) -> int | float:

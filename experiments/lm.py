@@ -1,0 +1,96 @@
+"""A byte-level decoder-only transformer language model (research.nn.LanguageModel).
+
+By default it reads the first `--text-bytes` of this Python's standard library source (`*.py`, in
+sorted order), holds out the last `--held-out` of the bytes, and learns to predict each next byte
+of non-overlapping `--context`-byte windows. It reports held-out bits per byte beside two yardsticks
+on the same bytes (byte frequencies, zlib -9) and the training throughput in bytes/s.
+"""
+
+import dataclasses
+from typing import Literal
+
+import jax
+import optax
+
+from research.cli import (EMA, Checkpointing, ConfigError, Devices, Tracking, Training, main_entry, option,
+                          non_negative, positive)
+from research.data import DeviceLoader, next_byte_windows, read_text_bytes, reference_bits_per_byte, split_held_out
+from research.experiment import Setup, run_experiment
+from research.nn import build_model
+from research.train import NextTokenLoss, TrainState, evaluate_language_model
+
+
+def _fraction(value: float) -> str | None:
+    return None if 0 < value < 0.5 else "must be in (0, 0.5)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(Training, Checkpointing, Devices, EMA, Tracking):
+    """Train a GPT-style byte-level language model (AdamW, warmup + cosine decay, gradient clipping at 1)."""
+
+    steps: int = option(600, "training steps", check=positive, resumable=True)
+    batch_size: int = option(32, "windows per optimizer step (split over --grad-accum micro-batches)", check=positive)
+    lr: float = option(2e-3, "peak learning rate (linear warmup over the first 5% of steps, cosine to 10%)",
+                       check=positive)
+    weight_decay: float = option(0.0, "decoupled weight decay (AdamW)", check=non_negative)
+    context: int = option(128, "bytes per window (learned positions)", check=positive)
+    depth: int = option(4, "transformer blocks (stacked and run with lax.scan)", check=positive)
+    dim: int = option(64, "model width", check=positive)
+    heads: int = option(4, "attention heads (must divide --dim)", check=positive)
+    untied: bool = option(False, "give the output head its own weights instead of the token embedding's")
+    text: str | None = option(None, "a file or a folder (all its files, sorted) to learn; default: the Python "
+                                    "standard library's *.py source")
+    text_bytes: int = option(4_000_000, "read at most this many bytes of the text", check=positive)
+    held_out: float = option(0.05, "fraction of the bytes (the last ones) held out for evaluation", check=_fraction)
+    grad_accum: int = option(1, "micro-batches per optimizer step (lax.scan; the same step as the whole batch)",
+                             check=positive)
+    remat: bool = option(False, "rematerialise each block in the backward pass (less memory, more compute)")
+    precision: Literal["float32", "bf16"] = option(
+        "float32", "bf16: bfloat16 compute, float32 master weights, optimizer state and logits")
+    steps_per_call: int = option(50, "training steps per compiled call", check=positive)
+    log_every: int = option(100, "steps between logged training metrics", check=positive, resumable=True)
+
+
+def build_state(config: Config) -> TrainState:
+    """The step-0 model and optimizer of a config."""
+    model_key, train_key = jax.random.split(jax.random.key(config.seed))
+    model, _ = build_model("lm", key=model_key, context=config.context, dim=config.dim, depth=config.depth,
+                           heads=config.heads, tied=not config.untied, remat=config.remat,
+                           compute_dtype="bfloat16" if config.precision == "bf16" else "float32")
+    adamw = optax.adamw(learning_rate(config), weight_decay=config.weight_decay)
+    return TrainState.create(model, optax.chain(optax.clip_by_global_norm(1.0), adamw), key=train_key)
+
+
+def learning_rate(config: Config) -> optax.Schedule:
+    return optax.warmup_cosine_decay_schedule(0.0, config.lr, max(config.steps // 20, 1), config.steps,
+                                              end_value=config.lr / 10)
+
+
+def setup(config: Config) -> Setup:
+    """The model, the windows of text and the loss of a run, built without training."""
+    if config.dim % config.heads or config.batch_size % (config.grad_accum * config.devices):
+        raise ConfigError(f"--heads {config.heads} must divide --dim {config.dim}, and --grad-accum {config.grad_accum}"
+                          f" x --devices {config.devices} must divide --batch-size {config.batch_size}")
+    train, held_out = split_held_out(read_text_bytes(config.text, max_bytes=config.text_bytes), config.held_out)
+    train_data = DeviceLoader(*next_byte_windows(train, config.context), config.batch_size, seed=config.seed)
+    test = next_byte_windows(held_out, config.context)
+    eval_data = DeviceLoader(*test, min(256, len(test.labels)), shuffle=False)
+    return Setup(lambda: build_state(config), train_data, eval_data, config.steps, NextTokenLoss(config.grad_accum),
+                 learning_rate(config), evaluator=evaluate_language_model)
+
+
+def main(config: Config) -> dict:
+    bytes_per_step = config.batch_size * config.context
+    throughput = lambda result: {"bytes_per_s": (result.steps_per_s or 0.0) * bytes_per_step}  # noqa: E731
+    summary = run_experiment("lm", config, setup(config), summary_extra=throughput)
+    if jax.process_index() == 0:
+        train, held_out = split_held_out(read_text_bytes(config.text, max_bytes=config.text_bytes), config.held_out)
+        reference = reference_bits_per_byte(train, held_out)
+        print(f"lm: held-out {summary['test_bits_per_byte']:.3f} bits/byte (same bytes: byte frequencies "
+              f"{reference['unigram']:.3f}, zlib -9 {reference['zlib']:.3f}); {summary['bytes_per_s']:,.0f} "
+              f"bytes/s trained ({bytes_per_step} a step)")
+    return summary
+
+
+if __name__ == "__main__":
+    main_entry(main, Config)

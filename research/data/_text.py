@@ -1,0 +1,70 @@
+"""Byte-level text: the Python standard library's own source (or any file or folder), split and windowed."""
+
+import hashlib
+import sysconfig
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import DataError
+from ._loaders import Batch
+
+SKIPPED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+
+
+def _source_files(folder: Path, pattern: str) -> list[Path]:
+    """Files under `folder` matching `pattern` in a fixed shuffled order: sorted by the SHA-256 of their
+    relative paths, so that a cap on the bytes and the held-out tail sample the whole folder (sorted by
+    name, the standard library's first 4 MB would end in codec tables: a held-out set unlike the rest)."""
+    files = [p for p in folder.rglob(pattern) if p.is_file() and not SKIPPED_DIRS & set(p.relative_to(folder).parts)]
+    return sorted(files, key=lambda p: hashlib.sha256(p.relative_to(folder).as_posix().encode()).hexdigest())
+
+
+def read_text_bytes(path: str | Path | None = None, *, max_bytes: int = 4_000_000) -> np.ndarray:
+    """The first `max_bytes` bytes (uint8) of a file, or of a folder's files concatenated in a fixed
+    order (`_source_files`); `path=None` reads the `*.py` files of this Python's standard library
+    (`sysconfig.get_paths()["stdlib"]`, without site-packages): deterministic for one Python version."""
+    if path is None:
+        folder, pattern = Path(sysconfig.get_paths()["stdlib"]), "*.py"
+    else:
+        folder, pattern = Path(path), "*"
+        if not folder.exists():
+            raise DataError(f"--text {path}: no such file or folder")
+    files = [folder] if folder.is_file() else _source_files(folder, pattern)
+    chunks, total = [], 0
+    for file in files:
+        if total >= max_bytes:
+            break
+        chunks.append(file.read_bytes()[: max_bytes - total])
+        total += len(chunks[-1])
+    data = np.frombuffer(b"".join(chunks), dtype=np.uint8)
+    if data.size == 0:
+        raise DataError(f"no text found in {folder}")
+    return data
+
+
+def split_held_out(data: np.ndarray, fraction: float = 0.05) -> tuple[np.ndarray, np.ndarray]:
+    """`(train, held_out)`: the held-out part is the last `fraction` of the bytes (no window spans both)."""
+    cut = len(data) - int(len(data) * fraction)
+    return data[:cut], data[cut:]
+
+
+def next_byte_windows(data: np.ndarray, context: int) -> Batch:
+    """Non-overlapping windows of `context` bytes (int32 `[windows, context]`) and, for each, the bytes
+    that follow each position (`labels[i, t] = data[i * context + t + 1]`)."""
+    count = (len(data) - 1) // context
+    if count < 1:
+        raise DataError(f"{len(data)} bytes hold no window of --context {context} plus one byte to predict")
+    inputs = data[: count * context].reshape(count, context).astype(np.int32)
+    labels = data[1: count * context + 1].reshape(count, context).astype(np.int32)
+    return Batch(inputs, labels)
+
+
+def reference_bits_per_byte(train: np.ndarray, held_out: np.ndarray) -> dict[str, float]:
+    """Two honest yardsticks for a model's held-out bits per byte, on the same bytes: the cross-entropy of
+    the training set's byte frequencies (`unigram`, add-one smoothed) and `zlib -9` on the held-out bytes."""
+    counts = np.bincount(train, minlength=256) + 1.0
+    log_probs = np.log2(counts / counts.sum())
+    unigram = -float(np.mean(log_probs[held_out]))
+    return {"unigram": unigram, "zlib": 8 * len(zlib.compress(held_out.tobytes(), 9)) / len(held_out)}

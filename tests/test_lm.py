@@ -1,0 +1,216 @@
+"""The byte-level language model: the model, its text data, its loss and scale tools (gradient
+accumulation, remat, bf16), its evaluator, and the experiment end to end. Tiny models: fast."""
+
+import json
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jaxtyping import TypeCheckError
+
+from research.cli import main_entry
+from research.data import (Batch, DeviceLoader, next_byte_windows, read_text_bytes, reference_bits_per_byte,
+                           split_held_out)
+from research.experiment import load_experiment
+from research.nn import LanguageModel, build_model
+from research.train import NextTokenLoss, TrainState, evaluate_language_model, train_step
+
+TINY = {"context": 16, "dim": 16, "depth": 2, "heads": 2}
+
+
+def tiny_model(key, **overrides) -> LanguageModel:
+    return build_model("lm", key=key, **{**TINY, **overrides})[0]
+
+
+TEXT = np.frombuffer(b"the quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs. " * 40,
+                     np.uint8)
+
+
+def tiny_batch(rows: int, seed: int = 0) -> Batch:
+    data = TEXT[seed * 7:][: rows * 16 + 1]
+    inputs, labels = next_byte_windows(data, 16)
+    return Batch(jnp.asarray(inputs), jnp.asarray(labels))
+
+
+def test_model_shapes_causality_and_stacked_layers(getkey):
+    model = eqx.filter_jit(tiny_model(getkey(), depth=3))  # one compiled call each (eager ops are slow)
+    tokens = jnp.arange(16, dtype=jnp.int32)
+    logits = model(tokens)
+    assert logits.shape == (16, 256) and logits.dtype == jnp.float32
+    changed = model(tokens.at[10].set(200))
+    np.testing.assert_array_equal(changed[:10], logits[:10])  # position t sees only tokens <= t
+    assert not np.allclose(changed[10:], logits[10:])
+    assert model.__wrapped__.blocks.mlp_in.weight.shape == (3, 64, 16)  # one stacked array per parameter, depth first
+    assert model(tokens[:5]).shape == (5, 256)  # shorter than the context is fine
+    with pytest.raises(TypeCheckError):
+        model(jnp.ones(16))  # floats are no tokens
+    with pytest.raises(ValueError, match="at most 16 tokens"):
+        model(jnp.zeros(17, jnp.int32))
+
+
+def test_untied_head_and_depth_do_not_grow_the_program(getkey):
+    untied = tiny_model(getkey(), tied=False)
+    assert untied.head is not None and eqx.filter_jit(untied)(jnp.zeros(4, jnp.int32)).shape == (4, 256)
+
+    def equations(depth: int) -> int:
+        model = tiny_model(getkey(), depth=depth)
+        loss = lambda m: jnp.sum(m(jnp.zeros(16, jnp.int32)))  # noqa: E731
+        return len(eqx.filter_make_jaxpr(eqx.filter_grad(loss))(model)[0].jaxpr.eqns)
+
+    assert equations(2) == equations(16)  # lax.scan: the traced step is the same size at any depth
+
+
+def test_text_windows_split_and_file_order(tmp_path):
+    data = np.arange(50, dtype=np.uint8)
+    inputs, labels = next_byte_windows(data, 8)
+    assert inputs.shape == labels.shape == (6, 8) and inputs.dtype == np.int32
+    np.testing.assert_array_equal(labels, inputs + 1)  # the next byte of every position
+    train, held_out = split_held_out(data, 0.1)
+    assert len(held_out) == 5 and held_out[0] == 45 and len(train) == 45
+    for name in "abcdef":
+        (tmp_path / f"{name}.txt").write_bytes(name.encode() * 10)
+    whole = read_text_bytes(tmp_path)
+    assert len(whole) == 60 and sorted(bytes(whole).decode()) == sorted("abcdef" * 10)
+    np.testing.assert_array_equal(read_text_bytes(tmp_path, max_bytes=25), whole[:25])
+    assert bytes(read_text_bytes(tmp_path / "a.txt")) == b"a" * 10
+    reference = reference_bits_per_byte(whole[:30], whole[30:])
+    assert 0 < reference["zlib"] and reference["unigram"] > 0
+
+
+def test_default_text_is_the_standard_library():
+    data = read_text_bytes(max_bytes=100_000)
+    assert len(data) == 100_000 and b"def " in bytes(data) and b"import " in bytes(data)
+
+
+def test_loss_metrics_and_evaluator_agree(getkey):
+    model, batch = tiny_model(getkey()), tiny_batch(8)
+    loss, (metrics, _) = NextTokenLoss()(model, None, batch, getkey())
+    expected = optax.softmax_cross_entropy_with_integer_labels(jax.vmap(model)(batch.inputs), batch.labels).mean()
+    np.testing.assert_allclose(loss, expected, rtol=1e-6)
+    np.testing.assert_allclose(metrics["bits_per_byte"], loss / np.log(2), rtol=1e-6)
+    state = TrainState.create(model, optax.adam(1e-3), key=getkey())
+    data = DeviceLoader(np.asarray(batch.inputs), np.asarray(batch.labels), 3, shuffle=False)  # a padded last batch
+    evaluated, raw = evaluate_language_model(state, data)
+    assert raw is None
+    np.testing.assert_allclose(evaluated["loss"], loss, rtol=1e-5)
+    np.testing.assert_allclose(evaluated["accuracy"], metrics["accuracy"], rtol=1e-5)
+
+
+def _one_step(model, loss_fn, batch, key) -> tuple[LanguageModel, dict]:
+    # Adam's eps is raised from 1e-8: Adam divides by sqrt(v) + eps, so where a gradient is ~1e-8 a
+    # float32 rounding difference (summing micro-batches instead of one batch) becomes a visible update.
+    state = TrainState.create(model, optax.adam(1e-2, eps=1e-4), key=key)
+    state, metrics = eqx.filter_jit(train_step)(state, batch, loss_fn)
+    return state.model, metrics
+
+
+@eqx.filter_jit
+def value_and_grad(loss: NextTokenLoss, model: LanguageModel, batch: Batch, key, axis_name=None):
+    return loss.value_and_grad(model, None, batch, key, axis_name=axis_name)
+
+
+def _assert_same_model(a, b, tolerance: float) -> None:
+    for x, y in zip(jax.tree.leaves(eqx.filter(a, eqx.is_array)), jax.tree.leaves(eqx.filter(b, eqx.is_array))):
+        np.testing.assert_allclose(x, y, atol=tolerance, rtol=tolerance)
+
+
+def test_grad_accum_step_equals_one_step_on_the_whole_batch(getkey):
+    """4 micro-batches of 4 give the gradient of the batch of 16, and the same Adam step, to 1e-5."""
+    model, batch, key = tiny_model(getkey()), tiny_batch(16), getkey()
+    (loss, _), grads = value_and_grad(NextTokenLoss(), model, batch, key)
+    (accumulated_loss, _), accumulated_grads = value_and_grad(NextTokenLoss(grad_accum=4), model, batch, key)
+    np.testing.assert_allclose(accumulated_loss, loss, rtol=1e-6)
+    _assert_same_model(accumulated_grads, grads, 1e-5)
+    whole, whole_metrics = _one_step(model, NextTokenLoss(), batch, key)
+    accumulated, metrics = _one_step(model, NextTokenLoss(grad_accum=4), batch, key)
+    _assert_same_model(whole, accumulated, 1e-5)
+    for name in ("loss", "accuracy", "bits_per_byte", "grad_norm"):
+        np.testing.assert_allclose(metrics[name], whole_metrics[name], rtol=1e-5)
+    with pytest.raises(ValueError, match="must divide the batch"):
+        value_and_grad(NextTokenLoss(grad_accum=3), model, batch, key)
+
+
+def test_grad_accum_combines_over_a_device_axis(getkey):
+    """With `axis_name`, each device's accumulated gradient is averaged over the devices (as pmap would)."""
+    model, batch, key = tiny_model(getkey()), tiny_batch(8), getkey()
+    loss = NextTokenLoss(grad_accum=2)
+    (whole, _), whole_grads = value_and_grad(loss, model, batch, key)
+    per_device = jax.tree.map(lambda x: x.reshape(2, 4, *x.shape[1:]), batch)
+    on_devices = eqx.filter_vmap(lambda b: value_and_grad(loss, model, Batch(*b), key, axis_name="devices"),
+                                 axis_name="devices")
+    (mapped, _), grads = on_devices(per_device)
+    np.testing.assert_allclose(mapped, jnp.stack([whole, whole]), rtol=1e-6)
+    _assert_same_model(jax.tree.map(lambda g: g[0], grads), whole_grads, 1e-6)
+
+
+def test_remat_gives_the_same_loss_and_gradients_with_less_memory(getkey):
+    key, batch = getkey(), tiny_batch(8)
+    plain, remat = tiny_model(key, depth=4), tiny_model(key, depth=4, remat=True)
+    (loss, _), grads = value_and_grad(NextTokenLoss(), plain, batch, key)
+    (remat_loss, _), remat_grads = value_and_grad(NextTokenLoss(), remat, batch, key)
+    np.testing.assert_allclose(remat_loss, loss, rtol=1e-6)
+    _assert_same_model(remat_grads, grads, 1e-6)
+
+    def temp_bytes(model) -> int:
+        params, static = eqx.partition(model, eqx.is_array)
+        step = jax.jit(lambda p: NextTokenLoss().value_and_grad(eqx.combine(p, static), None, batch, key))
+        return step.lower(params).compile().memory_analysis().temp_size_in_bytes
+
+    assert temp_bytes(remat) < temp_bytes(plain)
+
+
+BF16_TOLERANCE = 0.01  # nats after 30 Adam steps: bf16 rounding of weights and activations (measured 4e-4)
+
+
+def test_bf16_compute_trains_like_float32(getkey):
+    """bf16 compute keeps float32 master weights and optimizer state, float32 logits, and after 30
+    steps on the same batches a loss within BF16_TOLERANCE of float32's."""
+    key, train_key = getkey(), getkey()
+    losses = {}
+    for dtype in ("float32", "bfloat16"):
+        state = TrainState.create(tiny_model(key, compute_dtype=dtype), optax.adam(1e-2), key=train_key)
+        step = eqx.filter_jit(lambda s, b: train_step(s, b, NextTokenLoss()))
+        for i in range(30):
+            state, metrics = step(state, tiny_batch(8, seed=i % 3))
+        assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(eqx.filter(state, eqx.is_inexact_array)))
+        losses[dtype] = float(metrics["loss"])
+    assert losses["float32"] < 3.5  # it learned something (uniform over bytes is ln 256 = 5.55)
+    assert abs(losses["bfloat16"] - losses["float32"]) < BF16_TOLERANCE, losses
+
+
+def test_experiment_trains_and_reports_bits_per_byte(tmp_path, monkeypatch, capsys):
+    (tmp_path / "text.txt").write_bytes(b"the quick brown fox jumps over the lazy dog. " * 200)
+    monkeypatch.chdir(tmp_path)
+    module = load_experiment("lm")
+    flags = ["--text", "text.txt", "--steps", "6", "--context", "16", "--dim", "16", "--depth", "1", "--heads", "2",
+             "--batch-size", "8", "--grad-accum", "2", "--steps-per-call", "3", "--log-every", "3", "--run-dir", "r",
+             "--no-progress"]
+    main_entry(module.main, module.Config, flags)
+    summary = json.loads((tmp_path / "r/summary.json").read_text())
+    assert summary["step"] == 6 and summary["bytes_per_s"] > 0
+    assert abs(summary["test_bits_per_byte"] - summary["test_loss"] / np.log(2)) < 1e-6
+    assert "bits/byte" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        main_entry(module.main, module.Config, [*flags[:-3], "--grad-accum", "3", "--run-dir", "r2"])
+    assert exit_info.value.code == 2
+
+
+def test_resumed_run_ends_where_an_uninterrupted_one_does(tmp_path, monkeypatch):
+    """The windows of a step are a pure function of (seed, step): a run resumed at step 4 logs what an
+    uninterrupted one does."""
+    (tmp_path / "text.txt").write_bytes(b"pack my box with five dozen liquor jugs. " * 200)
+    monkeypatch.chdir(tmp_path)
+    module = load_experiment("lm")
+    flags = ["--text", "text.txt", "--context", "16", "--dim", "16", "--depth", "1", "--heads", "2", "--batch-size",
+             "8", "--steps-per-call", "2", "--log-every", "2", "--no-progress"]
+    main_entry(module.main, module.Config, [*flags, "--steps", "8", "--run-dir", "whole"])
+    main_entry(module.main, module.Config, [*flags, "--steps", "8", "--run-dir", "parts", "--checkpoint-every", "4"])
+    (tmp_path / "parts/checkpoints/step_000000008.ckpt").unlink()  # as if killed between steps 4 and 8
+    main_entry(module.main, module.Config, [*flags, "--steps", "8", "--run-dir", "parts", "--checkpoint-every", "4",
+                                            "--resume"])
+    losses = {name: [json.loads(line)["train/loss"] for line in (tmp_path / name / "metrics.jsonl").open()]
+              for name in ("whole", "parts")}
+    assert len(losses["whole"]) == 4 and losses["whole"] == losses["parts"]
