@@ -279,6 +279,8 @@ def run_experiment(
     else:
         result = _train(experiment, config, setup, state, placement, run if writer else None, header, fit_kwargs)
     summary = {"experiment": experiment, **_summary(result), "wall_seconds": time.perf_counter() - start}
+    if placement.name != "none":  # how the state is spread: FSDP holds about 1/N of it a device
+        summary["state_bytes_per_device"] = result.state_bytes_per_device
     summary.update((summary_extra(result) if callable(summary_extra) else summary_extra) or {})
     if writer:
         run.write_summary(summary)
@@ -329,8 +331,6 @@ def _summary(result: FitResult) -> dict[str, Any]:
     summary.update({f"test_raw_{k}": v for k, v in (result.raw_eval_metrics or {}).items()})
     summary.update({f"train_{k}": v for k, v in result.train_metrics.items() if k in ("loss", "member_loss")})
     summary["step"] = int(np.max(np.asarray(result.state.step)))
-    if result.state_bytes_per_device is not None:
-        summary["state_bytes_per_device"] = result.state_bytes_per_device
     return summary
 
 
