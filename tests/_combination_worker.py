@@ -30,7 +30,7 @@ with install_import_hook("research", "beartype.beartype"):  # the same shape che
     import jax
 
     import research.population
-    import research.per_example  # the experiments' imports of research, checked too
+    import research.per_example  # noqa: F401  the experiments' imports of research, checked too
     from research.cli import main_entry
     from research.experiment import load_experiment
 

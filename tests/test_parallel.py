@@ -35,7 +35,7 @@ from research.parallel import (
     simulate_cpu_devices,
 )
 from research.parallel.launch import launch
-from research.train import classification_loss, fit, load_checkpoint
+from research.train import fit, load_checkpoint
 
 ROOT = Path(__file__).parent.parent
 WORKER = Path(__file__).parent / "_parallel_worker.py"

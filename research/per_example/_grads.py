@@ -89,6 +89,12 @@ def _example_keys(key: PRNGKeyArray | None, batch_size: int) -> Array | None:
     return None if key is None else example_keys(key, batch_size)
 
 
+def _examples(batch: Batch, key: PRNGKeyArray | None) -> tuple[int, tuple[Array, Array, Array | None]]:
+    """`(batch size, (inputs, labels, one key per example or None))`, the shapes checked."""
+    batch_size = _check_batch(batch.inputs, batch.labels)
+    return batch_size, (batch.inputs, batch.labels, _example_keys(key, batch_size))
+
+
 def _value_and_grad_of_one(loss_fn: ExampleLossFn, model: eqx.Module, model_state: eqx.nn.State | None):
     def one(example: tuple[Array, Array, PRNGKeyArray | None]) -> tuple[PyTree, ExampleMetrics]:
         inputs, label, key = example
@@ -143,8 +149,7 @@ def ghost_problem(
 ) -> str | None:
     """Why ghost clipping cannot take this model's per-example norms (None: it can, and
     `method="auto"` uses it). Traces the model on the batch's first example; runs nothing."""
-    batch_size = _check_batch(batch.inputs, batch.labels)
-    examples = (batch.inputs, batch.labels, _example_keys(key, batch_size))
+    _, examples = _examples(batch, key)
     plan = ghost_plan(model, model_state, loss_fn, _first_example(examples))
     return plan if isinstance(plan, str) else None
 
@@ -175,8 +180,7 @@ def per_example_grads(
     to one value per example.
     """
     check_per_example_model(model)
-    batch_size = _check_batch(batch.inputs, batch.labels)
-    examples = (batch.inputs, batch.labels, _example_keys(key, batch_size))
+    _, examples = _examples(batch, key)
     return _map_examples(_value_and_grad_of_one(loss_fn, model, model_state), examples, chunk_size)
 
 
@@ -192,13 +196,13 @@ def per_example_losses(
 ) -> Float[Array, " batch"]:
     """Every example's loss (arguments as in `per_example_grads`), without gradients."""
     check_per_example_model(model)
-    batch_size = _check_batch(batch.inputs, batch.labels)
+    _, examples = _examples(batch, key)
 
     def one(example):
         inputs, label, example_key = example
         return loss_fn(model, model_state, inputs, label, example_key)[0]
 
-    return _map_examples(one, (batch.inputs, batch.labels, _example_keys(key, batch_size)), chunk_size)
+    return _map_examples(one, examples, chunk_size)
 
 
 @typecheck
@@ -226,8 +230,7 @@ def per_example_norms(
     `per_example_grads`; with `method="ghost"` (or `"auto"` on a covered model) no per-example
     gradient is formed."""
     check_per_example_model(model)
-    batch_size = _check_batch(batch.inputs, batch.labels)
-    examples = (batch.inputs, batch.labels, _example_keys(key, batch_size))
+    _, examples = _examples(batch, key)
     plan = _ghost_plan_for(method, model, model_state, loss_fn, examples)
     if plan is not None:
         return _map_examples(ghost_norm_of_one(plan, loss_fn, model, model_state), examples, chunk_size)
@@ -291,9 +294,8 @@ def clipped_gradient_sum(
     if clip_norm <= 0:
         raise ValueError(f"clip_norm must be positive, got {clip_norm}")
     check_per_example_model(model)
-    batch_size = _check_batch(batch.inputs, batch.labels)
+    batch_size, examples = _examples(batch, key)
     weights = jnp.ones(batch_size, jnp.float32) if weights is None else weights
-    examples = (batch.inputs, batch.labels, _example_keys(key, batch_size))
     one = _value_and_grad_of_one(loss_fn, model, model_state)
     plan = _ghost_plan_for(method, model, model_state, loss_fn, examples)
 

@@ -221,10 +221,6 @@ class CompiledTrainer:
         named_leaves = dict(zip(self.leaf_names(), leaves, strict=True))
         self.traces.record(f"train {name} function", {**named_leaves, **arguments})
 
-    def state(self, leaves: Leaves) -> TrainState:
-        """The TrainState of `leaves`, usable on the host: to evaluate, save or return."""
-        return self._combine(self.unpack(leaves, on_host=True))
-
     def _combine(self, leaves: Leaves) -> TrainState:
         return eqx.combine(jax.tree.unflatten(self._treedef, leaves), self._static)
 

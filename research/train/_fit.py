@@ -80,7 +80,8 @@ def fit(
     if run is not None:
         checkpoint = Checkpoint(run, keep_checkpoints, checkpoint_header or {}, checkpoint_seconds)
         engine.add_hook(checkpoint, every=checkpoint_every or num_steps, on_preemption=True)
-        engine.add_hook(checkpoint.when_due)
+        if checkpoint_seconds:
+            engine.add_hook(checkpoint.when_due)
     try:
         return engine.fit(state, train_data, num_steps, resume_window=resume_window)
     finally:
