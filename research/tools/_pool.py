@@ -16,6 +16,34 @@ from ..train import RunDir
 ALREADY_FINISHED = ": nothing to train"
 
 
+class _Interrupts:
+    """The sweep's SIGTERM/SIGINT handler: raises KeyboardInterrupt, except while a run is being
+    started, when it is held until the run is registered (an interrupt inside `Popen` would leave a
+    process no one stops)."""
+
+    def __init__(self) -> None:
+        self.starting = self.pending = False
+
+    def __call__(self, signum: int, frame: object) -> None:
+        if self.starting:
+            self.pending = True
+        else:
+            raise KeyboardInterrupt
+
+    def start(self, running: list, run: "Run", log_dir: Path) -> None:
+        self.starting = True
+        try:
+            running.append(_start(run, log_dir))
+        finally:
+            self.starting = False
+        if self.pending:
+            self.pending = False
+            raise KeyboardInterrupt
+
+
+INTERRUPTS = _Interrupts()
+
+
 @dataclasses.dataclass(frozen=True)
 class Run:
     """One run of a sweep: its name (`lr=0.1,seed=0`), the swept values, its directory and command."""
@@ -93,7 +121,7 @@ def run_all(next_run: Callable[[], Run | None], jobs: int, log_dir: Path,
     try:
         while True:
             while len(running) < jobs and (run := next_run()) is not None:
-                running.append(_start(run, log_dir))
+                INTERRUPTS.start(running, run, log_dir)
             if not running:
                 return outcomes
             time.sleep(0.05)

@@ -39,7 +39,7 @@ from ..experiment import RUNS_ROOT, load_experiment
 from ..progress import format_duration
 from ..train import RunDir
 from ._axes import SET_BY_SWEEP, Axis, check_passed_flags, flag_words, parse_axis, run_name, sweepable_fields
-from ._pool import Outcome, Run, run_all
+from ._pool import INTERRUPTS, Outcome, Run, run_all
 from ._runs import Parser, UsageError, fail
 from .compare_runs import compare_runs
 from .plot_runs import plot_runs
@@ -213,19 +213,17 @@ def sweep_search(args: Any, axes: Sequence[Axis], make: Callable[[int, dict[str,
 
 @contextmanager
 def _sigterm_interrupts() -> Iterator[None]:
-    """SIGTERM stops the sweep like Ctrl-C does: its runs are stopped too (resume them by rerunning)."""
+    """SIGTERM stops the sweep like Ctrl-C does: its runs are stopped too (resume them by rerunning).
+    Both are held while a run is being started (`_pool.INTERRUPTS`), so none escapes the stop."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-
-    def interrupt(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
+    previous = {number: signal.signal(number, INTERRUPTS) for number in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for number, handler in previous.items():
+            signal.signal(number, handler)
 
 
 def sweep(args: Any) -> int:
