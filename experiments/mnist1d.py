@@ -18,7 +18,8 @@ import optax
 
 from research.cli import (EMA, Checkpointing, Devices, Tracking, Training, main_entry, non_negative, option,
                           positive)
-from research.data import MNIST1D_CLASSES, MNIST1D_LENGTH, load_mnist1d, train_and_eval_loaders
+from research.data import (MNIST1D_CLASSES, MNIST1D_LENGTH, MNIST1D_TRAIN_SIZE, eval_loader, load_mnist1d,
+                           split_validation, train_and_eval_loaders)
 from research.experiment import Setup, run_experiment
 from research.nn import build_model, model_names
 from research.train import TrainState
@@ -65,6 +66,10 @@ RECIPES: dict[str, dict[str, Any]] = {
 assert set(RECIPES) == set(MODEL_HPARAMS) == set(ModelName.__args__) <= set(model_names())
 
 
+def below_training_size(value: int) -> str | None:
+    return None if 0 <= value < MNIST1D_TRAIN_SIZE else f"must be in [0, {MNIST1D_TRAIN_SIZE})"
+
+
 @dataclasses.dataclass(frozen=True)
 class Config(Training, Checkpointing, Devices, EMA, Tracking):
     """Train one model of the zoo on MNIST-1D (4,000 training / 1,000 test signals of length 40).
@@ -75,11 +80,12 @@ class Config(Training, Checkpointing, Devices, EMA, Tracking):
                                check=positive, resumable=True)
     lr: float | None = option(
         None, "Adam learning rate (default: per model: logistic 3e-3; mlp, cnn, gru 1e-2; resnet, transformer 1e-3)",
-        check=positive)
+        check=positive, vmappable=True)
     batch_size: int | None = option(None, "examples per training step (default: per model: mlp, cnn 32; others 100)",
                                     check=positive)
     weight_decay: float | None = option(
-        None, "decoupled weight decay, AdamW (default: per model: mlp 0.3, cnn 0.1, others 0)", check=non_negative)
+        None, "decoupled weight decay, AdamW (default: per model: mlp 0.3, cnn 0.1, others 0)", check=non_negative,
+        vmappable=True)
     schedule: Literal["constant", "cosine"] | None = option(
         None, "learning-rate schedule over --steps (default: per model: logistic, mlp, cnn cosine; others constant)")
     steps_per_call: int | None = option(
@@ -87,6 +93,9 @@ class Config(Training, Checkpointing, Devices, EMA, Tracking):
         check=positive)
     loader: Literal["device", "torch"] = option(
         "device", "device: batches gathered on the device; torch: a torch DataLoader with numpy collate")
+    val_size: int = option(
+        0, "training examples held out as a validation set, evaluated as val/... (the same examples for every "
+        "--seed; 0: train on all 4,000)", check=below_training_size)
     data_dir: str = option("data", "where the generated MNIST-1D arrays are cached (mnist1d-seed42.npz)")
     log_every: int = option(500, "steps between logged training metrics", check=positive)
 
@@ -102,6 +111,16 @@ def learning_rate(config: Config) -> optax.Schedule:
     return optax.constant_schedule(config.lr)
 
 
+def optimizer(config: Config) -> optax.GradientTransformation:
+    """AdamW (weight decay 0 is Adam) at a constant rate, or scaled by the cosine schedule's shape. The
+    learning rate and the weight decay live in its state, so runs that differ in them train as one
+    vmapped population (`scripts/sweep --vmapped`)."""
+    adamw = optax.inject_hyperparams(optax.adamw)(learning_rate=config.lr, weight_decay=config.weight_decay)
+    if config.schedule == "cosine":
+        return optax.chain(adamw, optax.scale_by_schedule(optax.cosine_decay_schedule(1.0, decay_steps=config.steps)))
+    return adamw
+
+
 def build_state(config: Config) -> TrainState:
     """The step-0 state of a resolved config: the model of `--model` and Adam (AdamW with weight decay)."""
     model_key, train_key = jax.random.split(jax.random.key(config.seed))
@@ -111,21 +130,21 @@ def build_state(config: Config) -> TrainState:
     else:
         hparams.update(length=MNIST1D_LENGTH, classes=MNIST1D_CLASSES)
     model, model_state = build_model(config.model, key=model_key, **hparams)
-    lr = learning_rate(config)
-    optimizer = optax.adamw(lr, weight_decay=config.weight_decay) if config.weight_decay else optax.adam(lr)
-    return TrainState.create(model, optimizer, key=train_key, model_state=model_state)
+    return TrainState.create(model, optimizer(config), key=train_key, model_state=model_state)
 
 
 def setup(config: Config) -> Setup:
     """The state and the data of a run, without training (`scripts/show_jaxpr mnist1d` uses it too)."""
     config = config.resolved()
     train, test = load_mnist1d(config.data_dir)
+    train, val = split_validation(train, config.val_size)
     train_data, test_data = train_and_eval_loaders(
         train, test, config.batch_size, seed=config.seed, kind=config.loader, eval_batch_size=len(test.labels))
     return Setup(
         build_state=lambda: build_state(config),
         train_data=train_data,
         eval_data=test_data,
+        val_data=eval_loader(val, len(val.labels), config.loader) if config.val_size else None,
         num_steps=config.steps,
         lr_schedule=learning_rate(config),
     )

@@ -22,6 +22,7 @@ class Config(Training, Checkpointing, Devices, EMA, Tracking):
     """Train an MLP on noisy XOR (2,500 training points, 500 test points)."""
 
     epochs: int = option(100, "passes over the training set", check=positive, resumable=True)
+    lr: float = option(0.1, "SGD learning rate", check=positive, vmappable=True)
     hidden: int = option(8, "hidden units", check=positive)
     train_size: int = option(2500, "training points", check=positive)
     test_size: int = option(500, "test points", check=positive)
@@ -36,7 +37,8 @@ class Config(Training, Checkpointing, Devices, EMA, Tracking):
 def build_state(config: Config) -> TrainState:
     model_key, train_key = jax.random.split(jax.random.key(config.seed))
     model, _ = build_model("mlp", in_size=2, out_size=1, hidden=(config.hidden,), activation="tanh", key=model_key)
-    return TrainState.create(model, optax.sgd(config.lr), key=train_key)
+    # The learning rate lives in the optimizer's state, so runs that differ in it train as one population.
+    return TrainState.create(model, optax.inject_hyperparams(optax.sgd)(learning_rate=config.lr), key=train_key)
 
 
 def setup(config: Config) -> Setup:

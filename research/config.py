@@ -45,7 +45,7 @@ def _tensorboard_installed(value: bool) -> str | None:
 
 
 def option(default: Any, help: str, *, check: Callable[[Any], str | None] | None = None,
-           resumable: bool = False) -> Any:
+           resumable: bool = False, vmappable: bool = False) -> Any:
     """A config field.
 
     **Arguments:**
@@ -55,8 +55,13 @@ def option(default: Any, help: str, *, check: Callable[[Any], str | None] | None
     - `check`: returns what is wrong with a (non-None) value, or None.
     - `resumable`: a run may be resumed with another value (how long it trains, where it logs, which
       devices): `--resume` refuses a config that differs from the run's in any other option.
+    - `vmappable`: runs that differ only in such options can train as one vmapped population
+      (`scripts/sweep --vmapped`): the option changes array values of the step-0 state and the
+      shuffling, never a shape or the compiled program (a hyperparameter the optimizer keeps in its
+      state through `optax.inject_hyperparams`; the seed).
     """
-    return dataclasses.field(default=default, metadata={"help": help, "check": check, "resumable": resumable})
+    return dataclasses.field(default=default, metadata={"help": help, "check": check, "resumable": resumable,
+                                                         "vmappable": vmappable})
 
 
 def flag_name(field_name: str) -> str:
@@ -95,7 +100,7 @@ class Options:
 class Training(Options):
     """How the model is trained."""
 
-    seed: int = option(0, "root seed: model init, dropout and data order all derive from it")
+    seed: int = option(0, "root seed: model init, dropout and data order all derive from it", vmappable=True)
     batch_size: int = option(128, "examples per training step", check=positive)
     lr: float = option(0.1, "learning rate", check=positive)
     log_every: int = option(100, "steps between logged training metrics", check=positive, resumable=True)
@@ -204,6 +209,11 @@ def check_combination(config: Any, processes: int | None = None) -> None:
         raise ConfigError("--debug-nans replays steps op by op on one device; drop --devices and --parallel")
     if config.resume == "auto" and config.run_dir is None:
         raise ConfigError("--resume auto needs --run-dir: the directory a restarted job finds its run in")
+
+
+def vmappable_options(config: Any) -> set[str]:
+    """The fields of `config` (or of its class) a vmapped population may vary (`option(vmappable=True)`)."""
+    return {f.name for f in dataclasses.fields(config) if f.metadata.get("vmappable")}
 
 
 def resumable_options(config: Any) -> set[str]:

@@ -103,6 +103,17 @@ def _check_same_config(run: RunDir, config: Options) -> None:
         raise ConfigError(f"--resume: the config differs from the run in {run.path}: " + "; ".join(differences))
 
 
+def config_record(experiment: str, config: Options, setup: "Setup") -> dict[str, Any]:
+    """What a run's config.json holds: the config, the resolved step count, library versions, the command."""
+    return {
+        "experiment": experiment,
+        "config": config.to_dict(),
+        "resolved": {"num_steps": setup.num_steps, "steps_per_epoch": setup.train_data.steps_per_epoch},
+        "versions": _versions(),
+        "command": [Path(sys.argv[0]).name, *sys.argv[1:]],
+    }
+
+
 def finished_summary(run: RunDir, checkpoint: Path | None, num_steps: int) -> dict[str, Any] | None:
     """The summary of a run that `resolve_run_dir` resumes at its last step after it finished; else None."""
     if checkpoint is None or read_header(checkpoint)["step"] != num_steps:
@@ -119,7 +130,8 @@ class Setup:
 
     - `build_state`: makes the step-0 TrainState (when resuming, the skeleton a checkpoint fills).
     - `train_data`: a `DeviceLoader` or a `TorchLoader`.
-    - `eval_data`: a `DeviceLoader` or a torch `DataLoader` of numpy batches.
+    - `eval_data`: a `DeviceLoader` or a torch `DataLoader` of numpy batches: the test set.
+    - `val_data`: a validation set like `eval_data` (`None`: none), evaluated with it, as `val/...`.
     - `num_steps`: the total number of training steps.
     - `loss_fn`: `(model, model_state, batch, key) -> (loss, (metrics, model_state))`.
     - `lr_schedule`: the optimizer's learning-rate schedule, when it has one (logged as `lr`).
@@ -136,6 +148,7 @@ class Setup:
     lr_schedule: Callable[[int], Any] | None = None
     population: bool = False
     evaluator: Evaluator | None = None
+    val_data: DeviceLoader | HostLoader | None = None
 
     def evaluate_with(self) -> Evaluator:
         """The evaluator this run uses."""
@@ -266,13 +279,7 @@ def run_experiment(
             print(f"resuming {run.path} from step {start_step} ({checkpoint.name})", file=sys.stderr)
     if writer:
         run.create()
-        run.write_config({
-            "experiment": experiment,
-            "config": config.to_dict(),
-            "resolved": {"num_steps": setup.num_steps, "steps_per_epoch": setup.train_data.steps_per_epoch},
-            "versions": _versions(),
-            "command": [Path(sys.argv[0]).name, *sys.argv[1:]],
-        })
+        run.write_config(config_record(experiment, config, setup))
     start = time.perf_counter()
     if header.get("step") == setup.num_steps:  # checkpointed at its last step, stopped before its summary
         result = _evaluate_finished(setup, state, run, placement)
@@ -299,7 +306,8 @@ def _train(experiment: str, config: Options, setup: Setup, state: TrainState, pl
         return fit(
             state, setup.train_data, num_steps=setup.num_steps, loss_fn=setup.loss_fn, placement=placement,
             population=setup.population, evaluator=setup.evaluate_with(),
-            lr_schedule=setup.lr_schedule, eval_data=setup.eval_data, eval_every=config.eval_every or None,
+            lr_schedule=setup.lr_schedule, eval_data=setup.eval_data, val_data=setup.val_data,
+            eval_every=config.eval_every or None,
             log_every=config.log_every, steps_per_call=config.steps_per_call, run=run,
             checkpoint_every=config.checkpoint_every or None, keep_checkpoints=config.keep_checkpoints,
             checkpoint_seconds=60 * config.checkpoint_minutes or None, stop_signals=True,
@@ -317,17 +325,19 @@ def _evaluate_finished(setup: Setup, state: TrainState, run: RunDir, placement: 
     """The result of a run whose training ended (its last checkpoint is at its last step) but that was
     stopped before it wrote its summary: its final model evaluated again, its last logged train metrics."""
     metrics, raw = setup.evaluate_with()(state, setup.eval_data)
+    val = None if setup.val_data is None else setup.evaluate_with()(state, setup.val_data)[0]
     records = run.read_metrics()
     last = records[-1] if records else {}
     train = {k[len("train/"):]: v for k, v in last.items() if k.startswith("train/")}
     placed = bytes_on_first_device(placement.place(jax.tree.leaves(eqx.filter(state, eqx.is_array))))
-    return FitResult(state, train, metrics, 0.0, raw, placed, steps_per_s=last.get("steps_per_s"))
+    return FitResult(state, train, metrics, 0.0, raw, placed, steps_per_s=last.get("steps_per_s"), val_metrics=val)
 
 
 def _summary(result: FitResult) -> dict[str, Any]:
     """A run's final numbers: `test_<metric>` (of the EMA model with an EMA, and `test_raw_<metric>` of
     the trained one), `train_loss`, `step`; a population's include each member's and the ensemble's."""
     summary = {f"test_{k}": v for k, v in (result.eval_metrics or {}).items()}
+    summary.update({f"val_{k}": v for k, v in (result.val_metrics or {}).items()})
     summary.update({f"test_raw_{k}": v for k, v in (result.raw_eval_metrics or {}).items()})
     summary.update({f"train_{k}": v for k, v in result.train_metrics.items() if k in ("loss", "member_loss")})
     summary["step"] = int(np.max(np.asarray(result.state.step)))
@@ -341,6 +351,8 @@ def summary_line(experiment: str, summary: dict[str, Any], run: RunDir) -> str:
         members = np.asarray(summary["test_member_accuracy"])
         raw += (f"; {len(members)} members {100 * members.min():.2f}-{100 * members.max():.2f}%, their ensemble "
                 f"(mean of probabilities) {100 * summary['test_ensemble_accuracy']:.2f}%")
+    if "val_accuracy" in summary:
+        raw += f"; validation accuracy {100 * summary['val_accuracy']:.2f}%"
     what = "mean member test accuracy" if "test_ensemble_accuracy" in summary else "test accuracy"
     return (f"{experiment}: {what} {100 * summary['test_accuracy']:.2f}%{raw} "
             f"(test loss {summary['test_loss']:.4f}, train loss {summary['train_loss']:.4f}) "

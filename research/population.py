@@ -1,15 +1,18 @@
-"""Populations: K members (seeds today) stacked on a leading axis of every array of ONE train state.
+"""Populations: K members (seeds, hyperparameters) stacked on a leading axis of every array of ONE train state.
 
 A population is not a trainer of its own. Build it with `stack_states(build_state, keys)` (every
-array gains a leading member axis; the model's structure and the optimizer are shared) and train it
-through the engine like any state, `fit(states, ..., population=True, evaluator=evaluate_population)`:
-the compiled step is `train_step` vmapped over the members, all on the same batches, so member k
-ends where its own run would (up to float rounding), and the run gets the placements, EMA,
-checkpoints and resume, metrics and progress of any other run. Each metric then has one value per
-member: the logs hold their mean (`train/loss`) and the values (`train/member_loss`).
+array gains a leading member axis; the model's structure and the optimizer are shared), or from
+states built one by one with `stack_members` (members that differ in hyperparameters the optimizer
+keeps in its state), and train it through the engine like any state,
+`fit(states, ..., population=True, evaluator=evaluate_population)`: the compiled step is
+`train_step` vmapped over the members, all on the same batches (or each on its own run's batches,
+from `DeviceLoader.for_members`), so member k ends where its own run would (up to float rounding),
+and the run gets the placements, EMA, checkpoints and resume, metrics and progress of any other
+run. Each metric then has one value per member: the logs hold their mean (`train/loss`) and the
+values (`train/member_loss`).
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import equinox as eqx
 import jax
@@ -18,6 +21,7 @@ import numpy as np
 from jaxtyping import Key, UInt32
 
 from .data import Batch, DeviceLoader, HostLoader
+from .errors import ConfigError
 from .train import TrainState, classification_metrics, forward, padded_batches
 from .typing import Array, Float, PRNGKeyArray, typecheck
 
@@ -32,6 +36,29 @@ def stack_states(
     one compilation instead of one per eager operation.
     """
     return eqx.filter_jit(eqx.filter_vmap(build_state))(keys)
+
+
+def stack_members(states: Sequence[TrainState]) -> TrainState:
+    """TrainStates built one by one (say, from configs that differ in seed and learning rate) stacked
+    into a population: every array gains a leading member axis; the non-array parts (the model's
+    structure, the optimizer's functions) are member 0's.
+
+    That is right when the members differ in array values only: a hyperparameter the optimizer reads
+    from its state (`optax.inject_hyperparams`), never one baked into its functions. A member whose
+    arrays differ in number, shape or dtype is refused (`ConfigError`).
+    """
+    dynamic, static = eqx.partition(states[0], eqx.is_array)
+    first, treedef = jax.tree.flatten(dynamic)
+    columns = [[leaf] for leaf in first]
+    for k, state in enumerate(states[1:], start=1):
+        leaves = jax.tree.leaves(eqx.filter(state, eqx.is_array))
+        shapes = [(x.shape, x.dtype) for x in leaves]
+        if shapes != [(x.shape, x.dtype) for x in first]:
+            raise ConfigError(f"member {k}'s state has other arrays than member 0's ({len(leaves)} vs {len(first)} "
+                              "arrays, or other shapes): only members of one model structure train as a population")
+        for column, leaf in zip(columns, leaves):
+            column.append(leaf)
+    return eqx.combine(jax.tree.unflatten(treedef, [jnp.stack(column) for column in columns]), static)
 
 
 def num_members(states: TrainState) -> int:

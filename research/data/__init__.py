@@ -10,8 +10,10 @@ from ._loaders import (
     TorchLoader,
     dataset_arrays,
     epoch_seed,
+    eval_loader,
     make_dataloader,
     numpy_collate,
+    split_validation,
     train_and_eval_loaders,
 )
 from ._mnist1d import (
@@ -42,6 +44,7 @@ __all__ = [
     "XORDataset",
     "dataset_arrays",
     "epoch_seed",
+    "eval_loader",
     "generate_mnist1d",
     "load_mnist1d",
     "make_dataloader",
@@ -50,5 +53,6 @@ __all__ = [
     "read_text_bytes",
     "reference_bits_per_byte",
     "split_held_out",
+    "split_validation",
     "train_and_eval_loaders",
 ]

@@ -1,3 +1,4 @@
+import copy
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 
@@ -144,12 +145,35 @@ class DeviceLoader:
         self.seed = seed
         self.shuffle = shuffle
         self.steps_per_epoch = self.size // batch_size
+        self.members: tuple[DeviceLoader, ...] | None = None
         self._order_cache: tuple[int, np.ndarray] | None = None
 
     @classmethod
     def from_dataset(cls, dataset: Dataset, batch_size: int, **kwargs: Any) -> "DeviceLoader":
         inputs, labels = dataset_arrays(dataset)
         return cls(inputs, labels, batch_size, **kwargs)
+
+    @classmethod
+    def for_members(cls, loaders: Sequence["DeviceLoader"]) -> "DeviceLoader":
+        """One loader for a population whose member k sees the batches `loaders[k]` gives its own run
+        (the same examples, each member's own shuffling): `step_indices` then has a member axis,
+        `[steps, members, batch]`. The data stays on the device once."""
+        first = loaders[0]
+        for k, other in enumerate(loaders[1:], start=1):
+            if other.batch_size != first.batch_size or other.shuffle != first.shuffle:
+                raise DataError(f"member {k} takes batches of {other.batch_size}, member 0 of {first.batch_size}: "
+                                "the members of one population step through their data together")
+            if not all(a.shape == b.shape and np.array_equal(a, b) for a, b in zip(other.host, first.host)):
+                raise DataError(f"member {k} trains on other examples than member 0: one population trains on "
+                                "one data set (only the order may differ)")
+        loader = copy.copy(first)
+        loader.members = tuple(loaders)
+        return loader
+
+    @property
+    def index_shape(self) -> tuple[int, ...]:
+        """The shape of one step's indices: `(batch,)`, or `(members, batch)` (`for_members`)."""
+        return (self.batch_size,) if self.members is None else (len(self.members), self.batch_size)
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         if not self.shuffle:
@@ -161,6 +185,8 @@ class DeviceLoader:
 
     def step_indices(self, start_step: int, num_steps: int) -> np.ndarray:
         """Indices of the examples of global steps `start_step .. start_step + num_steps - 1`."""
+        if self.members is not None:
+            return np.stack([m.step_indices(start_step, num_steps) for m in self.members], axis=1)
         rows = np.empty((num_steps, self.batch_size), dtype=np.int32)
         done = 0
         while done < num_steps:  # a slice per epoch touched: host time per step is what a tiny model pays
@@ -197,6 +223,28 @@ class ArrayDataset:
         return self.inputs[index], self.labels[index]
 
 
+def split_validation(train: Batch, size: int, *, seed: int = 0) -> tuple[Batch, Batch]:
+    """`(train, validation)`: `size` examples of `train` held out, picked by `seed` alone, so that
+    every run (whatever its own seed) holds out the same ones; the rest keep their order."""
+    if not 0 <= size < len(train.labels):
+        raise DataError(f"a validation set of {size} examples out of {len(train.labels)} training examples")
+    held_out = np.zeros(len(train.labels), bool)
+    held_out[np.random.default_rng(seed).permutation(len(train.labels))[:size]] = True
+    kept = Batch(train.inputs[~held_out], train.labels[~held_out])
+    return kept, Batch(train.inputs[held_out], train.labels[held_out])
+
+
+def eval_loader(data: Batch, batch_size: int, kind: Literal["device", "torch"] = "device") -> DeviceLoader | HostLoader:
+    """Every example of `data` in order, in batches of at most `batch_size`: a `DeviceLoader`
+    (`kind="device"`) or a torch `DataLoader` with numpy collate (`kind="torch"`)."""
+    batch_size = min(batch_size, len(data.labels))
+    if kind == "device":
+        return DeviceLoader(data.inputs, data.labels, batch_size, shuffle=False)
+    if kind == "torch":
+        return make_dataloader(ArrayDataset(data.inputs, data.labels), batch_size, shuffle=False)
+    raise ValueError(f"unknown loader kind {kind!r}; expected 'device' or 'torch'")
+
+
 def train_and_eval_loaders(
     train: Batch,
     test: Batch,
@@ -213,16 +261,7 @@ def train_and_eval_loaders(
     training set by `seed` and keep the test set in order (in batches of `eval_batch_size`, default
     `batch_size`).
     """
-    eval_batch_size = eval_batch_size or batch_size
+    test_data = eval_loader(test, eval_batch_size or batch_size, kind)
     if kind == "device":
-        return (
-            DeviceLoader(train.inputs, train.labels, batch_size, seed=seed),
-            DeviceLoader(test.inputs, test.labels, min(eval_batch_size, len(test.labels)), shuffle=False),
-        )
-    if kind == "torch":
-        test_set = ArrayDataset(test.inputs, test.labels)
-        return (
-            TorchLoader(ArrayDataset(train.inputs, train.labels), batch_size, seed=seed),
-            make_dataloader(test_set, min(eval_batch_size, len(test_set)), shuffle=False),
-        )
-    raise ValueError(f"unknown loader kind {kind!r}; expected 'device' or 'torch'")
+        return DeviceLoader(train.inputs, train.labels, batch_size, seed=seed), test_data
+    return TorchLoader(ArrayDataset(train.inputs, train.labels), batch_size, seed=seed), test_data

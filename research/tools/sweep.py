@@ -2,6 +2,7 @@
 
     scripts/sweep xor lr=0.1,0.3,1 seed=0,1 --jobs 2 -- --epochs 5
     scripts/sweep xor lr=1e-3:1:log hidden=4:32 --search tpe --trials 20 --metric test_accuracy
+    scripts/sweep xor lr=0.1,0.3,1 seed=0,1 --vmapped -- --epochs 5
 
 Each `KEY=VALUES` names an option of the experiment's config: `lr=0.1,0.3` (a list: a grid's
 values, a search's choices) or `lr=1e-3:1e-1:log` (a numeric range, for a search). Every run is
@@ -14,6 +15,10 @@ finished with this config is not even started, as `--resume auto` would only pri
 resumes the others. A failed run is reported
 with the last line it wrote to stderr; the others go on, and the sweep then exits with status 1.
 A search keeps its trials in `SWEEP_DIR/study.db` (Optuna, SQLite), so it resumes too.
+
+`--vmapped` trains a grid over vmappable options (the seed; hyperparameters the optimizer keeps in
+its state, marked `option(vmappable=True)`) as one population in one compiled program (`_vmapped`)
+and writes the same run directories; a killed one resumes when rerun.
 
 At the end the sweep prints the `compare_runs` table (with `--over seed` when a grid sweeps
 several seeds) and writes it to `SWEEP_DIR/results.md`, and plots the runs to `SWEEP_DIR/curves.png`.
@@ -34,13 +39,14 @@ from pathlib import Path
 from typing import Any
 
 from ..cli import parse_config
-from ..errors import ConfigError
+from ..errors import ConfigError, Preempted, ResearchInputError
 from ..experiment import RUNS_ROOT, load_experiment
 from ..progress import format_duration
 from ..train import RunDir
 from ._axes import SET_BY_SWEEP, Axis, check_passed_flags, flag_words, parse_axis, run_name, sweepable_fields
 from ._pool import INTERRUPTS, Outcome, Run, run_all
 from ._runs import Parser, UsageError, fail
+from ._vmapped import check_vmappable, sweep_vmapped
 from .compare_runs import compare_runs
 from .plot_runs import plot_runs
 
@@ -69,15 +75,19 @@ def _make_run(script: Path, sweep_dir: Path, flags: Sequence[str], axes: Sequenc
     return Run(name, pairs, path, command)
 
 
-def _check(config_class: type, run: Run) -> dict[str, Any]:
+def _check(config_class: type, run: Run) -> Any:
     """Parse the run's command line as the experiment would: its one-line error becomes a `UsageError`;
-    returns the config (as in config.json)."""
+    returns the config."""
     with redirect_stderr(StringIO()) as err:
         try:
-            config = parse_config(config_class, list(run.command[2:]), prog=run.command[1])
+            return parse_config(config_class, list(run.command[2:]), prog=run.command[1])
         except SystemExit:
             message = err.getvalue().strip().splitlines()[-1:] or ["refused"]
             raise UsageError(f"{run.name}: {message[0].split(': error: ', 1)[-1]}") from None
+
+
+def _as_saved(config: Any) -> dict[str, Any]:
+    """The config as config.json holds it."""
     return json.loads(json.dumps(config.to_dict()))
 
 
@@ -158,7 +168,7 @@ def _failures(failed: Sequence[tuple[Outcome, str]]) -> int:
     return 1 if failed else 0
 
 
-def sweep_grid(runs: Sequence[Run], configs: Sequence[dict[str, Any]], sweep_dir: Path, jobs: int, metric: str,
+def sweep_grid(runs: Sequence[Run], configs: Sequence[Any], sweep_dir: Path, jobs: int, metric: str,
                title: str) -> int:
     """Run `runs` (of `configs`) that did not finish before, `jobs` at a time; report them all; the exit
     status (1 when any failed)."""
@@ -172,7 +182,7 @@ def sweep_grid(runs: Sequence[Run], configs: Sequence[dict[str, Any]], sweep_dir
 
     pending = []
     for run, config in zip(runs, configs):
-        if finished_before(run, config):
+        if finished_before(run, _as_saved(config)):
             finished(Outcome(run, 0, 0.0, "", skipped=True))
         else:
             pending.append(run)
@@ -211,6 +221,30 @@ def sweep_search(args: Any, axes: Sequence[Axis], make: Callable[[int, dict[str,
     return _failures(failed)
 
 
+def sweep_population(experiment: str, module: types.ModuleType, runs: Sequence[Run], configs: Sequence[Any],
+                     sweep_dir: Path, metric: str, title: str) -> int:
+    """Train the runs that did not finish before as one vmapped population (`_vmapped`); report them all."""
+    progress = Progress(len(runs), metric)
+    pending = []
+    for run, config in zip(runs, configs):
+        if finished_before(run, _as_saved(config)):
+            progress(Outcome(run, 0, 0.0, "", skipped=True))
+        else:
+            pending.append((run, config))
+    if pending:
+        try:
+            trained, seconds = sweep_vmapped(experiment, module, *zip(*pending), sweep_dir)
+        except Preempted as e:
+            print(f"sweep: {e}", file=sys.stderr)
+            return e.status
+        except ResearchInputError as e:
+            raise UsageError(str(e)) from None
+        for run in trained:
+            progress(Outcome(run, 0, seconds, "", skipped=False))
+    report(runs, sweep_dir, ["seed"] if len({dict(r.values).get("seed") for r in runs}) > 1 else [], title)
+    return 0
+
+
 @contextmanager
 def _sigterm_interrupts() -> Iterator[None]:
     """SIGTERM stops the sweep like Ctrl-C does: its runs are stopped too (resume them by rerunning).
@@ -242,12 +276,20 @@ def sweep(args: Any) -> int:
     def make(values: dict[str, str], prefix: str = "") -> Run:
         return _make_run(script, args.sweep_dir, args.flags, axes, values, prefix)
 
+    if args.vmapped and args.search != "grid":
+        raise UsageError("--vmapped trains a grid's runs as one population; drop --search")
     if args.search == "grid":
         runs = grid_runs(make, axes)
         configs = [_check(module.Config, run) for run in runs]
+        if args.vmapped:
+            check_vmappable(module.Config, [axis.key for axis in axes], configs[0])
         if args.dry_run:
             print("\n".join(_shown(run, args.experiment) for run in runs))
+            if args.vmapped:
+                print(f"(as one vmapped population of {len(runs)} members, in this process)")
             return 0
+        if args.vmapped:
+            return sweep_population(args.experiment, module, runs, configs, args.sweep_dir, args.metric, title)
         with _sigterm_interrupts():
             return sweep_grid(runs, configs, args.sweep_dir, args.jobs, args.metric, title)
     _check_points(module.Config, make, axes)
@@ -285,6 +327,10 @@ def _parser() -> Parser:
     parser.add_argument("--direction", choices=("maximize", "minimize"), default=None,
                         help="of the search (default: maximize a metric named *accuracy*, else minimize)")
     parser.add_argument("--search-seed", type=int, default=0, help="seed of the search's sampler (default: 0)")
+    parser.add_argument("--vmapped", action="store_true",
+                        help="train the grid as ONE vmapped population in this process (one compiled program; the "
+                             "swept options must be vmappable: the seed, hyperparameters kept in the optimizer's "
+                             "state), then write each run's directory as its own run would")
     parser.add_argument("--dry-run", action="store_true",
                         help="check every run and print the grid's commands (a search's space); start nothing")
     return parser

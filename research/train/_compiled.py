@@ -148,8 +148,9 @@ class CompiledTrainer:
     `unpack(leaves)` gives one array per `leaf_names()` entry.
 
     `population=True`: every array of the state has a leading member axis (`research.population`);
-    the step is `train_step` vmapped over the members, all of them on the same batch, and each
-    metric has one value per member.
+    the step is `train_step` vmapped over the members, all of them on the same batch (with
+    `member_batches=True`, each on its own: batches have a leading member axis), and each metric
+    has one value per member.
 
     With `skip_nonfinite=True` a step whose loss or gradient is NaN/Inf leaves the model, model
     state, optimizer state and EMA unchanged (the step counter, key and data still advance); in a
@@ -162,12 +163,14 @@ class CompiledTrainer:
 
     def __init__(self, loss_fn: LossFn, static: TrainState, treedef: jax.tree_util.PyTreeDef,
                  skip_nonfinite: bool = False, packing: Packing | None = None, *,
-                 placement: Placement = OneDevice(), population: bool = False):
+                 placement: Placement = OneDevice(), population: bool = False, member_batches: bool = False):
+        if member_batches and not (population and isinstance(placement, OneDevice)):
+            raise ValueError("member_batches: a population's own batches per member train on one device")
         self.loss_fn = loss_fn
         self.skip_nonfinite = skip_nonfinite
         self.packing = packing
         self.placement = placement
-        self.population = population
+        self.population, self.member_batches = population, member_batches
         self._static = static
         self._treedef = treedef
         self.num_traces = {"step": 0, "run": 0}
@@ -251,8 +254,11 @@ class CompiledTrainer:
     def _one(self, leaves: Leaves, batch: Batch) -> tuple[Leaves, StepMetrics]:
         old = self._combine(leaves)
         batch = self.placement.constrain(batch)
-        step = lambda s: train_step(s, batch, self.loss_fn, axis_name=self.placement.axis_name)  # noqa: E731
-        new, metrics = eqx.filter_vmap(step)(old) if self.population else step(old)
+        step = lambda s, b: train_step(s, b, self.loss_fn, axis_name=self.placement.axis_name)  # noqa: E731
+        if self.population:
+            new, metrics = eqx.filter_vmap(step, in_axes=(0, 0 if self.member_batches else None))(old, batch)
+        else:
+            new, metrics = step(old, batch)
         if self.skip_nonfinite:
             ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])  # one flag per member
             keep = lambda n, o: jax.tree.map(lambda a, b: jnp.where(_broadcast(ok, a), a, b), n, o)  # noqa: E731
@@ -342,16 +348,17 @@ def static_key(static: TrainState) -> tuple:
 
 
 def compiled_trainer(loss_fn: LossFn, state: TrainState, *, skip_nonfinite: bool = False,
-                     placement: Placement = OneDevice(), population: bool = False) -> CompiledTrainer:
+                     placement: Placement = OneDevice(), population: bool = False,
+                     member_batches: bool = False) -> CompiledTrainer:
     """The `CompiledTrainer` for this loss, this state's structure, placement and non-finite policy,
     built once and reused, so a second `fit` with the same model, optimizer object and loss starts
     warm. A small state on a placement that `packs` travels packed."""
     dynamic, static = eqx.partition(state, eqx.is_array)
     leaves, treedef = jax.tree.flatten(dynamic)
     packing = Packing.of(leaves) if placement.packs else None
-    key = (loss_fn, treedef, *static_key(static), skip_nonfinite, packing, placement, population)
+    key = (loss_fn, treedef, *static_key(static), skip_nonfinite, packing, placement, population, member_batches)
     build = lambda: CompiledTrainer(loss_fn, static, treedef, skip_nonfinite, packing,  # noqa: E731
-                                    placement=placement, population=population)
+                                    placement=placement, population=population, member_batches=member_batches)
     with _cache_lock:
         try:
             return _cache[key]

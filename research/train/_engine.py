@@ -78,6 +78,7 @@ class FitResult:
     raw_eval_metrics: dict[str, float] | None = None  # of the trained (not averaged) model, when EMA is on
     state_bytes_per_device: int | None = None  # the train state's bytes on the first device (FSDP: ~1/N)
     steps_per_s: float | None = None  # over the last logging window (compile and hooks left out)
+    val_metrics: dict[str, float] | None = None  # on the validation set, when the run has one
 
 
 class Engine:
@@ -126,8 +127,11 @@ class Engine:
         """Train `state` (left untouched) until its step is `num_steps`; `resume_window` is the
         `window` of the checkpoint it came from, so a resumed run logs what an uninterrupted one would."""
         start_time = time.perf_counter()
-        trainer = compiled_trainer(self.loss_fn, state, skip_nonfinite=self.skip_nonfinite,
-                                   placement=self.placement, population=self.population)
+        member_batches = getattr(train_data, "members", None) is not None
+        if member_batches and not self.population:
+            raise ValueError("train_data has batches per member (DeviceLoader.for_members): train a population")
+        trainer = compiled_trainer(self.loss_fn, state, skip_nonfinite=self.skip_nonfinite, placement=self.placement,
+                                   population=self.population, member_batches=member_batches)
         traces_before = dict(trainer.num_traces)
         step = int(np.max(np.asarray(state.step)))
         leaves = trainer.place(state)  # fresh copies: the compiled steps donate them
@@ -196,7 +200,7 @@ class _Feed:
         self.calls = 0
         self.several_devices = not isinstance(trainer.placement, OneDevice)
         if isinstance(data, DeviceLoader):
-            self.example = Batch(*(a[: data.batch_size] for a in data.host))
+            self.example = Batch(*(a[np.zeros(data.index_shape, np.int32)] for a in data.host))
             self.device_data = trainer.placement.put_data(data.host, data.arrays)
             self.host_batches = None
         else:
@@ -217,7 +221,7 @@ class _Feed:
         if self.host_batches is None and not self.debug_nans:
             while step < until and not stopped():
                 n = min(self.steps_per_call, until - step)
-                indices = np.zeros((self.steps_per_call, self.data.batch_size), np.int32)
+                indices = np.zeros((self.steps_per_call, *self.data.index_shape), np.int32)
                 indices[:n] = self.data.step_indices(step, n)
                 leaves, stats = self.trainer.run(leaves, stats, self.device_data,
                                                  self.trainer.placement.put_indices(indices), n)
@@ -327,7 +331,7 @@ def _result(state: TrainState, record: dict[str, Any], seconds: float, state_byt
         return found or None
 
     return FitResult(state, prefixed("train/") or {}, prefixed("test/"), seconds, prefixed("test_raw/"), state_bytes,
-                     record.get("steps_per_s"))
+                     record.get("steps_per_s"), prefixed("val/"))
 
 
 def _next_multiple(step: int, every: int | None) -> int | float:

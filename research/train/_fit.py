@@ -24,6 +24,7 @@ def fit(
     loss_fn: LossFn = classification_loss,
     placement: Placement = OneDevice(),
     eval_data: DeviceLoader | HostLoader | None = None,
+    val_data: DeviceLoader | HostLoader | None = None,
     eval_every: int | None = None,
     log_every: int = 100,
     steps_per_call: int = 1,
@@ -53,7 +54,7 @@ def fit(
       Batch order is a pure function of the seed and the step, so a resumed run sees the same data.
     - `num_steps`: the total number of steps (not the number still to take).
     - `eval_data`, `eval_every`, `evaluator`: evaluate every `eval_every` steps (`None`: only at the
-      end) and at the end (`Evaluate`).
+      end) and at the end (`Evaluate`); `val_data` likewise, logged as `val/...`.
     - `run`: where to log (`metrics.jsonl`) and checkpoint; nothing is written when `None`.
     - `checkpoint_every`, `keep_checkpoints`, `checkpoint_header`: `Checkpoint`'s cadence, how many
       to keep and the JSON header written with each (`None`: only the final step, which is always
@@ -70,8 +71,9 @@ def fit(
                     stop_signals=stop_signals)
     if not skip_nonfinite:
         engine.add_hook(NonFiniteGuard(run), on_preemption=True)  # a NaN state is not saved on preemption
-    if eval_data is not None:
-        engine.add_hook(Evaluate(eval_data, progress, evaluator), every=eval_every or num_steps)
+    for data, name in ((val_data, "val"), (eval_data, "test")):
+        if data is not None:
+            engine.add_hook(Evaluate(data, progress, evaluator, name), every=eval_every or num_steps)
     trackers = ([JsonlTracker(run)] if run is not None else []) + ([tracker] if tracker is not None else [])
     engine.add_hook(Track(trackers, lr_schedule))
     start = int(np.max(np.asarray(state.step)))  # a population steps its members together

@@ -47,17 +47,18 @@ class NonFiniteGuard:
 @dataclasses.dataclass
 class Evaluate:
     """Evaluate the state on `data` in inference mode into `test/...` (the EMA model's when the state
-    keeps one, and the trained model's as `test_raw/...`). `evaluator` replaces `evaluate_state`
-    (a population evaluates each member and their ensemble)."""
+    keeps one, and the trained model's as `test_raw/...`); `name="val"` for a validation set.
+    `evaluator` replaces `evaluate_state` (a population evaluates each member and their ensemble)."""
 
     data: DeviceLoader | HostLoader
     progress: bool = False
     evaluator: Evaluator = evaluate_state
+    name: str = "test"
 
     def __call__(self, info: StepInfo) -> None:
         metrics, raw = self.evaluator(info.state, self.data, progress=self.progress)
-        info.record.update({f"test/{k}": v for k, v in metrics.items()})
-        info.record.update({f"test_raw/{k}": v for k, v in (raw or {}).items()})
+        info.record.update({f"{self.name}/{k}": v for k, v in metrics.items()})
+        info.record.update({f"{self.name}_raw/{k}": v for k, v in (raw or {}).items()})
 
 
 @dataclasses.dataclass
@@ -114,7 +115,7 @@ class Checkpoint:
         if info.step == self._saved_step:
             return
         header = {**self.header, "step": info.step, "window": info.window(),
-                  "eval": {k: v for k, v in info.record.items() if k.startswith("test/")}}
+                  "eval": {k: v for k, v in info.record.items() if k.startswith(("test/", "val/"))}}
         save_checkpoint(self.run.checkpoint_path(info.step), info.state, header)
         self.run.prune_checkpoints(self.keep)
         self._last, self._saved_step = time.monotonic(), info.step

@@ -1,0 +1,107 @@
+"""`scripts/sweep ... --vmapped`: the runs of a grid that differ only in vmappable options (the seed,
+hyperparameters the optimizer keeps in its state) trained as ONE vmapped population through the
+engine, in this process, then written out as the run directories separate runs would have left.
+
+The population itself is a run too, `SWEEP_DIR/population-<hash of its members>/` (its checkpoints,
+its metrics with one value per member): a killed sweep resumes it. Each member's directory gets its
+config.json, its own metrics.jsonl and summary.json (the member's values taken out of the
+population's), a checkpoint of its final state and curves.png, so `load_run`, `compare_runs`,
+`--resume auto` and a later sweep without `--vmapped` treat it as the finished run it equals.
+"""
+
+import dataclasses
+import hashlib
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ..config import Options, vmappable_options
+from ..data import DeviceLoader
+from ..experiment import Setup, config_record, initial_state, plot_curves, run_experiment
+from ..population import member, stack_members
+from ..train import RunDir, load_checkpoint, save_checkpoint
+from ._pool import Run
+from ._runs import UsageError
+
+
+def check_vmappable(config_class: type, keys: Sequence[str], config: Options) -> None:
+    """Refuse, before any work, a grid one program cannot train: a swept option that changes more than
+    array values, or a config that is not one device."""
+    allowed = vmappable_options(config_class)
+    fixed = [key for key in keys if key not in allowed]
+    if fixed:
+        raise UsageError(f"--vmapped: {', '.join(fixed)} cannot vary inside one program (this experiment's "
+                         f"vmappable options: {', '.join(sorted(allowed)) or 'none'}); sweep it without --vmapped")
+    if getattr(config, "devices", 1) > 1 or getattr(config, "num_processes", None) not in (None, 1):
+        raise UsageError("--vmapped trains its population on one device in one process; drop --devices and the "
+                         "multi-process options (or sweep without --vmapped)")
+    if getattr(config, "loader", "device") != "device":
+        raise UsageError("--vmapped gathers each member's batches on the device: use --loader device")
+
+
+def member_values(values: dict[str, Any], k: int) -> dict[str, Any]:
+    """Member `k`'s numbers out of a population's record or summary: `test/member_loss[k]` becomes
+    `test/loss`, `train_member_loss[k]` `train_loss`; the members' means and the ensemble's are dropped."""
+    own = {key.replace("member_", ""): value[k] for key, value in values.items() if "member_" in key}
+    shared = {key: value for key, value in values.items()
+              if key not in own and "member_" not in key and "ensemble_" not in key and key != "members"}
+    return {**shared, **own}
+
+
+def _population_setup(experiment: str, configs: Sequence[Options], setups: Sequence[Setup]) -> Setup:
+    first = setups[0]
+    loaders = [setup.train_data for setup in setups]
+    if not all(isinstance(loader, DeviceLoader) for loader in loaders):
+        raise UsageError(f"--vmapped: {experiment} does not train from a DeviceLoader with these options")
+    if any(setup.population or setup.evaluator is not None for setup in setups):
+        raise UsageError(f"--vmapped: {experiment} is a population or has its own evaluator already; "
+                         "sweep it without --vmapped")
+    if len({setup.num_steps for setup in setups}) > 1 or any(s.loss_fn is not first.loss_fn for s in setups):
+        raise UsageError("--vmapped: the members train for different numbers of steps or with different losses")
+    return Setup(
+        build_state=lambda: stack_members([initial_state(s, c) for s, c in zip(setups, configs)]),
+        train_data=DeviceLoader.for_members(loaders), eval_data=first.eval_data, num_steps=first.num_steps,
+        loss_fn=first.loss_fn, population=True)
+
+
+def _write_member(experiment: str, run: Run, config: Options, setup: Setup, state: Any,
+                  records: list[dict[str, Any]], summary: dict[str, Any], k: int) -> None:
+    out = RunDir(run.path).create()
+    out.write_config({**config_record(experiment, config, setup), "vmapped": summary["population"]})
+    out.metrics_file.write_text("")
+    for record in records:
+        out.log(member_values(record, k))
+    step = int(summary["step"])
+    last = member_values(records[-1], k)
+    evaluated = {key: value for key, value in last.items() if key.startswith(("test/", "val/"))}
+    header = {"experiment": experiment, "config": config.to_dict(), "step": step, "eval": evaluated}
+    save_checkpoint(out.checkpoint_path(step), member(state, k), header)
+    out.write_summary({key: value for key, value in member_values(summary, k).items() if key != "population"})
+    plot_curves([out], [run.name], out.path / "curves.png", title=f"{experiment} {run.name} (vmapped)")
+
+
+def sweep_vmapped(experiment: str, module: Any, runs: Sequence[Run], configs: Sequence[Options],
+                  sweep_dir: Path) -> tuple[list[Run], float]:
+    """Train `runs` (their `configs`) as one population and write their run directories; returns the
+    runs it trained and the seconds it took. Raises `Preempted` when a signal stopped it (rerun the
+    sweep: the population resumes)."""
+    setups = [module.setup(config) for config in configs]
+    population = _population_setup(experiment, configs, setups)
+    names = "\n".join(run.name for run in runs)
+    path = sweep_dir / f"population-{hashlib.sha1(names.encode()).hexdigest()[:8]}"
+    population_config = dataclasses.replace(configs[0], run_dir=str(path), resume="auto", progress=True)
+    print(f"sweep: training {len(runs)} runs as one vmapped population in {path}", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    summary = run_experiment(experiment, population_config, population, summary_extra={"members": names.split("\n")})
+    summary["population"] = path.name
+    population_run = RunDir(path)
+    checkpoint, _ = population_run.latest_valid_checkpoint()
+    state, _ = load_checkpoint(checkpoint, initial_state(population, population_config))
+    records = population_run.read_metrics()
+    for k, (run, config, setup) in enumerate(zip(runs, configs, setups)):
+        _write_member(experiment, run, config, setup, state, records, summary, k)
+    return list(runs), time.perf_counter() - start
+
+

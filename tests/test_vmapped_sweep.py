@@ -1,0 +1,155 @@
+"""`scripts/sweep --vmapped`: a grid over seeds and learning rates trained as one population equals
+its runs trained one by one, and leaves the run directories they would have left; refusals."""
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from research import load_run
+from research.data import Batch, DeviceLoader, split_validation
+from research.errors import ConfigError
+from research.experiment import load_experiment
+from research.nn import build_model
+from research.population import member, stack_members
+from research.tools import sweep
+from research.tools._vmapped import member_values
+from research.train import RunDir, TrainState
+
+# 8 steps an epoch: 56 steps, evaluated at the end.
+NAMES = ["lr=0.1,seed=0", "lr=0.1,seed=1", "lr=0.5,seed=0", "lr=0.5,seed=1"]
+FLAGS = ["--epochs", "7", "--train-size", "256", "--test-size", "64", "--batch-size", "32", "--log-every", "8"]
+
+
+def run_sweep(args, capsys):
+    try:
+        sweep.main(args)
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def metrics(path):
+    return [{k: v for k, v in r.items() if k != "steps_per_s"} for r in RunDir(path).read_metrics()]
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory):
+    """A 2 x 2 grid of xor runs (lr x seed) as one population, and the same runs one by one."""
+    root = tmp_path_factory.mktemp("vmapped")
+    sweep.main(["xor", "lr=0.1,0.5", "seed=0,1", "--vmapped", "--sweep-dir", str(root / "v"), "--", *FLAGS])
+    xor = load_experiment("xor")
+    for lr in ("0.1", "0.5"):
+        for seed in ("0", "1"):
+            config = xor.Config(epochs=7, train_size=256, test_size=64, batch_size=32, log_every=8, lr=float(lr),
+                                seed=int(seed), run_dir=str(root / "alone" / f"lr={lr},seed={seed}"), progress=False)
+            xor.main(config)
+    return root
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_each_member_equals_its_run_trained_alone(swept, name):
+    together, alone = swept / "v" / name, swept / "alone" / name
+    logged, expected = metrics(together), metrics(alone)
+    assert [sorted(r) for r in logged] == [sorted(r) for r in expected]
+    for got, want in zip(logged, expected):
+        np.testing.assert_allclose([got[k] for k in sorted(got)], [want[k] for k in sorted(want)], rtol=1e-5)
+    a, b = load_run(together), load_run(alone)
+    assert a.step == b.step == 56
+    for x, y in zip(jax.tree.leaves(a.model), jax.tree.leaves(b.model)):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
+    assert float(a.state.opt_state.hyperparams["learning_rate"]) == pytest.approx(float(name.split(",")[0][3:]))
+    inputs = a.setup.eval_data.host.inputs
+    predict = lambda model: np.asarray(jax.vmap(model)(jnp.asarray(inputs))[:, 0] > 0)  # noqa: E731
+    np.testing.assert_array_equal(predict(a.model), predict(b.model))
+    summary = json.loads((together / "summary.json").read_text())
+    assert summary["test_accuracy"] == pytest.approx(a.summary["test_accuracy"])
+    assert json.loads((together / "config.json").read_text())["config"] == \
+        {**json.loads((alone / "config.json").read_text())["config"], "run_dir": str(together), "resume": "auto"}
+
+
+def test_rerunning_skips_the_finished_runs_with_or_without_vmapped(swept, capsys):
+    for extra in (["--vmapped"], []):
+        code, out, err = run_sweep(["xor", "lr=0.1,0.5", "seed=0,1", *extra, "--sweep-dir", str(swept / "v"),
+                                    "--", *FLAGS], capsys)
+        assert code == 0
+        assert err.count("already finished") == 4 and "population" not in err
+        assert "| 2 | 0.5 |" in out
+
+
+def test_a_population_killed_before_its_members_were_written_is_completed(swept, tmp_path, capsys):
+    copy = shutil.copytree(swept / "v", tmp_path / "v")
+    population = next(copy.glob("population-*"))
+    (population / "summary.json").unlink()  # stopped after its last checkpoint, before its members were written
+    for name in NAMES:
+        shutil.rmtree(copy / name)
+    code, _, err = run_sweep(["xor", "lr=0.1,0.5", "seed=0,1", "--vmapped", "--sweep-dir", str(copy),
+                              "--", *FLAGS], capsys)
+    assert code == 0 and "already finished" not in err and "nothing to train" not in err
+    for name in NAMES:
+        assert metrics(copy / name) == metrics(swept / "v" / name)
+        assert load_run(copy / name).step == 56
+
+
+@pytest.mark.parametrize("args, message", [
+    (["hidden=4,8"], "sweep: error: --vmapped: hidden cannot vary inside one program (this experiment's vmappable "
+                     "options: lr, seed); sweep it without --vmapped"),
+    (["lr=0.1", "--", "--devices", "2"], "sweep: error: --vmapped trains its population on one device"),
+    (["lr=0.1", "--", "--loader", "torch"], "sweep: error: --vmapped gathers each member's batches on the device"),
+    (["lr=0.1,1", "--search", "random"], "sweep: error: --vmapped trains a grid's runs as one population"),
+])
+def test_what_one_program_cannot_train_is_refused_in_one_line(args, message, tmp_path, capsys):
+    own, rest = (args[: args.index("--")], args[args.index("--"):]) if "--" in args else (args, [])
+    code, out, err = run_sweep(["xor", *own, "--vmapped", "--sweep-dir", str(tmp_path / "s"), *rest], capsys)
+    assert (code, out) == (2, "")
+    assert err.startswith(message) and err.count("\n") == 1, err
+    assert not (tmp_path / "s").exists()
+
+
+def test_member_values_takes_one_members_numbers_out():
+    record = {"step": 8, "train/loss": 0.5, "train/member_loss": [0.4, 0.6], "test/ensemble_accuracy": 0.9,
+              "test_raw/member_accuracy": [0.7, 0.8], "test_raw/accuracy": 0.75, "val/member_loss": [1.0, 2.0]}
+    assert member_values(record, 1) == {"step": 8, "train/loss": 0.6, "test_raw/accuracy": 0.8, "val/loss": 2.0}
+
+
+def test_stack_members_keeps_each_members_hyperparameters_and_refuses_another_shape(getkey):
+    def state(lr, hidden):
+        model, _ = build_model("mlp", in_size=2, out_size=1, hidden=(hidden,), activation="tanh", key=getkey())
+        return TrainState.create(model, optax.inject_hyperparams(optax.sgd)(learning_rate=lr), key=getkey())
+
+    states = [state(0.1, 4), state(0.3, 4)]
+    stacked = stack_members(states)
+    assert stacked.opt_state.hyperparams["learning_rate"].tolist() == pytest.approx([0.1, 0.3])
+    for k in range(2):
+        for x, y in zip(jax.tree.leaves(member(stacked, k)), jax.tree.leaves(states[k])):
+            np.testing.assert_array_equal(x, y)
+    with pytest.raises(ConfigError, match="member 1's state has other arrays than member 0's"):
+        stack_members([state(0.1, 4), state(0.1, 8)])
+
+
+def test_for_members_gives_each_member_its_own_runs_order_and_refuses_other_data():
+    inputs, labels = np.arange(20, dtype=np.float32)[:, None], np.arange(20) % 2
+    loaders = [DeviceLoader(inputs, labels, 4, seed=s) for s in (0, 1, 2)]
+    together = DeviceLoader.for_members(loaders)
+    assert together.index_shape == (3, 4)
+    indices = together.step_indices(3, 4)  # crosses an epoch: 5 steps an epoch
+    for k, loader in enumerate(loaders):
+        np.testing.assert_array_equal(indices[:, k], loader.step_indices(3, 4))
+    with pytest.raises(Exception, match="member 1 trains on other examples than member 0"):
+        DeviceLoader.for_members([loaders[0], DeviceLoader(inputs + 1, labels, 4)])
+
+
+def test_the_validation_split_is_the_same_for_every_seed_and_disjoint_from_training():
+    data = Batch(np.arange(100, dtype=np.float32)[:, None], np.arange(100))
+    train, val = split_validation(data, 20)
+    again, val_again = split_validation(data, 20)
+    assert len(val.labels) == 20 and len(train.labels) == 80
+    np.testing.assert_array_equal(val.labels, val_again.labels)
+    assert sorted([*train.labels, *val.labels]) == list(range(100))
+    assert list(train.labels) == sorted(train.labels)  # the examples kept keep their order
