@@ -105,6 +105,13 @@ def targets(results: dict) -> list[tuple[str, str, str, bool | None]]:
                 m = vmap.extra["memory"]["temp"] / max(ghost.extra["memory"]["temp"], 1)
                 rows.append((f"(e) gradient memory, vmap(grad) / ghost, {model} (issue 18)", ">= 5x", f"{m:.0f}x",
                              m >= 5))
+    if "population" in results:
+        for grid, timings in results["population"]["grids"].items():
+            alone, together = _find(timings, "K runs"), _find(timings, "one vmapped")
+            r = alone.median / together.median
+            wanted = ">= 4x" if grid.startswith("XOR") else "faster"
+            rows.append((f"(f) {grid}: one vmapped population vs the runs one by one (issue 16)", wanted,
+                         f"{r:.1f}x", r >= 4 if grid.startswith("XOR") else r > 1))
     return rows
 
 
@@ -185,6 +192,18 @@ def write_markdown(path: Path, results: dict, info: dict, quick: bool, seconds: 
                 lines.append(f"| {model} | {t.name} | {_fmt_seconds(t.median)} | {_fmt_seconds(q1)} - "
                              f"{_fmt_seconds(q3)} | {t.median / base.median:.2f} | {_fmt_bytes(temp)} | "
                              f"{temp / base_temp:.1f} | {_fmt_bytes(t.extra['memory'].get('clipped_sum_temp'))} |")
+    if "population" in results:
+        lines += ["", "## (f) Populations: K runs in one program", "",
+                  "K runs of a grid over the seed and the learning rate, trained one after another as "
+                  "`scripts/run` trains each (run directory, evaluation, checkpoint, plot; one compilation per run, "
+                  "since each learning rate is another optimizer), against the same runs as one vmapped population "
+                  "(`scripts/sweep --vmapped`: one compilation, each member on its own run's batch order, then the K "
+                  "run directories written out); both in this process (a sweep of processes pays each run's "
+                  "start-up on top).", ""]
+        for grid, timings in results["population"]["grids"].items():
+            lines += [f"**{grid}**", ""]
+            lines += _table(timings, "K runs")
+            lines += [""]
     lines += ["", findings.strip(), ""]
     path.write_text("\n".join(lines))
 
@@ -203,9 +222,11 @@ def write_chart(path: Path, results: dict) -> str | None:
         ("per_example", "calls", "(d) per-example grads (ms)", 1e3)] if k in results]
     panels += [("dp_sgd", model, f"(e) {model}: DP-SGD step (ms)", 1e3)
                for model in results.get("dp_sgd", {}).get("models", {})]
+    panels += [("population", grid, f"(f) {grid} (s)", 1) for grid in results.get("population", {}).get("grids", {})]
     fig, axes = plt.subplots(len(panels), 1, figsize=(8, 2.2 * len(panels) + 0.5), squeeze=False)
     for ax, (case, key, title, scale) in zip(axes[:, 0], panels):
-        timings = results[case]["models"][key] if case == "dp_sgd" else results[case][key]
+        nested = {"dp_sgd": "models", "population": "grids"}
+        timings = results[case][nested[case]][key] if case in nested else results[case][key]
         medians = [t.median * scale for t in timings]
         errors = [[(t.median - t.quartiles[0]) * scale for t in timings],
                   [(t.quartiles[1] - t.median) * scale for t in timings]]

@@ -62,7 +62,8 @@ def _population_setup(experiment: str, configs: Sequence[Options], setups: Seque
         raise UsageError("--vmapped: the members train for different numbers of steps or with different losses")
     return Setup(
         build_state=lambda: stack_members([initial_state(s, c) for s, c in zip(setups, configs)]),
-        train_data=DeviceLoader.for_members(loaders), eval_data=first.eval_data, num_steps=first.num_steps,
+        train_data=DeviceLoader.for_members(loaders), eval_data=first.eval_data, val_data=first.val_data,
+        num_steps=first.num_steps,
         loss_fn=first.loss_fn, population=True)
 
 

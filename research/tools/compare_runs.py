@@ -22,7 +22,7 @@ from ..train import RunDir
 from ._runs import Parser, UsageError, fail, open_runs, run_labels
 
 NOT_COMPARED = {"run_dir", "resume", "progress", "tensorboard", "debug_nans", "compilation_cache"}
-FIRST_METRICS = ["test_accuracy", "test_loss", "train_loss", "step", "wall_seconds"]
+FIRST_METRICS = ["val_accuracy", "val_loss", "test_accuracy", "test_loss", "train_loss", "step", "wall_seconds"]
 _FROM_METRICS = {"test_accuracy": "test/accuracy", "test_loss": "test/loss", "train_loss": "train/loss"}
 
 

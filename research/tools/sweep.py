@@ -38,7 +38,7 @@ from io import StringIO
 from pathlib import Path
 from typing import Any
 
-from ..cli import parse_config
+from ..cli import parse_config, use_compilation_cache
 from ..errors import ConfigError, Preempted, ResearchInputError
 from ..experiment import RUNS_ROOT, load_experiment
 from ..progress import format_duration
@@ -77,10 +77,12 @@ def _make_run(script: Path, sweep_dir: Path, flags: Sequence[str], axes: Sequenc
 
 def _check(config_class: type, run: Run) -> Any:
     """Parse the run's command line as the experiment would: its one-line error becomes a `UsageError`;
-    returns the config."""
+    returns the config, with the experiment's per-model defaults filled in where it has them
+    (`Config.resolved()`, as its config.json records them)."""
     with redirect_stderr(StringIO()) as err:
         try:
-            return parse_config(config_class, list(run.command[2:]), prog=run.command[1])
+            config = parse_config(config_class, list(run.command[2:]), prog=run.command[1])
+            return config.resolved() if hasattr(config, "resolved") else config
         except SystemExit:
             message = err.getvalue().strip().splitlines()[-1:] or ["refused"]
             raise UsageError(f"{run.name}: {message[0].split(': error: ', 1)[-1]}") from None
@@ -232,6 +234,7 @@ def sweep_population(experiment: str, module: types.ModuleType, runs: Sequence[R
         else:
             pending.append((run, config))
     if pending:
+        use_compilation_cache(getattr(configs[0], "compilation_cache", True))
         try:
             trained, seconds = sweep_vmapped(experiment, module, *zip(*pending), sweep_dir)
         except Preempted as e:
