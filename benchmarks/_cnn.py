@@ -14,6 +14,7 @@ import torch
 from research.data import DeviceLoader
 from research.train import TrainState, fit
 
+from ._frameworks import at_best_thread_count
 from ._timing import Timing
 
 BATCH, LR, STEPS = 100, 1e-2, 8000
@@ -136,6 +137,8 @@ def run(quick: bool) -> dict:
     for name, make in makers.items():
         run_ = make()
         run_(min(steps, 200))  # compile: a short run of the same function and shapes
+        if name.startswith("PyTorch"):
+            name, run_ = at_best_thread_count(name, run_, min(steps, 200))
         runs[name] = functools.partial(run_, steps)
     timings = {name: Timing(name, []) for name in runs}
     for r in range(repeats):

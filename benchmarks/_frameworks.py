@@ -1,8 +1,8 @@
 """Optional frameworks: Flax lives in the `bench` extra, so every Flax case checks for it first."""
 
 import contextlib
-import functools
 import importlib.util
+from collections.abc import Callable
 
 
 def have_flax() -> bool:
@@ -16,41 +16,33 @@ def have_mnist1d() -> bool:
 FLAX_MISSING = "skipped: flax is not installed (install the `bench` extra: pip install -e '.[bench]')"
 
 
-_torch_threads = {"note": "PyTorch threads: default"}
-
-
-def calibrate_torch_threads(quick: bool) -> str:
-    """Run PyTorch with whichever of its default thread count and one thread is faster here.
-
-    On a loaded machine PyTorch's OpenMP threads wait for each other at every op (ten times slower
-    with two threads than with one, measured); on a quiet one two threads win. Comparing against
-    PyTorch at its best is the fair comparison, so measure both on a short CNN run and keep the faster.
-    """
+def at_best_thread_count(name: str, run: Callable[..., object], *args: object) -> tuple[str, Callable[..., object]]:
+    """A PyTorch candidate at whichever of its default thread count and one thread is faster for IT here
+    (timing `run(*args)`): `(name with the count, run with that count)`. Measured per case (one warm call each way), since
+    the answer differs by workload: a compute-bound MLP wants every core, while a small CNN's ops
+    are too short for OpenMP threads to pay for their synchronisation, and on a loaded machine two
+    threads can be ten times slower than one."""
     import time
 
     import torch
 
-    from . import _cnn
-
     default = torch.get_num_threads()
-    run = functools.partial(_cnn.torch_eager(), 10 if quick else 60)
-    times = {}
+    seconds = {}
     for threads in dict.fromkeys([default, 1]):
-        torch.set_num_threads(threads)
-        run()
-        start = time.perf_counter()
-        run()
-        times[threads] = time.perf_counter() - start
-    best = min(times, key=times.get)
-    torch.set_num_threads(best)
-    detail = ", ".join(f"{t} thread{'s' * (t > 1)}: {1e3 * s / (10 if quick else 60):.2f} ms a CNN step"
-                       for t, s in times.items())
-    _torch_threads["note"] = f"PyTorch threads: {best} (default {default}; calibration {detail})"
-    return _torch_threads["note"]
+        with torch_threads(threads):
+            run(*args)
+            start = time.perf_counter()
+            run(*args)
+            seconds[threads] = time.perf_counter() - start
+    best = min(seconds, key=seconds.get)
+    other = ", ".join(f"{t}: {s / seconds[best]:.2f}x" for t, s in seconds.items() if t != best)
+    label = f"{name} [{best} thread{'s' * (best > 1)}; {other or 'the only count'}]"
 
+    def at_best(*arguments: object) -> object:
+        with torch_threads(best):
+            return run(*arguments)
 
-def torch_threads_note() -> str:
-    return _torch_threads["note"]
+    return label, at_best
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ from research.data import Batch
 from research.nn import MLP
 from research.train import TrainState, classification_loss, compiled_trainer
 
-from ._frameworks import FLAX_MISSING, have_flax
+from ._frameworks import FLAX_MISSING, at_best_thread_count, have_flax
 from ._timing import interleave, timed
 
 SIZES, BATCH, LR = (784, 1024, 1024, 10), 512, 1e-3
@@ -241,6 +241,8 @@ def run(quick: bool) -> dict:
             continue
         fn = make(steps)
         fn()
+        if name.startswith("PyTorch"):
+            name, fn = at_best_thread_count(name, fn)
         candidates[name] = functools.partial(timed, fn, steps)
     size = 512 if quick else 2048
     candidates[PEAK] = matmul_candidate(size)
