@@ -35,6 +35,10 @@ def run_sweep(args, capsys):
     return code, captured.out, captured.err
 
 
+def mtimes(path):
+    return {p: p.stat().st_mtime_ns for p in [path, *path.rglob("*")]}
+
+
 def metrics(path):
     return [{k: v for k, v in r.items() if k != "steps_per_s"} for r in RunDir(path).read_metrics()]
 
@@ -95,6 +99,14 @@ def test_a_population_killed_before_its_members_were_written_is_completed(swept,
     for name in NAMES:
         assert metrics(copy / name) == metrics(swept / "v" / name)
         assert load_run(copy / name).step == 56
+    # Stopped while it wrote its members: the same population (trained) writes the missing ones.
+    shutil.rmtree(copy / NAMES[1])
+    before = mtimes(copy / NAMES[0])
+    code, _, err = run_sweep(["xor", "lr=0.1,0.5", "seed=0,1", "--vmapped", "--sweep-dir", str(copy),
+                              "--", *FLAGS], capsys)
+    assert code == 0 and err.count("already finished") == 3 and "nothing to train" in err
+    assert metrics(copy / NAMES[1]) == metrics(swept / "v" / NAMES[1])
+    assert mtimes(copy / NAMES[0]) == before
 
 
 @pytest.mark.parametrize("args, message", [

@@ -13,7 +13,7 @@ import dataclasses
 import hashlib
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -84,10 +84,12 @@ def _write_member(experiment: str, run: Run, config: Options, setup: Setup, stat
 
 
 def sweep_vmapped(experiment: str, module: Any, runs: Sequence[Run], configs: Sequence[Options],
-                  sweep_dir: Path) -> tuple[list[Run], float]:
-    """Train `runs` (their `configs`) as one population and write their run directories; returns the
-    runs it trained and the seconds it took. Raises `Preempted` when a signal stopped it (rerun the
-    sweep: the population resumes)."""
+                  sweep_dir: Path, write: Collection[str] | None = None) -> tuple[list[Run], float]:
+    """Train `runs` (their `configs`) as one population and write the run directories of those named in
+    `write` (default: all); returns the runs written and the seconds it took. The population is always
+    the whole grid, so a sweep stopped while it wrote its members resumes the same population (already
+    trained: nothing to train) and writes the rest. Raises `Preempted` when a signal stopped the
+    training (rerun the sweep: the population resumes from its last checkpoint)."""
     setups = [module.setup(config) for config in configs]
     population = _population_setup(experiment, configs, setups)
     names = "\n".join(run.name for run in runs)
@@ -101,8 +103,11 @@ def sweep_vmapped(experiment: str, module: Any, runs: Sequence[Run], configs: Se
     checkpoint, _ = population_run.latest_valid_checkpoint()
     state, _ = load_checkpoint(checkpoint, initial_state(population, population_config))
     records = population_run.read_metrics()
+    written = []
     for k, (run, config, setup) in enumerate(zip(runs, configs, setups)):
-        _write_member(experiment, run, config, setup, state, records, summary, k)
-    return list(runs), time.perf_counter() - start
+        if write is None or run.name in write:
+            _write_member(experiment, run, config, setup, state, records, summary, k)
+            written.append(run)
+    return written, time.perf_counter() - start
 
 

@@ -225,7 +225,8 @@ def sweep_search(args: Any, axes: Sequence[Axis], make: Callable[[int, dict[str,
 
 def sweep_population(experiment: str, module: types.ModuleType, runs: Sequence[Run], configs: Sequence[Any],
                      sweep_dir: Path, metric: str, title: str) -> int:
-    """Train the runs that did not finish before as one vmapped population (`_vmapped`); report them all."""
+    """Train the grid as one vmapped population (`_vmapped`) unless every run finished before; write the
+    runs that did not; report them all."""
     progress = Progress(len(runs), metric)
     pending = []
     for run, config in zip(runs, configs):
@@ -236,7 +237,8 @@ def sweep_population(experiment: str, module: types.ModuleType, runs: Sequence[R
     if pending:
         use_compilation_cache(getattr(configs[0], "compilation_cache", True))
         try:
-            trained, seconds = sweep_vmapped(experiment, module, *zip(*pending), sweep_dir)
+            trained, seconds = sweep_vmapped(experiment, module, runs, configs, sweep_dir,
+                                             write={run.name for run, _ in pending})
         except Preempted as e:
             print(f"sweep: {e}", file=sys.stderr)
             return e.status
