@@ -112,6 +112,12 @@ def targets(results: dict) -> list[tuple[str, str, str, bool | None]]:
             wanted = ">= 4x" if grid.startswith("XOR") else "faster"
             rows.append((f"(f) {grid}: one vmapped population vs the runs one by one (issue 16)", wanted,
                          f"{r:.1f}x", r >= 4 if grid.startswith("XOR") else r > 1))
+    if "fsdp" in results:
+        rows_ = results["fsdp"]["placements"]
+        one, fsdp = rows_["one device"], rows_["FSDP, 4 devices"]
+        r = fsdp["state_bytes_per_device"] / one["state_bytes_per_device"]
+        rows.append(("(g) LM train state on one device under FSDP over 4, vs on one device (issue 15)",
+                     "<= 1/4 + the unshardable rest", f"{r:.3f}", r <= 0.3))
     return rows
 
 
@@ -204,6 +210,20 @@ def write_markdown(path: Path, results: dict, info: dict, quick: bool, seconds: 
             lines += [f"**{grid}**", ""]
             lines += _table(timings, "K runs")
             lines += [""]
+    if "fsdp" in results:
+        g = results["fsdp"]
+        lines += ["", "## (g) FSDP, data parallel, one device: the language model", "",
+                  f"`experiments/lm.py --dim 128` (depth 4, context 128, AdamW), global batch 32 windows, {g['steps']} "
+                  "steps, each placement its own process; 4 devices are simulated on this machine's cores, so "
+                  "their times show the cost of the collectives and the partitioning on one host, not a speed-up. "
+                  "State bytes: the train state (parameters, Adam moments, key, step) held by the first device.", "",
+                  "| placement | state bytes on one device | x one device | bytes/s trained | held-out bits/byte |",
+                  "| --- | --- | --- | --- | --- |"]
+        base = g["placements"]["one device"]["state_bytes_per_device"]
+        for name, row in g["placements"].items():
+            lines.append(f"| {name} | {_fmt_bytes(row['state_bytes_per_device'])} | "
+                         f"{row['state_bytes_per_device'] / base:.3f} | {row['bytes_per_s']:,.0f} | "
+                         f"{row['test_bits_per_byte']:.4f} |")
     lines += ["", findings.strip(), ""]
     path.write_text("\n".join(lines))
 
@@ -223,6 +243,8 @@ def write_chart(path: Path, results: dict) -> str | None:
     panels += [("dp_sgd", model, f"(e) {model}: DP-SGD step (ms)", 1e3)
                for model in results.get("dp_sgd", {}).get("models", {})]
     panels += [("population", grid, f"(f) {grid} (s)", 1) for grid in results.get("population", {}).get("grids", {})]
+    if not panels:
+        return None
     fig, axes = plt.subplots(len(panels), 1, figsize=(8, 2.2 * len(panels) + 0.5), squeeze=False)
     for ax, (case, key, title, scale) in zip(axes[:, 0], panels):
         nested = {"dp_sgd": "models", "population": "grids"}

@@ -11,7 +11,8 @@ from benchmarks.__main__ import main
 @pytest.mark.slow
 def test_quick_benchmark_run_writes_the_report_with_every_case(tmp_path, capsys):
     with jax.numpy_rank_promotion("allow"):  # the other frameworks' idioms broadcast (x @ w + b)
-        assert main(["--quick", "--out", str(tmp_path)]) == 0
+        # (g) starts three processes with simulated devices (a minute); tests/test_fsdp.py covers FSDP.
+        assert main(["--quick", "--cases", "a,b,c,d,e,f", "--out", str(tmp_path)]) == 0
     report = (tmp_path / "benchmarks.md").read_text()
     results = json.loads((tmp_path / "benchmarks.json").read_text())
     for heading in ["## Targets (issue 6)", "## (a) XOR MLP", "## (b) Compute-bound MLP"]:
@@ -26,5 +27,8 @@ def test_quick_benchmark_run_writes_the_report_with_every_case(tmp_path, capsys)
     if "cnn" in results["results"]:
         assert "## (c) MNIST-1D CNN" in report and "## (d) Per-example gradients" in report
         assert results["results"]["per_example"]["max_abs_difference"] < 1e-4  # ours equals torch.func
+        grids = results["results"]["population"]["grids"]
+        assert all(row["median"] > 0 for rows in grids.values() for row in rows)
+        assert "## (f) Populations" in report
     else:
         assert "skipped: the mnist1d package is not installed" in report
