@@ -4,6 +4,7 @@
 import dataclasses
 import importlib.metadata
 import importlib.util
+import json
 import math
 import sys
 import types
@@ -49,7 +50,7 @@ def _versions() -> dict[str, str]:
 
 
 def _config_differences(saved: dict[str, Any], config: Options) -> list[str]:
-    current = config.to_dict()
+    current = json.loads(json.dumps(config.to_dict()))  # as config.json holds it: a tuple option is a list there
     keys = sorted((set(saved) | set(current)) - resumable_options(config))
     return [f"{k}: saved {saved.get(k)!r}, now {current.get(k)!r}" for k in keys if saved.get(k) != current.get(k)]
 
@@ -239,11 +240,13 @@ def run_experiment(
     setup: Setup | None = None,
     *,
     summary_extra: dict[str, Any] | Callable[[FitResult], dict[str, Any]] | None = None,
+    plots: Callable[[RunDir, dict[str, Any]], Any] | None = None,
     **kwargs: Any,
 ) -> dict[str, Any]:
     """Train, evaluate and record one run; returns (and writes to `summary.json`) its final numbers,
     with `summary_extra` (say, the privacy spent) added: a dict, or a function of the run's
-    `FitResult` (say, tokens/s from its `steps_per_s`).
+    `FitResult` (say, tokens/s from its `steps_per_s`). `plots(run, summary)` draws the experiment's
+    own figures into the run directory after `curves.png` (not when a finished run is resumed).
 
     The run directory gets `config.json` (with the resolved step count and library versions),
     `metrics.jsonl`, `checkpoints/`, `summary.json` and `curves.png` (and TensorBoard event files
@@ -294,6 +297,8 @@ def run_experiment(
     if writer:
         run.write_summary(summary)
         plot_curves([run], [run.path.resolve().name], run.path / "curves.png")
+        if plots is not None:
+            plots(run, summary)
         print(summary_line(experiment, summary, run))
     return summary
 
