@@ -62,6 +62,9 @@ EXPERIMENTS = {  # state_passing is no training run
     "ensemble": Experiment(("--num-members", "2", "--hidden", "8", "--epochs", "1", "--batch-size", "1000"),
                            ("--num-members", "2", "--hidden", "8", "--epochs", "2", "--batch-size", "1000"),
                            data_dir=True),
+    # no --devices or --ema-decay (one unrolled run a step: nothing to split, no weights to average): refused
+    "metalearn_lr": Experiment(("--steps", "2", "--inner-steps", "3", "--hidden", "4"),
+                               ("--steps", "3", "--inner-steps", "3", "--hidden", "4"), data_dir=True),
 }
 PLACEMENTS = {  # the first is the reference the others must match
     "1dev": (),
