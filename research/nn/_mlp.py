@@ -32,11 +32,14 @@ class MLP(eqx.Module):
     - `in_size`, `out_size`: feature sizes of the input and output vectors.
     - `hidden`: the width of each hidden layer (empty for a linear model).
     - `activation`: one of `ACTIVATIONS`, applied after every hidden layer (not after the last).
+    - `residual`: a hidden layer whose input and output widths agree adds its input to its
+      activated output, `h + act(W h + b)` (the MNIST-1D lottery-ticket notebook's MLP).
     - `key`: initialisation key.
     """
 
     layers: tuple[eqx.nn.Linear, ...]
     activation: str = eqx.field(static=True)
+    residual: bool = eqx.field(static=True)
 
     def __init__(
         self,
@@ -44,6 +47,7 @@ class MLP(eqx.Module):
         out_size: int,
         hidden: tuple[int, ...] = (),
         activation: str = "tanh",
+        residual: bool = False,
         *,
         key: PRNGKeyArray,
     ):
@@ -52,6 +56,7 @@ class MLP(eqx.Module):
         keys = jax.random.split(key, len(sizes) - 1)
         self.layers = tuple(eqx.nn.Linear(a, b, key=k) for a, b, k in zip(sizes[:-1], sizes[1:], keys))
         self.activation = activation
+        self.residual = residual
 
     @property
     def in_size(self) -> int:
@@ -67,7 +72,8 @@ class MLP(eqx.Module):
     ) -> Float[Array, " {self.out_size}"]:
         act = activation_by_name(self.activation)
         for layer in self.layers[:-1]:
-            x = act(layer(x))
+            y = act(layer(x))
+            x = x + y if self.residual and layer.in_features == layer.out_features else y
         return self.layers[-1](x)
 
 
