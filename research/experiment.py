@@ -49,7 +49,9 @@ def _versions() -> dict[str, str]:
     return {n: importlib.metadata.version(n) for n in names}
 
 
-def _config_differences(saved: dict[str, Any], config: Options) -> list[str]:
+def config_differences(saved: dict[str, Any], config: Options) -> list[str]:
+    """`name: saved ..., now ...` for each option of `config` that differs from `saved` (the `config` of a
+    run's config.json), leaving out the `resumable` ones: what keeps `--resume` from continuing that run."""
     current = json.loads(json.dumps(config.to_dict()))  # as config.json holds it: a tuple option is a list there
     keys = sorted((set(saved) | set(current)) - resumable_options(config))
     return [f"{k}: saved {saved.get(k)!r}, now {current.get(k)!r}" for k in keys if saved.get(k) != current.get(k)]
@@ -99,7 +101,7 @@ def resolve_run_dir(
 
 
 def _check_same_config(run: RunDir, config: Options) -> None:
-    differences = _config_differences(run.read_config()["config"], config)
+    differences = config_differences(run.read_config()["config"], config)
     if differences:
         raise ConfigError(f"--resume: the config differs from the run in {run.path}: " + "; ".join(differences))
 
