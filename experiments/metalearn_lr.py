@@ -131,9 +131,11 @@ def build_state(config: Config) -> TrainState:
     optimizer = optax.inject_hyperparams(optax.sgd)(learning_rate=config.lr)
     if config.clip_norm:  # a chaotic unrolled run can make one meta-gradient huge (docs/results.md)
         optimizer = optax.chain(optax.clip_by_global_norm(config.clip_norm), optimizer)
-    starts = jnp.asarray(config.start_lrs, jnp.float32)
-    build = lambda start: TrainState.create(LearnedLearningRate(start, initial), optimizer, key=train_key)  # noqa: E731
-    return eqx.filter_jit(eqx.filter_vmap(build))(starts)
+    one = TrainState.create(LearnedLearningRate(jnp.float32(0.0), initial), optimizer, key=train_key)
+    # The members differ only in their starting rate: copies of one state (cheaper than building each
+    # under vmap, which compiles), with the starts put in.
+    members = jax.tree.map(lambda x: jnp.stack([x] * len(config.start_lrs)), one)
+    return eqx.tree_at(lambda s: s.model.lr, members, jnp.asarray(config.start_lrs, jnp.float32))
 
 
 def setup(config: Config) -> Setup:

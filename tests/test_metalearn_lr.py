@@ -25,16 +25,20 @@ def tiny_problem(getkey, steps=12, batch=8):
 
 
 def test_inner_run_is_the_engines_sgd_step(getkey):
-    mlp, inputs, labels = tiny_problem(getkey)
-    trained, losses = metalearn.LearnedLearningRate(jnp.float32(0.7), mlp).inner_run(inputs, labels)
-    state = TrainState.create(mlp, optax.sgd(0.7), key=getkey())
-    step = eqx.filter_jit(train_step)
-    expected_losses = []
-    for x, y in zip(inputs, labels):
-        state, metrics = step(state, Batch(x, y))
-        expected_losses.append(metrics["loss"])
-    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(state.model)):
+    mlp, inputs, labels = tiny_problem(getkey, steps=4)
+
+    @eqx.filter_jit  # both in one compilation
+    def unrolled_and_stepped(mlp, inputs, labels, key):
+        trained, losses = metalearn.LearnedLearningRate(jnp.float32(0.7), mlp).inner_run(inputs, labels)
+        state, step_losses = TrainState.create(mlp, optax.sgd(0.7), key=key), []
+        for x, y in zip(inputs, labels):
+            state, metrics = train_step(state, Batch(x, y))
+            step_losses.append(metrics["loss"])
+        return trained, losses, state.model, jnp.stack(step_losses)
+
+    trained, losses, stepped, step_losses = unrolled_and_stepped(mlp, inputs, labels, getkey())
+    np.testing.assert_allclose(losses, step_losses, rtol=1e-5)  # each loss is taken before its update
+    for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(stepped)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
