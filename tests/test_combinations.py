@@ -65,6 +65,12 @@ EXPERIMENTS = {  # state_passing is no training run
     # no --devices or --ema-decay (one unrolled run a step: nothing to split, no weights to average): refused
     "metalearn_lr": Experiment(("--steps", "2", "--inner-steps", "3", "--hidden", "4"),
                                ("--steps", "3", "--inner-steps", "3", "--hidden", "4"), data_dir=True),
+    # one engine run a pruning round, in its own directory; resuming with more --rounds continues the schedule.
+    # No --devices or --ema-decay (which weights would prune?): refused
+    "lottery_ticket": Experiment(
+        ("--rounds", "1", "--schedule-length", "2", "--hidden", "4", "--steps", "2", "--steps-per-call", "2"),
+        ("--rounds", "2", "--schedule-length", "2", "--hidden", "4", "--steps", "2", "--steps-per-call", "2"),
+        data_dir=True),
 }
 PLACEMENTS = {  # the first is the reference the others must match
     "1dev": (),
