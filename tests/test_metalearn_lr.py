@@ -73,3 +73,10 @@ def test_outer_run_learns_the_rate_and_keeps_the_initialisation(mnist1d_dir, tmp
     for a, b in zip(jax.tree.leaves(trained.model.initial), jax.tree.leaves(skeleton.model.initial)):
         assert np.array_equal(a, b)  # the inner run's starting point is part of the problem, not trained
     assert eqx.tree_equal(trained.model.initial, skeleton.model.initial)
+
+
+def test_show_jaxpr_traces_one_outer_step_of_the_population(mnist1d_dir):
+    from research.tools.show_jaxpr import show_jaxpr
+
+    text = show_jaxpr("metalearn_lr", ["--inner-steps", "3", "--hidden", "4", "--data-dir", str(mnist1d_dir)])
+    assert "state.model.lr float32[2]" in text  # one rate per starting point, a leading member axis
