@@ -9,8 +9,8 @@ from ._cnn import CNN1d
 from ._conv import conv1d_as_matmul
 from ._gru import GRUClassifier
 from ._lm import DecoderBlock, LanguageModel, cast_floating
-from ._masked import Masked
 from ._logistic import Logistic
+from ._masked import Masked
 from ._mlp import ACTIVATIONS, MLP, LinearSigmoid
 from ._registry import build_model, model_names, register_model
 from ._resnet import ResidualBlock, ResNet1d
