@@ -224,11 +224,14 @@ def run_experiment(
     setup: Setup | None = None,
     *,
     summary_extra: dict[str, Any] | Callable[[FitResult], dict[str, Any]] | None = None,
+    summarize_run: Callable[[RunDir], dict[str, Any]] | None = None,
     **kwargs: Any,
 ) -> dict[str, Any]:
     """Train, evaluate and record one run; returns (and writes to `summary.json`) its final numbers,
     with `summary_extra` (say, the privacy spent) added: a dict, or a function of the run's
-    `FitResult` (say, tokens/s from its `steps_per_s`).
+    `FitResult` (say, tokens/s from its `steps_per_s`); and, on process 0, `summarize_run` of the run
+    directory once training ended: numbers read from the whole run's `metrics.jsonl` (say, the first
+    step a metric crossed a threshold, counting the steps before a resume); it may draw plots there too.
 
     The run directory gets `config.json` (with the resolved step count and library versions),
     `metrics.jsonl`, `checkpoints/`, `summary.json` and `curves.png` (and TensorBoard event files
@@ -282,6 +285,8 @@ def run_experiment(
     if placement.name != "none":  # how the state is spread: FSDP holds about 1/N of it a device
         summary["state_bytes_per_device"] = result.state_bytes_per_device
     summary.update((summary_extra(result) if callable(summary_extra) else summary_extra) or {})
+    if writer and summarize_run is not None:
+        summary.update(summarize_run(run))
     if writer:
         run.write_summary(summary)
         plot_curves([run], [run.path.resolve().name], run.path / "curves.png")

@@ -1,4 +1,5 @@
-"""Datasets (XOR, MNIST-1D, byte-level text), numpy collation, a torch DataLoader builder and a device-resident loader."""
+"""Datasets (XOR, MNIST-1D, byte-level text, modular addition), numpy collation, a torch DataLoader builder
+and a device-resident loader."""
 
 from ._loaders import (
     ArrayDataset,
@@ -23,6 +24,7 @@ from ._mnist1d import (
     generate_mnist1d,
     load_mnist1d,
 )
+from ._modular import modular_addition
 from ._text import next_byte_windows, read_text_bytes, reference_bits_per_byte, split_held_out
 from ._xor import XORDataset
 
@@ -45,6 +47,7 @@ __all__ = [
     "generate_mnist1d",
     "load_mnist1d",
     "make_dataloader",
+    "modular_addition",
     "next_byte_windows",
     "numpy_collate",
     "read_text_bytes",

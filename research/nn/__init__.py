@@ -8,7 +8,7 @@ language model), and `linear_sigmoid`.
 from ._cnn import CNN1d
 from ._conv import conv1d_as_matmul
 from ._gru import GRUClassifier
-from ._lm import DecoderBlock, LanguageModel, cast_floating
+from ._lm import DecoderBlock, LanguageModel, LastTokenClassifier, cast_floating
 from ._logistic import Logistic
 from ._mlp import ACTIVATIONS, MLP, LinearSigmoid
 from ._registry import build_model, model_names, register_model
@@ -22,6 +22,7 @@ __all__ = [
     "DecoderBlock",
     "GRUClassifier",
     "LanguageModel",
+    "LastTokenClassifier",
     "Logistic",
     "MLP",
     "LinearMapObserver",
