@@ -65,6 +65,11 @@ EXPERIMENTS = {  # state_passing is no training run
                             "--steps-per-call", "2", "--eval-every", "2", "--log-every", "2"),
                            ("--modulus", "7", "--train-fraction", "0.5", "--dim", "8", "--heads", "2", "--steps", "8",
                             "--steps-per-call", "2", "--eval-every", "2", "--log-every", "2"), phases=("fresh",)),
+    # one width (the whole curve is a sweep of processes), on the published 4,000 / 1,000 signals: 4 steps
+    "double_descent": Experiment(("--width", "8", "--epochs", "1", "--batch-size", "1000", "--num-samples", "5000",
+                                  "--train-split", "0.8"),
+                                 ("--width", "8", "--epochs", "2", "--batch-size", "1000", "--num-samples", "5000",
+                                  "--train-split", "0.8"), data_dir=True),
     "ensemble": Experiment(("--num-members", "2", "--hidden", "8", "--epochs", "1", "--batch-size", "1000"),
                            ("--num-members", "2", "--hidden", "8", "--epochs", "2", "--batch-size", "1000"),
                            data_dir=True),
