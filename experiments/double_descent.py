@@ -2,9 +2,10 @@
 
 The notebook's recipe: MNIST-1D generated with 16,000 signals, the first 4,000 for training and 12,000
 for testing; 15% of the training labels changed to another class (`--label-noise`, seeded by `--seed`;
-test labels clean; the notebook redraws 15% of them from all 10 classes, so ~13.5% change); an MLP 40 -> w -> w -> 10 (ReLU) trained with SGD (lr 0.01, momentum 0.9, batch
-100) for 500 epochs at each hidden width w. The test error first falls, then rises to a peak near the
-width where the training error reaches 0 (the model interpolates the noisy labels), then falls again.
+test labels clean; the notebook redraws 15% of them from all 10 classes, so ~13.5% change); an MLP
+40 -> w -> w -> 10 (ReLU) trained with SGD (lr 0.01, momentum 0.9, batch 100) for 500 epochs at each
+hidden width w. The test error first falls, then rises to a peak near the width where the training
+error reaches 0 (the model interpolates the noisy labels), then falls again.
 
 `./scripts/run double_descent` runs the whole curve: one run per width of `--widths` through
 `research.tools.sweep` (each its own process and run directory `RUN_DIR/width=W`; rerun the same
@@ -22,8 +23,8 @@ from typing import Any
 import jax
 import optax
 
-from research.cli import (EMA, Checkpointing, ConfigError, Devices, Tracking, Training, flag_name, main_entry, option,
-                          positive, unit_interval)
+from research.cli import (EMA, Checkpointing, ConfigError, Devices, Tracking, Training, flag_name, main_entry,
+                          open_unit_interval, option, positive, unit_interval)
 from research.data import MNIST1D_CLASSES, MNIST1D_LENGTH, DeviceLoader, corrupt_labels, load_mnist1d
 from research.experiment import RUNS_ROOT, Setup, run_experiment
 from research.nn import build_model
@@ -42,10 +43,6 @@ PUBLISHED_TRAIN_ERROR = (71.68, 68.65, 62.75, 57.95, 54.45, 47.45, 46.47, 39.70,
 # Options that stay with the sweep itself rather than going to each of its runs.
 NOT_FORWARDED = ("width", "widths", "jobs", "run_dir", "resume", "progress")
 EVAL_BATCH = 2000
-
-
-def open_unit_interval(value: float) -> str | None:
-    return None if 0 < value < 1 else "must be in (0, 1)"
 
 
 def positive_widths(widths: tuple[int, ...]) -> str | None:

@@ -16,18 +16,14 @@ from typing import Any
 import jax
 import optax
 
-from research.cli import (EMA, Checkpointing, ConfigError, Devices, Tracking, Training, main_entry, non_negative, option,
-                          positive)
+from research.cli import (EMA, Checkpointing, ConfigError, Devices, Tracking, Training, main_entry, non_negative,
+                          open_unit_interval, option, positive)
 from research.data import DeviceLoader, modular_addition
 from research.experiment import Setup, run_experiment
 from research.nn import LastTokenClassifier
 from research.train import RunDir, TrainState
 
 THRESHOLD = 0.99  # "memorized" and "grokked": 99% accuracy on the training and on the test pairs
-
-
-def open_unit_interval(value: float) -> str | None:
-    return None if 0 < value < 1 else "must be in (0, 1)"
 
 
 def at_least_two(value: int) -> str | None:
@@ -132,7 +128,8 @@ def main(config: Config) -> dict:
             later = f" ({grokked / memorized:.1f}x later)" if memorized else ""
             ours += f"test accuracy >= 99% at step {grokked}{later}"
         else:
-            ours += f"test accuracy below 99% in all {config.steps} steps (best {100 * summary['best_test_accuracy']:.1f}%)"
+            best = summary["best_test_accuracy"]
+            ours += f"test accuracy below 99% in all {config.steps} steps (best {100 * best:.1f}%)"
         print(f"grokking: {ours}; published: {PUBLISHED}")
     return summary
 
