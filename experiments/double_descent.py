@@ -16,6 +16,7 @@ width W as an ordinary run. Run `./scripts/run double_descent --help` for the op
 
 import dataclasses
 import json
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -166,8 +167,11 @@ def run_curve(config: Config) -> dict[str, Any]:
     """One run per width through `research.tools.sweep` (rerun to resume), then the curve and its peak."""
     sweep_dir = Path(config.run_dir) if config.run_dir else RunDir.new_path(RUNS_ROOT, "double_descent")
     widths = sorted(set(config.widths))
-    sweep.main(["double_descent", "width=" + ",".join(map(str, widths)), "--sweep-dir", str(sweep_dir),
-                "--jobs", str(config.jobs), "--", *forwarded_flags(config)])  # exits 1 when a run failed
+    with warnings.catch_warnings():
+        # JAX (started by main_entry) warns at every fork; each run's fork is followed at once by an exec.
+        warnings.filterwarnings("ignore", "os.fork", RuntimeWarning)
+        sweep.main(["double_descent", "width=" + ",".join(map(str, widths)), "--sweep-dir", str(sweep_dir),
+                    "--jobs", str(config.jobs), "--", *forwarded_flags(config)])  # exits 1 when a run failed
     summaries = [RunDir(sweep_dir / f"width={w}").read_summary() for w in widths]
     test_error = [100 * (1 - s["test_accuracy"]) for s in summaries]
     train_error = [100 * (1 - s["train_accuracy"]) for s in summaries]
