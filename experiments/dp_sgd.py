@@ -9,22 +9,18 @@ the expected batch size goes to the optimizer. The privacy spent, epsilon at `--
 """
 
 import dataclasses
-from typing import Any, Literal
+from typing import Literal
 
 import jax
 import optax
 
-from research.cli import (EMA, Checkpointing, Devices, Tracking, Training, main_entry, non_negative, option,
-                          positive)
+from research.cli import (EMA, Checkpointing, Devices, Tracking, Training, main_entry, non_negative,
+                          open_unit_interval, option, positive)
 from research.data import DeviceLoader, load_mnist1d
 from research.experiment import Setup, run_experiment
 from research.nn import build_model
 from research.per_example import DPSGDLoss, PoissonLoader
 from research.train import TrainState
-
-
-def open_unit_interval(value: Any) -> str | None:
-    return None if 0 < value < 1 else "must be in (0, 1)"
 
 
 @dataclasses.dataclass(frozen=True)

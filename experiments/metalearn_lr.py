@@ -180,7 +180,8 @@ def main(config: Config) -> dict:
     def learned(result: FitResult) -> dict:
         return {"start_lr": list(config.start_lrs), "learned_lr": [float(x) for x in result.state.model.lr]}
 
-    summary = run_experiment("metalearn_lr", config, setup(config), summary_extra=learned, plots=plot_learning_rates)
+    summary = run_experiment("metalearn_lr", config, setup(config), summary_extra=learned,
+                             summarize_run=plot_learning_rates)
     rates = ", ".join(f"{lr:.4f} (from {start:g})" for start, lr in zip(summary["start_lr"], summary["learned_lr"]))
     print(f"metalearn_lr: learned learning rate {rates} after {summary['step']} outer steps; published: about "
           f"{PUBLISHED_LR} from both 1.5 and 0.15 (Greydanus 2020, 8,000 training examples; here 4,000)")

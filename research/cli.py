@@ -44,6 +44,7 @@ from .config import (
     check_combination,
     flag_name,
     non_negative,
+    open_unit_interval,
     option,
     positive,
     unit_interval,
@@ -52,8 +53,8 @@ from .errors import Preempted, ConfigError, ResearchInputError
 
 __all__ = [
     "EMA", "Checkpointing", "ConfigError", "Devices", "Options", "TrainConfig", "Training", "Tracking",
-    "check_combination", "compilation_cache_dir", "flag_name", "help_text", "main_entry", "non_negative", "option",
-    "parse_config", "positive", "unit_interval", "use_compilation_cache",
+    "check_combination", "compilation_cache_dir", "flag_name", "help_text", "main_entry", "non_negative",
+    "open_unit_interval", "option", "parse_config", "positive", "unit_interval", "use_compilation_cache",
 ]
 
 C = TypeVar("C", bound=Options)

@@ -242,13 +242,15 @@ def run_experiment(
     setup: Setup | None = None,
     *,
     summary_extra: dict[str, Any] | Callable[[FitResult], dict[str, Any]] | None = None,
-    plots: Callable[[RunDir, dict[str, Any]], Any] | None = None,
+    summarize_run: Callable[[RunDir, dict[str, Any]], dict[str, Any] | None] | None = None,
     **kwargs: Any,
 ) -> dict[str, Any]:
     """Train, evaluate and record one run; returns (and writes to `summary.json`) its final numbers,
     with `summary_extra` (say, the privacy spent) added: a dict, or a function of the run's
-    `FitResult` (say, tokens/s from its `steps_per_s`). `plots(run, summary)` draws the experiment's
-    own figures into the run directory after `curves.png` (not when a finished run is resumed).
+    `FitResult` (say, tokens/s from its `steps_per_s`). On process 0, once training ended (not when a
+    finished run is only reported), `summarize_run(run, summary)` may add numbers read from the whole
+    run's `metrics.jsonl` (say, the first step a metric crossed a threshold, counting the steps before a
+    resume; it returns them, or None) and draw the experiment's own figures into the run directory.
 
     The run directory gets `config.json` (with the resolved step count and library versions),
     `metrics.jsonl`, `checkpoints/`, `summary.json` and `curves.png` (and TensorBoard event files
@@ -297,10 +299,9 @@ def run_experiment(
         summary["state_bytes_per_device"] = result.state_bytes_per_device
     summary.update((summary_extra(result) if callable(summary_extra) else summary_extra) or {})
     if writer:
+        summary.update((summarize_run(run, summary) if summarize_run is not None else None) or {})
         run.write_summary(summary)
         plot_curves([run], [run.path.resolve().name], run.path / "curves.png")
-        if plots is not None:
-            plots(run, summary)
         print(summary_line(experiment, summary, run))
     return summary
 

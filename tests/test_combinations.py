@@ -59,6 +59,17 @@ EXPERIMENTS = {  # state_passing is no training run
         ("--channels", "4", "--epochs", "1", "--batch-size", "1000", "--max-batch-size", "1113"),
         ("--channels", "4", "--epochs", "2", "--batch-size", "1000", "--max-batch-size", "1113"),
         data_dir=True, script="dp_sgd", phases=("fresh",)),
+    # 24 training pairs a full batch (4 devices share it), evaluated every 2 steps for the grokking step; fresh
+    # runs only: its transformer takes seconds to compile, and resume is the engine's, tested above
+    "grokking": Experiment(("--modulus", "7", "--train-fraction", "0.5", "--dim", "8", "--heads", "2", "--steps", "4",
+                            "--steps-per-call", "2", "--eval-every", "2", "--log-every", "2"),
+                           ("--modulus", "7", "--train-fraction", "0.5", "--dim", "8", "--heads", "2", "--steps", "8",
+                            "--steps-per-call", "2", "--eval-every", "2", "--log-every", "2"), phases=("fresh",)),
+    # one width (the whole curve is a sweep of processes), on the published 4,000 / 1,000 signals: 4 steps
+    "double_descent": Experiment(("--width", "8", "--epochs", "1", "--batch-size", "1000", "--num-samples", "5000",
+                                  "--train-split", "0.8"),
+                                 ("--width", "8", "--epochs", "2", "--batch-size", "1000", "--num-samples", "5000",
+                                  "--train-split", "0.8"), data_dir=True),
     "ensemble": Experiment(("--num-members", "2", "--hidden", "8", "--epochs", "1", "--batch-size", "1000"),
                            ("--num-members", "2", "--hidden", "8", "--epochs", "2", "--batch-size", "1000"),
                            data_dir=True),

@@ -1,4 +1,5 @@
-"""Datasets (XOR, MNIST-1D, byte-level text), numpy collation, a torch DataLoader builder and a device-resident loader."""
+"""Datasets (XOR, MNIST-1D, byte-level text, modular addition), label noise, numpy collation, a torch
+DataLoader builder and a device-resident loader."""
 
 from ._loaders import (
     ArrayDataset,
@@ -19,21 +20,27 @@ from ._loaders import (
 from ._mnist1d import (
     MNIST1D_CLASSES,
     MNIST1D_LENGTH,
+    MNIST1D_SAMPLES,
     MNIST1D_SEED,
     MNIST1D_TEST_SIZE,
     MNIST1D_TRAIN_SIZE,
+    MNIST1D_TRAIN_SPLIT,
     generate_mnist1d,
     load_mnist1d,
 )
+from ._modular import modular_addition
+from ._noise import corrupt_labels
 from ._text import next_byte_windows, read_text_bytes, reference_bits_per_byte, split_held_out
 from ._xor import XORDataset
 
 __all__ = [
     "MNIST1D_CLASSES",
     "MNIST1D_LENGTH",
+    "MNIST1D_SAMPLES",
     "MNIST1D_SEED",
     "MNIST1D_TEST_SIZE",
     "MNIST1D_TRAIN_SIZE",
+    "MNIST1D_TRAIN_SPLIT",
     "ArrayDataset",
     "Batch",
     "DataError",
@@ -42,12 +49,14 @@ __all__ = [
     "HostLoader",
     "TorchLoader",
     "XORDataset",
+    "corrupt_labels",
     "dataset_arrays",
     "epoch_seed",
     "eval_loader",
     "generate_mnist1d",
     "load_mnist1d",
     "make_dataloader",
+    "modular_addition",
     "next_byte_windows",
     "numpy_collate",
     "read_text_bytes",

@@ -23,6 +23,8 @@ MNIST1D_CLASSES = 10
 MNIST1D_TRAIN_SIZE = 4000
 MNIST1D_TEST_SIZE = 1000
 MNIST1D_SEED = 42  # the published data set's seed
+MNIST1D_SAMPLES = 5000  # the mnist1d package's defaults: 4,000 training and 1,000 test signals
+MNIST1D_TRAIN_SPLIT = 0.8
 _ARRAYS = ("train_inputs", "train_labels", "test_inputs", "test_labels")
 # A fixed timestamp for every zip member: `np.savez` stamps the current time, so its bytes differ per call.
 _ZIP_TIME = (1980, 1, 1, 0, 0, 0)
@@ -45,15 +47,18 @@ def _import_mnist1d_data():
 
 
 @typecheck
-def generate_mnist1d(seed: int = MNIST1D_SEED) -> tuple[Batch, Batch]:
-    """Generate MNIST-1D with the `mnist1d` package's default arguments (as published) and `seed`.
+def generate_mnist1d(seed: int = MNIST1D_SEED, *, num_samples: int = MNIST1D_SAMPLES,
+                     train_split: float = MNIST1D_TRAIN_SPLIT) -> tuple[Batch, Batch]:
+    """Generate MNIST-1D with the `mnist1d` package's default arguments (as published) and `seed`;
+    `num_samples` signals of which the first `int(num_samples * train_split)` are the training set
+    (the package's defaults, 5,000 and 0.8, give the published 4,000 / 1,000).
 
     Returns `(train, test)` `Batch`es of numpy arrays: inputs `float32` of shape `(examples, 40)`,
     labels `int32`. Numpy's and Python's global RNG states are restored afterwards.
     """
     mnist1d_data = _import_mnist1d_data()  # imported here: it pulls in matplotlib and scipy
     args = mnist1d_data.get_dataset_args()
-    args.seed = seed
+    args.seed, args.num_samples, args.train_split = seed, num_samples, train_split
     numpy_state, python_state = np.random.get_state(), random.getstate()
     try:
         data = mnist1d_data.make_dataset(args)
@@ -65,32 +70,40 @@ def generate_mnist1d(seed: int = MNIST1D_SEED) -> tuple[Batch, Batch]:
     return train, test
 
 
-def cache_path(data_dir: str | os.PathLike, seed: int = MNIST1D_SEED) -> Path:
-    return Path(data_dir) / f"mnist1d-seed{seed}.npz"
+def cache_path(data_dir: str | os.PathLike, seed: int = MNIST1D_SEED, num_samples: int = MNIST1D_SAMPLES,
+               train_split: float = MNIST1D_TRAIN_SPLIT) -> Path:
+    size = "" if (num_samples, train_split) == (MNIST1D_SAMPLES, MNIST1D_TRAIN_SPLIT) else \
+        f"-{num_samples}x{train_split:g}"
+    return Path(data_dir) / f"mnist1d-seed{seed}{size}.npz"
 
 
 @typecheck
-def load_mnist1d(data_dir: str | os.PathLike = "data", *, seed: int = MNIST1D_SEED) -> tuple[Batch, Batch]:
+def load_mnist1d(data_dir: str | os.PathLike = "data", *, seed: int = MNIST1D_SEED, num_samples: int = MNIST1D_SAMPLES,
+                 train_split: float = MNIST1D_TRAIN_SPLIT) -> tuple[Batch, Batch]:
     """MNIST-1D's `(train, test)` numpy arrays, generated on first use and cached in `data_dir`.
 
     **Arguments:**
 
     - `data_dir`: directory of the cache file `mnist1d-seed<seed>.npz` (created if missing).
     - `seed`: the generator's seed; 42 is the published data set.
+    - `num_samples`, `train_split`: how many signals to generate and the fraction of them (the first
+      ones) that is the training set; other values than the published 5,000 and 0.8 are cached as
+      `mnist1d-seed<seed>-<num_samples>x<train_split>.npz`.
 
     The cache is a plain `.npz` (no pickle), written atomically, byte-for-byte the same on every
     generation; a file that does not hold what is expected is refused with the path to delete.
     """
-    path = cache_path(data_dir, seed)
+    path = cache_path(data_dir, seed, num_samples, train_split)
     if not path.exists():
-        train, test = generate_mnist1d(seed)
+        train, test = generate_mnist1d(seed, num_samples=num_samples, train_split=train_split)
         _write_npz(path, dict(zip(_ARRAYS, (*train, *test))))
     try:
         with np.load(path, allow_pickle=False) as archive:
             arrays = {name: archive[name] for name in archive.files}
     except (OSError, ValueError, zipfile.BadZipFile) as error:  # truncated, not a zip, or pickled objects
         raise DataError(f"{path}: not a readable MNIST-1D cache ({error}); delete the file to regenerate it") from None
-    _check_arrays(path, arrays)
+    train_size = int(num_samples // MNIST1D_CLASSES * MNIST1D_CLASSES * train_split)  # as the package splits
+    _check_arrays(path, arrays, train_size, num_samples // MNIST1D_CLASSES * MNIST1D_CLASSES - train_size)
     return (
         _as_batch(arrays["train_inputs"], arrays["train_labels"]),
         _as_batch(arrays["test_inputs"], arrays["test_labels"]),
@@ -104,12 +117,12 @@ def _as_batch(
     return Batch(inputs, labels)
 
 
-def _check_arrays(path: Path, arrays: dict[str, np.ndarray]) -> None:
+def _check_arrays(path: Path, arrays: dict[str, np.ndarray], train_size: int, test_size: int) -> None:
     expected = {
-        "train_inputs": ((MNIST1D_TRAIN_SIZE, MNIST1D_LENGTH), np.float32),
-        "train_labels": ((MNIST1D_TRAIN_SIZE,), np.int32),
-        "test_inputs": ((MNIST1D_TEST_SIZE, MNIST1D_LENGTH), np.float32),
-        "test_labels": ((MNIST1D_TEST_SIZE,), np.int32),
+        "train_inputs": ((train_size, MNIST1D_LENGTH), np.float32),
+        "train_labels": ((train_size,), np.int32),
+        "test_inputs": ((test_size, MNIST1D_LENGTH), np.float32),
+        "test_labels": ((test_size,), np.int32),
     }
     for name, (shape, dtype) in expected.items():
         got = arrays.get(name)

@@ -8,7 +8,7 @@ language model), and `linear_sigmoid`.
 from ._cnn import CNN1d
 from ._conv import conv1d_as_matmul
 from ._gru import GRUClassifier
-from ._lm import DecoderBlock, LanguageModel, cast_floating
+from ._lm import DecoderBlock, LanguageModel, LastTokenClassifier, cast_floating
 from ._logistic import Logistic
 from ._masked import Masked
 from ._mlp import ACTIVATIONS, MLP, LinearSigmoid
@@ -23,6 +23,7 @@ __all__ = [
     "DecoderBlock",
     "GRUClassifier",
     "LanguageModel",
+    "LastTokenClassifier",
     "Logistic",
     "MLP",
     "Masked",

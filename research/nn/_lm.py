@@ -1,4 +1,5 @@
-"""A decoder-only transformer language model over bytes, its layers stacked and run with `lax.scan`."""
+"""A decoder-only transformer language model over bytes, its layers stacked and run with `lax.scan`; and a
+classifier of token sequences read at the last token of one."""
 
 from typing import Literal
 
@@ -118,3 +119,34 @@ class LanguageModel(eqx.Module):
         x = jax.vmap(model.norm)(x)
         logits = x @ model.token_embedding.weight.T if model.head is None else jax.vmap(model.head)(x)
         return logits.astype(jnp.float32)
+
+
+class LastTokenClassifier(eqx.Module):
+    """A class out of a token sequence: a `LanguageModel` (untied head) read at its last position.
+
+    The logits are the first `classes` of the next-token logits after the last token: for `[a, b, =]`
+    of modular addition (Nanda et al. 2023), the answer's. The head's rows for the other tokens get
+    no gradient (weight decay shrinks them to zero).
+
+    **Arguments:**
+
+    - `context`, `vocab`, `dim`, `depth`, `heads`, `mlp_dim`: the `LanguageModel`'s.
+    - `classes`: the number of classes, at most `vocab`.
+    - `key`: initialisation key.
+    """
+
+    model: LanguageModel
+    classes: int = eqx.field(static=True)
+
+    def __init__(self, context: int, vocab: int, classes: int, dim: int = 128, depth: int = 1, heads: int = 4,
+                 mlp_dim: int | None = None, *, key: PRNGKeyArray):
+        if not 0 < classes <= vocab:
+            raise ValueError(f"LastTokenClassifier classes must be in 1..vocab ({vocab}), got {classes}")
+        self.model = LanguageModel(context, vocab, dim, depth, heads, mlp_dim, tied=False, key=key)
+        self.classes = classes
+
+    @typecheck
+    def __call__(
+        self, tokens: Int[Array, " tokens"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, " {self.classes}"]:
+        return self.model(tokens)[-1, : self.classes]

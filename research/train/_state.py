@@ -121,12 +121,12 @@ def _example_keys(key: PRNGKeyArray, count: int) -> Key[Array, " {count}"]:
 def forward(
     model: eqx.Module,
     model_state: eqx.nn.State | None,
-    inputs: Float[Array, "batch *example"],
+    inputs: Float[Array, "batch *example"] | Int[Array, "batch *example"],
     *,
     key: PRNGKeyArray | None,
     axis_name: str = "batch",
 ) -> tuple[Float[Array, "batch ..."], eqx.nn.State | None]:
-    """Apply a single-example model to a batch with `jax.vmap`.
+    """Apply a single-example model to a batch with `jax.vmap`; inputs are signals (floats) or tokens (ints).
 
     Each example gets its own key (dropout masks differ across the batch). A stateful model is called
     as `model(x, state, key=...)` with the state shared (not mapped) and batch statistics reduced

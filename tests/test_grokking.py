@@ -1,0 +1,55 @@
+"""Grokking's mechanism: the split of the p² pairs and the two steps the summary records, on a tiny
+instance whose classifier (read at the "=" token) memorizes its pairs (the real runs: docs/results.md)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from research.cli import main_entry
+from research.data import DataError, modular_addition
+from research.experiment import load_experiment
+
+grokking = load_experiment("grokking")
+
+
+def test_the_split_is_a_reproducible_partition_of_all_pairs():
+    train, test = modular_addition(7, 0.3, seed=0)
+    assert len(train.labels) == round(0.3 * 49) and len(train.labels) + len(test.labels) == 49
+    pairs = np.concatenate([train.inputs, test.inputs])
+    assert sorted(map(tuple, pairs[:, :2].tolist())) == [(a, b) for a in range(7) for b in range(7)]  # each once
+    assert (pairs[:, 2] == 7).all()  # the "=" token
+    np.testing.assert_array_equal(np.concatenate([train.labels, test.labels]), pairs[:, :2].sum(1) % 7)
+    again, _ = modular_addition(7, 0.3, seed=0)
+    other, _ = modular_addition(7, 0.3, seed=1)
+    np.testing.assert_array_equal(again.inputs, train.inputs)
+    assert not np.array_equal(other.inputs, train.inputs)
+    with pytest.raises(DataError):
+        modular_addition(7, 0.01, seed=0)  # no training pair
+
+
+def test_steps_come_from_the_logged_metrics():
+    records = [{"step": 100, "train/accuracy": 0.6, "test/accuracy": 0.1},
+               {"step": 200, "train/accuracy": 0.995, "test/accuracy": 0.2},
+               {"step": 300, "train/accuracy": 0.98},  # a dip after memorizing does not move the step
+               {"step": 400, "train/accuracy": 1.0, "test/accuracy": 0.99},
+               {"step": 500, "train/accuracy": 1.0, "test/accuracy": 0.97}]
+    assert grokking.grokking_steps(records) == {"memorization_step": 200, "grokking_step": 400,
+                                                "best_test_accuracy": 0.99}
+    never = grokking.grokking_steps(records[:2])
+    assert never["grokking_step"] is None and never["best_test_accuracy"] == 0.2
+
+
+def test_a_tiny_run_records_its_steps_and_plot(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    main_entry(grokking.main, grokking.Config, ["--modulus", "7", "--train-fraction", "0.5", "--dim", "16",
+                                                "--heads", "2", "--lr", "1e-2", "--steps", "120", "--eval-every",
+                                                "20", "--log-every", "20", "--steps-per-call", "20",
+                                                "--run-dir", str(run_dir), "--no-progress"])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert {k: summary[k] for k in ("memorization_step", "grokking_step", "best_test_accuracy")} == \
+        grokking.grokking_steps(records)
+    assert summary["memorization_step"] is not None  # 25 pairs are memorized within 120 steps
+    assert (run_dir / "grokking.png").stat().st_size > 0
+    assert f"train accuracy >= 99% at step {summary['memorization_step']}" in capsys.readouterr().out
