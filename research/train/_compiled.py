@@ -237,6 +237,16 @@ class CompiledTrainer:
         """The TrainState of `leaves`, usable on the host: to evaluate, save or return."""
         return self._combine(self.unpack(self.placement.gather(leaves), on_host=True))
 
+    def saved_state(self, leaves: Leaves) -> TrainState:
+        """The TrainState of `leaves` as a checkpoint saves it: fresh copies, where the placement keeps
+        them (a sharded array stays in its shards, which each process saves)."""
+        unpacked = leaves if self.packing is None else self._unpack_compiled(leaves)
+        return self._combine(self.placement.to_save(unpacked))
+
+    @functools.cached_property
+    def _unpack_compiled(self):
+        return jax.jit(self.packing.unpack)  # one call instead of an eager op per leaf
+
     def host(self, tree):
         """One copy of values the compiled steps keep on every device (statistics), readable on the host."""
         return self.placement.host(tree)
