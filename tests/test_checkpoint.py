@@ -1,6 +1,7 @@
 import hashlib
 import io
 import json
+import shutil
 
 import equinox as eqx
 import jax
@@ -9,6 +10,8 @@ import numpy as np
 import optax
 import pytest
 
+from research.cli import main_entry
+from research.experiment import load_experiment
 from research.nn import MLP
 from research.train import (CheckpointError, CheckpointWriter, RunDir, TrainState, checkpoint_digest, load_checkpoint,
                             read_header, save_checkpoint, tree_digest)
@@ -125,6 +128,26 @@ def test_a_single_file_checkpoint_of_the_earlier_format_still_loads(tmp_path):
     path.write_bytes(path.read_bytes()[:-10])
     with pytest.raises(CheckpointError, match=f"{path} is truncated"):
         load_checkpoint(path, make_state())
+
+
+def test_a_run_checkpointed_in_the_earlier_format_resumes_and_continues_in_directories(tmp_path, monkeypatch):
+    """Step 19 of a run as the earlier writer left it (one file), the run killed before step 38:
+    `--resume` continues from the file and ends at the bits of the run never stopped."""
+    monkeypatch.chdir(tmp_path)
+    xor = load_experiment("xor")
+    args = ["--epochs", "2", "--checkpoint-every", "19", "--no-progress", "--run-dir", "r"]  # 19 steps an epoch
+    main_entry(xor.main, xor.Config, args)
+    run = RunDir(tmp_path / "r")
+    straight = checkpoint_digest(run.checkpoint_path(38))
+    skeleton = xor.build_state(xor.Config())
+    state, header = load_checkpoint(run.checkpoint_path(19), skeleton)
+    del header["leaves"]
+    single_file_checkpoint(run.checkpoints / "step_000000019.ckpt", state, header)
+    for step in (19, 38):
+        shutil.rmtree(run.checkpoint_path(step))
+    main_entry(xor.main, xor.Config, [*args, "--resume"])
+    assert [p.name for p in run.checkpoint_paths()] == ["step_000000019.ckpt", "step_000000038"]
+    assert checkpoint_digest(run.checkpoint_path(38)) == straight
 
 
 def test_run_dir_falls_back_to_the_newest_valid_checkpoint_and_prunes(tmp_path):

@@ -240,12 +240,8 @@ class CompiledTrainer:
     def saved_state(self, leaves: Leaves) -> TrainState:
         """The TrainState of `leaves` as a checkpoint saves it: fresh copies, where the placement keeps
         them (a sharded array stays in its shards, which each process saves)."""
-        unpacked = leaves if self.packing is None else self._unpack_compiled(leaves)
-        return self._combine(self.placement.to_save(unpacked))
-
-    @functools.cached_property
-    def _unpack_compiled(self):
-        return jax.jit(self.packing.unpack)  # one call instead of an eager op per leaf
+        # A packed (small, one-device) state unpacks on the host: one transfer, not an op per leaf.
+        return self._combine(self.placement.to_save(self.unpack(leaves, on_host=True)))
 
     def host(self, tree):
         """One copy of values the compiled steps keep on every device (statistics), readable on the host."""
