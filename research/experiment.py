@@ -345,8 +345,8 @@ def _evaluate_finished(setup: Setup, state: TrainState, run: RunDir, placement: 
     records = run.read_metrics()
     last = records[-1] if records else {}
     train = {k[len("train/"):]: v for k, v in last.items() if k.startswith("train/")}
-    return FitResult(state, train, metrics, 0.0, raw, bytes_on_first_device(placed), steps_per_s=last.get("steps_per_s"),
-                     val_metrics=val)
+    return FitResult(state, train, metrics, 0.0, raw, bytes_on_first_device(placed),
+                     steps_per_s=last.get("steps_per_s"), val_metrics=val)
 
 
 def _summary(result: FitResult) -> dict[str, Any]:

@@ -111,7 +111,8 @@ def _file_digests(path: Path) -> dict[str, list[Any]]:
     digests = {}
     for file in sorted(p for p in path.rglob("*") if p.is_file() and p.name != COMMIT_FILE):
         with open(file, "rb") as f:
-            digests[file.relative_to(path).as_posix()] = [file.stat().st_size, hashlib.file_digest(f, "sha256").hexdigest()]
+            sha256 = hashlib.file_digest(f, "sha256").hexdigest()
+        digests[file.relative_to(path).as_posix()] = [file.stat().st_size, sha256]
     return digests
 
 

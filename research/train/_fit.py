@@ -72,7 +72,7 @@ def fit(
     engine = Engine(loss_fn, placement=placement, log_every=log_every, steps_per_call=steps_per_call,
                     skip_nonfinite=skip_nonfinite, debug_nans=debug_nans, population=population,
                     stop_signals=stop_signals)
-    checkpoint = Checkpoint(run, keep_checkpoints, checkpoint_header or {}, checkpoint_seconds) if run is not None else None
+    checkpoint = None if run is None else Checkpoint(run, keep_checkpoints, checkpoint_header or {}, checkpoint_seconds)
     if not skip_nonfinite:  # a NaN state is not saved on preemption
         engine.add_hook(NonFiniteGuard(run, checkpoint), on_preemption=True)
     for data, name in ((val_data, "val"), (eval_data, "test")):
