@@ -19,20 +19,11 @@ from research.population import member, stack_members
 from research.tools import sweep
 from research.tools._vmapped import member_values
 from research.train import RunDir, TrainState
+from test_sweep import run_sweep
 
 # 8 steps an epoch: 56 steps, evaluated at the end.
 NAMES = ["lr=0.1,seed=0", "lr=0.1,seed=1", "lr=0.5,seed=0", "lr=0.5,seed=1"]
 FLAGS = ["--epochs", "7", "--train-size", "256", "--test-size", "64", "--batch-size", "32", "--log-every", "8"]
-
-
-def run_sweep(args, capsys):
-    try:
-        sweep.main(args)
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def mtimes(path):
