@@ -64,7 +64,7 @@ def resolve_run_dir(
 
     `--resume must` (bare `--resume`) refuses (with `ConfigError`) when there is no run or no valid
     checkpoint to resume; `--resume auto` then starts the run in `--run-dir` instead (when that
-    directory holds no checkpoint file at all, valid or damaged). Both refuse a config that differs
+    directory holds no committed checkpoint at all, valid or damaged). Both refuse a config that differs
     from the run's (but in `resumable` options) and, given `num_steps`, a run already past it. The
     checkpoint returned may be the run's last step: `finished_summary` tells whether it finished.
     Without `--resume` the `writer` (process 0) refuses a directory that already holds a run.
@@ -280,20 +280,21 @@ def run_experiment(
         return finished
     start_step = 0
     header: dict[str, Any] = {}
-    if checkpoint is not None:
-        state, header = load_checkpoint(checkpoint, state)
+    if checkpoint is not None:  # restored straight onto this run's devices, whatever it was saved from
+        state, header = load_checkpoint(checkpoint, state, sharding=placement.restore_sharding)
         start_step = header["step"]
         if writer:
             run.truncate_metrics(after_step=start_step)
             print(f"resuming {run.path} from step {start_step} ({checkpoint.name})", file=sys.stderr)
     if writer:
         run.create()
+        run.remove_uncommitted()  # an interrupted save's files; the saves of this run replace them
         run.write_config(config_record(experiment, config, setup))
     start = time.perf_counter()
     if header.get("step") == setup.num_steps:  # checkpointed at its last step, stopped before its summary
         result = _evaluate_finished(setup, state, run, placement)
     else:
-        result = _train(experiment, config, setup, state, placement, run if writer else None, header, fit_kwargs)
+        result = _train(experiment, config, setup, state, placement, run, writer, header, fit_kwargs)
     summary = {"experiment": experiment, **_summary(result), "wall_seconds": time.perf_counter() - start}
     if placement.name != "none":  # how the state is spread: FSDP holds about 1/N of it a device
         summary["state_bytes_per_device"] = result.state_bytes_per_device
@@ -307,10 +308,11 @@ def run_experiment(
 
 
 def _train(experiment: str, config: Options, setup: Setup, state: TrainState, placement: Placement,
-           run: RunDir | None, header: dict[str, Any], fit_kwargs: dict[str, Any]) -> FitResult:
-    """`fit` with the run's options: its hooks write into `run` (None: a process that does not write)."""
+           run: RunDir, writer: bool, header: dict[str, Any], fit_kwargs: dict[str, Any]) -> FitResult:
+    """`fit` with the run's options: its hooks write into `run` (every process its shards of the
+    checkpoints; the `writer`, process 0, the rest)."""
     tracker = None
-    if config.tensorboard and run is not None:
+    if config.tensorboard and writer:
         tracker = TensorBoardTracker(run.path, purge_step=header["step"] + 1 if header else None)
     try:
         return fit(
@@ -323,7 +325,7 @@ def _train(experiment: str, config: Options, setup: Setup, state: TrainState, pl
             checkpoint_seconds=60 * config.checkpoint_minutes or None, stop_signals=True,
             checkpoint_header={"experiment": experiment, "config": config.to_dict()},
             resume_window=header.get("window"), skip_nonfinite=config.skip_nonfinite,
-            progress=config.progress and run is not None, tracker=tracker, debug_nans=config.debug_nans,
+            progress=config.progress and writer, tracker=tracker, debug_nans=config.debug_nans,
             **fit_kwargs,
         )
     finally:
@@ -334,13 +336,17 @@ def _train(experiment: str, config: Options, setup: Setup, state: TrainState, pl
 def _evaluate_finished(setup: Setup, state: TrainState, run: RunDir, placement: Placement) -> FitResult:
     """The result of a run whose training ended (its last checkpoint is at its last step) but that was
     stopped before it wrote its summary: its final model evaluated again, its last logged train metrics."""
+    arrays, rest = eqx.partition(state, eqx.is_array)
+    leaves, treedef = jax.tree.flatten(arrays)
+    placed = placement.place(leaves)
+    state = eqx.combine(jax.tree.unflatten(treedef, placement.gather(placed)), rest)  # restored FSDP shards: whole
     metrics, raw = setup.evaluate_with()(state, setup.eval_data)
     val = None if setup.val_data is None else setup.evaluate_with()(state, setup.val_data)[0]
     records = run.read_metrics()
     last = records[-1] if records else {}
     train = {k[len("train/"):]: v for k, v in last.items() if k.startswith("train/")}
-    placed = bytes_on_first_device(placement.place(jax.tree.leaves(eqx.filter(state, eqx.is_array))))
-    return FitResult(state, train, metrics, 0.0, raw, placed, steps_per_s=last.get("steps_per_s"), val_metrics=val)
+    return FitResult(state, train, metrics, 0.0, raw, bytes_on_first_device(placed),
+                     steps_per_s=last.get("steps_per_s"), val_metrics=val)
 
 
 def _summary(result: FitResult) -> dict[str, Any]:
@@ -383,7 +389,7 @@ class LoadedRun:
     - `state`: the `TrainState` restored from `checkpoint` (a population's: its members stacked on a
       leading axis, as `research.population.stack_states` makes them).
     - `step`: the step of that checkpoint.
-    - `checkpoint`: the newest valid checkpoint file of the run.
+    - `checkpoint`: the newest valid checkpoint of the run.
     - `summary`: `summary.json` when it describes this state (the run finished at `step`), else `None`.
 
     `model`, `model_state` are the trained model's; `ema_model`, `ema_model_state` the EMA's

@@ -61,8 +61,9 @@ class BatchNormNet(eqx.Module):
 
 @dataclasses.dataclass(frozen=True)
 class Config(TrainConfig):
-    model: Literal["mlp", "batchnorm", "dpsgd"] = option(
-        "mlp", "mlp (stateless), batchnorm (BatchNorm + dropout), or dpsgd (the mlp trained by DP-SGD with noise)")
+    model: Literal["mlp", "batchnorm", "dpsgd", "wide"] = option(
+        "mlp", "mlp (stateless), batchnorm (BatchNorm + dropout), dpsgd (the mlp trained by DP-SGD with noise), or "
+        "wide (an mlp with a 64x64 layer, which --parallel fsdp splits over the devices)")
     loader: Literal["device", "torch"] = option("device", "device-resident batches or a torch DataLoader")
     steps: int = option(20, "training steps", resumable=True)
     batch_size: int = option(32, "examples per step")
@@ -81,8 +82,8 @@ def _build_state(model_name: str, parallel: str, lr: float, seed: int) -> TrainS
     model_key, train_key = jax.random.split(jax.random.key(seed))
     if model_name == "dpsgd":
         return TrainState.create(MLP(2, 1, hidden=(8,), key=model_key), optax.sgd(lr * 10), key=train_key)
-    if model_name == "mlp":
-        model, model_state = MLP(2, 1, hidden=(8,), key=model_key), None
+    if model_name in ("mlp", "wide"):
+        model, model_state = MLP(2, 1, hidden=(8,) if model_name == "mlp" else (64, 64), key=model_key), None
     else:
         model, model_state = eqx.nn.make_with_state(BatchNormNet)(batch_axis_name(parallel), key=model_key)
     return TrainState.create(model, optax.adam(lr), key=train_key, model_state=model_state)

@@ -14,6 +14,7 @@ import pytest
 
 from research.cli import main_entry
 from research.data import XORDataset
+from research.train import RunDir
 
 ROOT = Path(__file__).parent.parent
 spec = importlib.util.spec_from_file_location("xor_experiment_bad_input", ROOT / "experiments" / "xor.py")
@@ -50,8 +51,10 @@ class FloatLabelXOR(XORDataset):
 
 def corrupt_every_checkpoint(tmp_path, monkeypatch):
     finished_run(tmp_path, monkeypatch)
-    for path in (tmp_path / "r/checkpoints").glob("*.ckpt"):
-        path.write_bytes(path.read_bytes()[:-4])
+    for path in RunDir(tmp_path / "r").checkpoint_paths():
+        files = json.loads((path / "checkpoint.json").read_text())["files"]
+        data = path / max(files, key=lambda name: files[name][0])  # the array bytes
+        data.write_bytes(data.read_bytes()[:-4])
 
 
 def foreign_checkpoint(tmp_path, monkeypatch):
@@ -131,7 +134,7 @@ def test_bad_input_is_refused_with_one_line_and_exit_2(case, tmp_path, monkeypat
     assert len(errors) == 1 and ": error: " in errors[0]
     after = snapshot(tmp_path)
     assert {p: b for p, b in after.items() if p in before} == before  # nothing written over
-    assert not [p for p in after if p not in before and p.suffix == ".ckpt"]
+    assert not [p for p in after if p not in before and "checkpoints" in p.parts]
 
 
 def test_the_table_covers_the_kinds_of_bad_input():

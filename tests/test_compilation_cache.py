@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from research.cli import compilation_cache_dir
-from research.train import RunDir
+from research.train import RunDir, checkpoint_digest
 
 ROOT = Path(__file__).parent.parent
 ARGS = ["--no-progress", "--epochs", "4", "--log-every", "19", "--eval-every", "38"]
@@ -28,9 +28,9 @@ def entries(cache: Path) -> set[str]:
     return {p.name for p in cache.glob("*-cache")} if cache.exists() else set()
 
 
-def numbers(run: Path) -> tuple[list[dict], bytes]:
+def numbers(run: Path) -> tuple[list[dict], str]:
     metrics = [{k: v for k, v in r.items() if k != "steps_per_s"} for r in RunDir(run).read_metrics()]
-    return metrics, RunDir(run).checkpoint_paths()[-1].read_bytes().split(b"\n", 2)[2]
+    return metrics, checkpoint_digest(RunDir(run).checkpoint_paths()[-1])
 
 
 def test_the_cache_lives_in_the_users_cache_directory(monkeypatch):

@@ -2,6 +2,7 @@
 accumulation, remat, bf16), its evaluator, and the experiment end to end. Tiny models: fast."""
 
 import json
+import shutil
 
 import equinox as eqx
 import jax
@@ -208,7 +209,7 @@ def test_resumed_run_ends_where_an_uninterrupted_one_does(tmp_path, monkeypatch)
              "8", "--steps-per-call", "2", "--log-every", "2", "--no-progress"]
     main_entry(module.main, module.Config, [*flags, "--steps", "8", "--run-dir", "whole"])
     main_entry(module.main, module.Config, [*flags, "--steps", "8", "--run-dir", "parts", "--checkpoint-every", "4"])
-    (tmp_path / "parts/checkpoints/step_000000008.ckpt").unlink()  # as if killed between steps 4 and 8
+    shutil.rmtree(tmp_path / "parts/checkpoints/step_000000008")  # as if killed between steps 4 and 8
     main_entry(module.main, module.Config, [*flags, "--steps", "8", "--run-dir", "parts", "--checkpoint-every", "4",
                                             "--resume"])
     losses = {name: [json.loads(line)["train/loss"] for line in (tmp_path / name / "metrics.jsonl").open()]

@@ -35,7 +35,7 @@ from research.parallel import (
     simulate_cpu_devices,
 )
 from research.parallel.launch import launch
-from research.train import fit, load_checkpoint
+from research.train import checkpoint_digest, fit, load_checkpoint
 
 ROOT = Path(__file__).parent.parent
 WORKER = Path(__file__).parent / "_parallel_worker.py"
@@ -65,7 +65,7 @@ def losses(run: Path) -> list[float]:
 
 def final_state(run: Path, model: str, step: int = 20):
     skeleton = worker.build_state(worker.Config(model=model))
-    state, _ = load_checkpoint(run / "checkpoints" / f"step_{step:09d}.ckpt", skeleton)
+    state, _ = load_checkpoint(run / "checkpoints" / f"step_{step:09d}", skeleton)
     return state
 
 
@@ -78,15 +78,17 @@ def assert_same_run(run: Path, reference: Path, model: str) -> None:
 
 
 def group(model: str, parallel: str, devices: int, run_dir: Path, *extra: str) -> list[str]:
-    loader = "torch" if model == "mlp" else "device"  # both data paths: host batches and device-resident data
+    loader = "torch" if model in ("mlp", "wide") else "device"  # both data paths: host batches, device-resident data
     return ["--model", model, "--loader", loader, "--parallel", parallel, "--devices", str(devices),
             "--run-dir", str(run_dir), "--no-progress", *extra]
 
 
 @pytest.fixture(scope="module")
 def one_process_runs(tmp_path_factory):
-    """In one process with 4 simulated devices: each model on 1 device, with pmap and sharded on 4,
-    and a BatchNorm run moved between 4 devices and 1 device at step 10 through its checkpoint."""
+    """In one process with 8 simulated devices: each model on 1 device, with pmap and sharded on 4,
+    a BatchNorm run moved between 4 devices and 1 device at step 10 through its checkpoint, and an
+    FSDP run saved in 8 shards at step 8, resumed on 4 devices (resharded on load) to step 14, saved
+    in 4 shards, and finished on 1 device."""
     root = tmp_path_factory.mktemp("parallel")
     groups = []
     for model in ("mlp", "batchnorm", "dpsgd"):
@@ -97,6 +99,10 @@ def one_process_runs(tmp_path_factory):
         group("batchnorm", "none", 1, root / "4-then-1", "--resume"),
         group("batchnorm", "none", 1, root / "1-then-4", "--steps", "10"),
         group("batchnorm", "pmap", 4, root / "1-then-4", "--resume"),
+        group("wide", "none", 1, root / "wide-none"),
+        group("wide", "fsdp", 8, root / "8-4-1", "--steps", "8"),
+        group("wide", "fsdp", 4, root / "8-4-1", "--steps", "14", "--resume"),
+        group("wide", "none", 1, root / "8-4-1", "--resume"),
     ]
     run_worker(root, *groups)
     return root
@@ -112,20 +118,30 @@ def test_four_devices_give_the_losses_and_parameters_of_one(one_process_runs, mo
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("run", ["4-then-1", "1-then-4"])
+@pytest.mark.parametrize("run", ["4-then-1", "1-then-4", "8-4-1"])
 def test_a_checkpoint_continues_on_another_number_of_devices(one_process_runs, run):
-    assert_same_run(one_process_runs / run, one_process_runs / "batchnorm-none", "batchnorm")
+    model = "wide" if run == "8-4-1" else "batchnorm"
+    assert_same_run(one_process_runs / run, one_process_runs / f"{model}-none", model)
+    if run == "8-4-1":  # the 64x64 arrays were saved in 8 shards, then in 4 (Orbax's record of the shardings)
+        for step, devices in ((8, 8), (14, 4)):
+            shardings = json.loads((one_process_runs / run / f"checkpoints/step_{step:09d}/_sharding").read_text())
+            split = [len(s["device_mesh"]["mesh"]) for s in map(json.loads, shardings.values())
+                     if s["partition_spec"] == ["data"]]
+            assert split and set(split) == {devices}
 
 
 @pytest.mark.slow
 def test_two_processes_give_the_same_numbers_and_stop_together_when_one_dies(one_process_runs, tmp_path):
-    """`scripts/launch` with 2 processes x 1 device (each feeds its half of every batch): the runs
-    match one device, only process 0 writes; then a third, endless run loses process 1 (SIGKILL)
-    and process 0 exits at once with a clear error instead of waiting in a collective."""
+    """`scripts/launch` with 2 processes of 2 devices (each feeds its share of every batch): the runs
+    match one device, only process 0 writes the run directory, each process saves its own shards of
+    an FSDP state (resumed at step 10 from those shards); then an endless run loses process 1
+    (SIGKILL) and process 0 exits at once with a clear error instead of waiting in a collective."""
     groups = [
         group("batchnorm", "sharded", 1, tmp_path / "batchnorm-sharded"),  # device-resident data
-        group("mlp", "pmap", 1, tmp_path / "mlp-pmap"),  # host batches from a torch DataLoader
-        group("dpsgd", "pmap", 1, tmp_path / "dpsgd-pmap"),  # noise drawn once for the global batch
+        group("mlp", "pmap", 2, tmp_path / "mlp-pmap"),  # host batches from a torch DataLoader
+        group("dpsgd", "pmap", 2, tmp_path / "dpsgd-pmap"),  # noise drawn once for the global batch
+        group("wide", "fsdp", 2, tmp_path / "wide-fsdp", "--steps", "10"),
+        group("wide", "fsdp", 2, tmp_path / "wide-fsdp", "--resume"),
         group("mlp", "sharded", 1, tmp_path / "endless", "--steps", "10000000", "--log-every", "20"),
     ]
     launcher = subprocess.Popen(
@@ -153,17 +169,20 @@ def test_two_processes_give_the_same_numbers_and_stop_together_when_one_dies(one
     assert_same_run(tmp_path / "batchnorm-sharded", one_process_runs / "batchnorm-none", "batchnorm")
     assert_same_run(tmp_path / "mlp-pmap", one_process_runs / "mlp-none", "mlp")
     assert_same_run(tmp_path / "dpsgd-pmap", one_process_runs / "dpsgd-none", "dpsgd")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["batchnorm-sharded", "dpsgd-pmap", "endless", "mlp-pmap"]
-    assert out.count("test accuracy") == 2 + 1  # only process 0 reports
+    assert_same_run(tmp_path / "wide-fsdp", one_process_runs / "wide-none", "wide")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "batchnorm-sharded", "dpsgd-pmap", "endless", "mlp-pmap", "wide-fsdp"]
+    assert out.count("test accuracy") == 5  # only process 0 reports
 
 
 @pytest.mark.slow
 def test_two_processes_stop_together_on_sigterm_and_resume_to_the_same_bits(one_process_runs, tmp_path):
     """SIGTERM to `scripts/launch` reaches both processes; they agree on the step (at the next logging
-    stop), process 0 checkpoints there, every process exits 143, and the same command with
+    stop, where a checkpoint is saved every time: the signal comes while a save is in flight), the
+    checkpoint there is committed, every process exits 143, and the same command with
     `--resume auto` ends where an uninterrupted two-process run ends, bit for bit."""
     args = ["--model", "mlp", "--loader", "device", "--parallel", "sharded", "--devices", "1", "--steps", "400",
-            "--log-every", "20", "--checkpoint-minutes", "0", "--no-progress"]
+            "--log-every", "20", "--checkpoint-every", "20", "--checkpoint-minutes", "0", "--no-progress"]
     launch_cmd = [sys.executable, "-m", "research.parallel.launch", "--num-processes", "2", "--", str(WORKER)]
     straight = subprocess.run([*launch_cmd, *args, "--run-dir", str(tmp_path / "straight")], cwd=tmp_path,
                               capture_output=True, text=True, timeout=600)
@@ -182,16 +201,15 @@ def test_two_processes_stop_together_on_sigterm_and_resume_to_the_same_bits(one_
     assert len(steps) == 1 and "launch: every process stopped on a signal (status 143)" in err, err[-3000:]
     step = steps.pop()
     assert 0 < step < 400 and step % 20 == 0
-    assert (tmp_path / "stopped" / "checkpoints" / f"step_{step:09d}.ckpt").exists()
+    assert (tmp_path / "stopped" / "checkpoints" / f"step_{step:09d}" / "checkpoint.json").exists()
     resumed = subprocess.run([*launch_cmd, *args, "--run-dir", str(tmp_path / "stopped"), "--resume", "auto"],
                              cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     records = lambda run: [{k: v for k, v in json.loads(line).items() if k != "steps_per_s"}  # noqa: E731
                            for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert records(tmp_path / "stopped") == records(tmp_path / "straight")
-    final = "checkpoints/step_000000400.ckpt"
-    assert ((tmp_path / "stopped" / final).read_bytes().split(b"\n", 2)[2]
-            == (tmp_path / "straight" / final).read_bytes().split(b"\n", 2)[2])
+    final = "checkpoints/step_000000400"
+    assert checkpoint_digest(tmp_path / "stopped" / final) == checkpoint_digest(tmp_path / "straight" / final)
 
 
 def _children(pid: int) -> list[int]:

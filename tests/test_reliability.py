@@ -1,6 +1,8 @@
 """Reliability: bit-identical reruns, resume after SIGKILL, damaged checkpoints, NaNs, bad input."""
 
 import importlib.util
+import json
+import os
 import signal
 import subprocess
 import sys
@@ -15,7 +17,9 @@ import pytest
 from research.cli import main_entry
 from research.data import DeviceLoader, XORDataset
 from research.nn import MLP
-from research.train import NonFiniteError, RunDir, TrainState, fit, load_checkpoint
+from research.errors import Preempted
+from research.train import (CheckpointWriter, NonFiniteError, RunDir, TrainState, checkpoint_digest, fit,
+                            load_checkpoint, tree_digest)
 
 ROOT = Path(__file__).parent.parent
 spec = importlib.util.spec_from_file_location("xor_experiment", ROOT / "experiments" / "xor.py")
@@ -31,7 +35,8 @@ def run_script(cwd, *args, name="xor", timeout=600):
 
 
 def payload(path):
-    return path.read_bytes().split(b"\n", 2)[2]
+    """What a checkpoint holds, bit for bit (its arrays' digest)."""
+    return checkpoint_digest(path)
 
 
 def metrics_without_timing(run_dir):
@@ -58,10 +63,10 @@ def kill_when_checkpointed(cwd, run_dir, args, name="xor", min_checkpoints=2, ti
     process = subprocess.Popen([sys.executable, str(ROOT / "experiments" / f"{name}.py"), "--no-progress",
                                 "--run-dir", run_dir, *args], cwd=cwd, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
-    checkpoints = Path(cwd) / run_dir / "checkpoints"
+    run = RunDir(Path(cwd) / run_dir)
     deadline = time.monotonic() + timeout
     try:
-        while len(list(checkpoints.glob("step_*.ckpt"))) < min_checkpoints:
+        while len(run.checkpoint_paths()) < min_checkpoints:  # committed ones; more may be in flight
             assert process.poll() is None, "the run ended before it could be killed"
             assert time.monotonic() < deadline, "the run wrote no checkpoints in time"
             time.sleep(0.01)
@@ -132,7 +137,7 @@ def test_a_signal_stops_the_run_after_a_checkpoint_and_it_resumes_bit_identical(
     assert code == status and len(lines) == 1, err
     step = int(lines[0].split(" at step ")[1].split()[0])
     assert f"stopped by {signal.Signals(number).name} at step {step} of 12800; its checkpoint is saved" in lines[0]
-    assert 0 < step < 12800 and RunDir(tmp_path / "stopped").checkpoint_paths()[-1].name == f"step_{step:09d}.ckpt"
+    assert 0 < step < 12800 and RunDir(tmp_path / "stopped").checkpoint_paths()[-1].name == f"step_{step:09d}"
     result = run_script(tmp_path, *args, "--run-dir", "stopped", "--resume", "auto")
     assert result.returncode == 0, result.stderr
     assert f"resuming stopped from step {step}" in result.stderr
@@ -148,7 +153,7 @@ def test_a_time_cadence_checkpoints_at_the_first_stop_after_it(tmp_path, monkeyp
                                       "4", "--no-progress", "--run-dir", "r", "--checkpoint-minutes", "1e-9",
                                       "--keep-checkpoints", "10"])
     assert [p.name for p in RunDir(tmp_path / "r").checkpoint_paths()] == [
-        f"step_{s:09d}.ckpt" for s in (4, 8, 12, 16)]
+        f"step_{s:09d}" for s in (4, 8, 12, 16)]
 
 
 @pytest.mark.slow
@@ -157,12 +162,14 @@ def test_resume_falls_back_past_a_corrupted_checkpoint(tmp_path):
     assert run_script(tmp_path, *args, "--epochs", "10", "--run-dir", "r").returncode == 0  # steps 95, 190
     assert run_script(tmp_path, *args, "--run-dir", "straight").returncode == 0
     newest = RunDir(tmp_path / "r").checkpoint_path(190)
-    raw = bytearray(newest.read_bytes())
+    files = json.loads((newest / "checkpoint.json").read_text())["files"]
+    data = newest / max(files, key=lambda name: files[name][0])  # the array bytes
+    raw = bytearray(data.read_bytes())
     raw[-3] ^= 0x01
-    newest.write_bytes(bytes(raw))
+    data.write_bytes(bytes(raw))
     result = run_script(tmp_path, *args, "--run-dir", "r", "--resume")
     assert result.returncode == 0, result.stderr
-    assert "skipping checkpoint r/checkpoints/step_000000190.ckpt is corrupted: checksum mismatch" in result.stderr
+    assert "skipping checkpoint r/checkpoints/step_000000190 is corrupted: checksum mismatch in" in result.stderr
     assert "from step 95" in result.stderr
     assert payload(final_checkpoint(tmp_path / "r")) == payload(final_checkpoint(tmp_path / "straight"))
     assert metrics_without_timing(tmp_path / "r") == metrics_without_timing(tmp_path / "straight")
@@ -177,8 +184,78 @@ def test_pruning_keeps_the_newest_and_the_best(tmp_path):
     kept = run.checkpoint_paths()
     evals = {r["step"]: r["test/accuracy"] for r in run.read_metrics()}
     best_step = max(evals, key=lambda s: (evals[s], -s))
-    assert [p.name for p in kept[-2:]] == ["step_000000056.ckpt", "step_000000064.ckpt"]
+    assert [p.name for p in kept[-2:]] == ["step_000000056", "step_000000064"]
     assert run.checkpoint_path(best_step) in kept and len(kept) == (2 if best_step >= 56 else 3)
+
+
+# -- asynchronous saves -----------------------------------------------------------------------------
+def xor_fit(run, num_steps, state=None, window=None, **options):
+    train = DeviceLoader.from_dataset(XORDataset(256, seed=0), 32, seed=0)
+    return fit(state if state is not None else make_state(), train, num_steps=num_steps, log_every=8,
+               checkpoint_every=16, checkpoint_seconds=None, run=run, progress=False, resume_window=window, **options)
+
+
+def test_sigterm_while_a_save_is_in_flight_commits_it_and_the_run_resumes_bit_identical(tmp_path, monkeypatch):
+    """The signal arrives while the save of step 16 is still being written (its commit is held back
+    half a second): the run stops after the compiled call in flight, the save in flight and the one
+    of the stopping step are committed before `Preempted` leaves fit, and a resume from it ends where
+    a run never stopped ends, bit for bit."""
+    straight = xor_fit(RunDir(tmp_path / "straight").create(), 64)
+    commit = CheckpointWriter._commit
+
+    def slow_commit(self, path, header):
+        if header["step"] == 16:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.5)
+        commit(self, path, header)
+
+    monkeypatch.setattr(CheckpointWriter, "_commit", slow_commit)
+    run = RunDir(tmp_path / "stopped").create()
+    with pytest.raises(Preempted) as info:
+        xor_fit(run, 64, steps_per_call=1, stop_signals=True)
+    step = info.value.step
+    assert info.value.status == 143 and 16 <= step < 64
+    assert [p.name for p in run.checkpoint_paths()] == [f"step_{s:09d}" for s in sorted({16, step})]
+    state, header = load_checkpoint(run.checkpoint_path(step), make_state())
+    resumed = xor_fit(run, 64, state=state, window=header["window"])
+    assert checkpoint_digest(run.checkpoint_path(64)) == tree_digest(straight.state) == tree_digest(resumed.state)
+    assert resumed.train_metrics == straight.train_metrics
+
+
+KILLED_DURING_A_SAVE = """
+import os, signal, sys
+import jax, jax.numpy as jnp, equinox as eqx, optax
+from research.nn import MLP
+from research.train import CheckpointWriter, RunDir, TrainState, save_checkpoint
+model_key, train_key = jax.random.split(jax.random.key(0))  # this file's make_state()
+state = TrainState.create(MLP(2, 1, hidden=(8,), key=model_key), optax.sgd(0.1), key=train_key)
+run = RunDir(sys.argv[1]).create()
+save_checkpoint(run.checkpoint_path(8), state, {"step": 8})
+kill = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
+if sys.argv[2] == "writing":  # as soon as the save returns: Orbax is writing in the background
+    CheckpointWriter._commit = kill
+else:  # after Orbax renamed its directory, before checkpoint.json
+    import research.train._checkpoint as checkpoint
+    checkpoint._file_digests = kill
+writer = CheckpointWriter()
+writer.save(run.checkpoint_path(16), eqx.tree_at(lambda s: s.step, state, jnp.int32(16)), {"step": 16})
+writer.wait()
+"""
+
+
+@pytest.mark.parametrize("when", ["writing", "committing"])
+def test_sigkill_during_a_save_leaves_the_previous_checkpoint_usable(tmp_path, when):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    result = subprocess.run([sys.executable, "-c", KILLED_DURING_A_SAVE, str(tmp_path / "r"), when], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
+    run = RunDir(tmp_path / "r")
+    assert any(p.name.startswith("step_000000016") for p in run.checkpoints.iterdir())  # what the save left
+    assert run.latest_valid_checkpoint() == (run.checkpoint_path(8), [])
+    restored, header = load_checkpoint(run.checkpoint_path(8), make_state())
+    assert header["step"] == 8 and tree_digest(restored) == tree_digest(make_state())
+    run.remove_uncommitted()  # as a resumed run does; its own save of step 16 then commits
+    assert [p.name for p in run.checkpoints.iterdir()] == ["step_000000008"]
 
 
 # -- non-finite numbers -----------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from research.per_example import default_max_batch_size, dp_sgd_epsilon
+from research.train import RunDir
 
 ROOT = Path(__file__).parent.parent
 
@@ -58,5 +59,5 @@ def test_ensemble_members_match_sequential_runs_and_the_ensemble_is_reported(dat
     saved = json.loads((tmp_path / "run/summary.json").read_text())
     assert saved == {k: v for k, v in summary.items() if not k.startswith("sequential_")}
     assert "mean member test accuracy" in capsys.readouterr().out
-    assert any((tmp_path / "run/checkpoints").glob("step_*.ckpt"))
+    assert RunDir(tmp_path / "run").checkpoint_paths()
     assert len(json.loads((tmp_path / "run/metrics.jsonl").read_text().splitlines()[-1])["test/member_accuracy"]) == 3

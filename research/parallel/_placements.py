@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..data import Batch
 from ..errors import ConfigError, DeviceError
-from ..train import Leaves, OneDevice, Placement, batch_norm_layers, check_batch_norm_axis
+from ..train import Leaves, OneDevice, Placement, batch_norm_layers, check_batch_norm_axis, copy_leaves, first_device
 from ._devices import check_device_count
 
 DEVICE_AXIS = "devices"  # pmap's axis name; BatchNorm reduces over (DEVICE_AXIS, "batch") under pmap
@@ -58,6 +58,16 @@ def local_copy(x: jax.Array) -> jax.Array:
     """This process's first copy of an array replicated over a mesh (a single-device array that a
     checkpoint or an evaluation can use even when the mesh spans other processes)."""
     return x.addressable_data(0)
+
+
+def across_processes(x: jax.Array) -> jax.Array:
+    """A value each process holds the same copy of on its first device, as one global array replicated
+    over those devices (no transfer): what Orbax saves once, from process 0."""
+    if jax.process_count() == 1:
+        return x
+    devices = [jax.local_devices(process_index=p)[0] for p in range(jax.process_count())]
+    sharding = NamedSharding(Mesh(np.array(devices), ("processes",)), PartitionSpec())
+    return jax.make_array_from_single_device_arrays(x.shape, sharding, [x])
 
 
 def check_split(rows: int, devices: int) -> None:
@@ -109,6 +119,12 @@ class Pmap(Placement):
 
     def gather(self, leaves: Leaves) -> Leaves:
         return [unreplicate(x) for x in leaves]
+
+    def to_save(self, leaves: Leaves) -> Leaves:
+        return [across_processes(x) for x in copy_leaves(self.gather(leaves))]
+
+    def restore_sharding(self, shape: tuple[int, ...]) -> jax.sharding.Sharding:
+        return first_device()  # `place` replicates it
 
     def put_stats(self, stats: Any) -> Any:
         return jax.tree.map(self._replicate, stats)
@@ -193,6 +209,12 @@ class Sharded(Placement):
     def gather(self, leaves: Leaves) -> Leaves:
         return [local_copy(x) for x in leaves]
 
+    def to_save(self, leaves: Leaves) -> Leaves:
+        return copy_leaves(leaves)  # replicated over the mesh: Orbax writes one copy, from process 0
+
+    def restore_sharding(self, shape: tuple[int, ...]) -> jax.sharding.Sharding:
+        return first_device()  # `place` replicates it
+
     def put_stats(self, stats: Any) -> Any:
         return jax.tree.map(self._replicate, stats)
 
@@ -264,14 +286,27 @@ class Fsdp(Placement):
 
     def place(self, leaves: Leaves) -> Leaves:
         def put(x) -> jax.Array:
+            if isinstance(x, jax.Array) and not x.is_fully_addressable:  # restored in shards across processes
+                return copy_leaves([jax.device_put(x, self._sharding(x.shape))])[0]
             host = np.asarray(x)  # every process holds the whole state; each places its devices' shards
             return jax.make_array_from_callback(host.shape, self._sharding(host.shape), lambda index: host[index])
 
         return [put(x) for x in leaves]
 
+    @functools.cached_property
+    def _all_gather(self) -> Callable[[Leaves], Leaves]:
+        return jax.jit(lambda leaves: [x.copy() for x in leaves], out_shardings=self._sharded._replicated)
+
     def gather(self, leaves: Leaves) -> Leaves:
-        """Whole arrays on the first device, for evaluation and checkpoints."""
-        return [jax.device_put(x, jax.local_devices()[0]) for x in leaves]
+        """Whole arrays on this process's first device, for evaluation (an all-gather over the mesh,
+        which every process takes part in)."""
+        return [local_copy(x) for x in self._all_gather(leaves)]
+
+    def to_save(self, leaves: Leaves) -> Leaves:
+        return copy_leaves(leaves)  # in their shards: each process writes those it holds
+
+    def restore_sharding(self, shape: tuple[int, ...]) -> jax.sharding.Sharding:
+        return self._sharding(shape)  # each device reads its own shard
 
     def put_stats(self, stats: Any) -> Any:
         return self._sharded.put_stats(stats)
@@ -296,10 +331,6 @@ class Fsdp(Placement):
         return jax.eval_shape(fn, leaves, batch)
 
     def check(self, model: eqx.Module, rows: int) -> None:
-        if jax.process_count() > 1:
-            # Gathering shards across processes is a collective, but only process 0 checkpoints.
-            raise ConfigError("--parallel fsdp runs in one process for now (its checkpoints gather the shards on "
-                              "process 0 alone); use --parallel sharded across processes")
         self._sharded.check(model, rows)
 
 

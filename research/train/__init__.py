@@ -1,10 +1,11 @@
-"""TrainState, the pure train step and its compiled fast path, evaluation, fit, checkpoints, run dirs,
-trackers."""
+"""TrainState, the pure train step and its compiled fast path, evaluation, fit, checkpoints (Orbax), run
+dirs, trackers."""
 
-from ._checkpoint import load_checkpoint, read_header, save_checkpoint
+from ._checkpoint import CheckpointWriter, checkpoint_digest, load_checkpoint, read_header, save_checkpoint, tree_digest
 from ._compiled import CompiledTrainer, compiled_trainer
 from ._evaluate import evaluate, evaluate_state, padded_batches
-from ._placement import Leaves, OneDevice, Placement, batch_norm_layers, bytes_on_first_device, check_batch_norm_axis
+from ._placement import (Leaves, OneDevice, Placement, batch_norm_layers, bytes_on_first_device, check_batch_norm_axis,
+                         copy_leaves, first_device)
 from ..errors import CheckpointError, DataError, NonFiniteError
 from ._engine import Engine, FitResult, StepInfo
 from ._fit import fit
@@ -35,6 +36,7 @@ from ._state import (
 __all__ = [
     "Checkpoint",
     "CheckpointError",
+    "CheckpointWriter",
     "CompiledTrainer",
     "DataError",
     "Engine",
@@ -62,12 +64,15 @@ __all__ = [
     "bytes_on_first_device",
     "check_batch_norm_axis",
     "classification_loss",
+    "checkpoint_digest",
     "classification_metrics",
+    "copy_leaves",
     "compiled_trainer",
     "evaluate",
     "evaluate_language_model",
     "evaluate_state",
     "example_keys",
+    "first_device",
     "fit",
     "forward",
     "load_checkpoint",
@@ -80,4 +85,5 @@ __all__ = [
     "save_checkpoint",
     "tensorboard_problem",
     "train_step",
+    "tree_digest",
 ]

@@ -237,6 +237,12 @@ class CompiledTrainer:
         """The TrainState of `leaves`, usable on the host: to evaluate, save or return."""
         return self._combine(self.unpack(self.placement.gather(leaves), on_host=True))
 
+    def saved_state(self, leaves: Leaves) -> TrainState:
+        """The TrainState of `leaves` as a checkpoint saves it: fresh copies, where the placement keeps
+        them (a sharded array stays in its shards, which each process saves)."""
+        # A packed (small, one-device) state unpacks on the host: one transfer, not an op per leaf.
+        return self._combine(self.placement.to_save(self.unpack(leaves, on_host=True)))
+
     def host(self, tree):
         """One copy of values the compiled steps keep on every device (statistics), readable on the host."""
         return self.placement.host(tree)

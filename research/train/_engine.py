@@ -41,7 +41,10 @@ class StepInfo:
     - `record`: the numbers of this stop, logged by the tracking hook: `train/...` and `steps_per_s`
       when the train metrics were fetched here (in a population, `train/loss` is the members' mean
       and `train/member_loss` their values), and whatever earlier hooks added (`test/...`).
-    - `state`: the TrainState on the host (built on first use).
+    - `state`: the TrainState on the host (built on first use; with several processes, every process
+      must ask for it at the same stops: it may gather shards across them).
+    - `saved_state`: fresh copies of the state's arrays where the placement keeps them, for a
+      checkpoint (built on first use; every process asks for it at the same stops).
     - `first_bad_step()`: `(step, quantity)` of the first non-finite step since the last fetch.
     - `window()`: the running metrics not yet logged, as a checkpoint header stores them.
     """
@@ -61,6 +64,10 @@ class StepInfo:
     @functools.cached_property
     def state(self) -> TrainState:
         return self.trainer.state(self.leaves)
+
+    @functools.cached_property
+    def saved_state(self) -> TrainState:
+        return self.trainer.saved_state(self.leaves)
 
     def first_bad_step(self) -> tuple[int, int]:
         return decode_first_bad(int(jax.device_get(self.trainer.host(self.checked).counters)[0]))
@@ -116,7 +123,8 @@ class Engine:
 
     def add_hook(self, hook: Hook, *, every: int | None = None, on_preemption: bool = False) -> "Engine":
         """Call `hook(info)` every `every` steps and at the end (`every=None`: at every stop), and,
-        with `on_preemption`, where a signal stopped the run."""
+        with `on_preemption`, where a signal stopped the run. A hook with a `close()` method (the
+        checkpoint) is closed when fit ends, normally or not."""
         self.hooks.append((hook, every))
         if on_preemption:
             self.preemption_hooks.append(hook)
@@ -141,7 +149,7 @@ class Engine:
         stats = fresh() if resume_window is None else trainer.placement.put_stats(
             _window_from_header(resume_window, trainer.host(fresh())))
         clock, record, final = _Clock(step, self.skip_nonfinite), {}, {}
-        with _nan_checks(self.debug_nans), _signals(self.stop_signals) as signals:
+        with self._closing_hooks(), _nan_checks(self.debug_nans), _signals(self.stop_signals) as signals:
             alone = jax.process_count() == 1  # several processes may only stop where all of them stop
             while step < num_steps:
                 until = self._next_stop(step, num_steps)
@@ -162,6 +170,20 @@ class Engine:
                 final.update(record)
         _warn_on_retrace(trainer, traces_before)
         return _result(trainer.state(leaves), final, time.perf_counter() - start_time, state_bytes)
+
+    @contextlib.contextmanager
+    def _closing_hooks(self) -> Iterator[None]:
+        """When fit ends, normally or not, close the hooks that finish work in the background (the
+        checkpoint's save in flight is committed before fit returns or raises)."""
+        try:
+            yield
+        finally:
+            closed = set()
+            for hook, _ in self.hooks:
+                close = getattr(hook, "close", None)
+                if close is not None and id(hook) not in closed:
+                    closed.add(id(hook))
+                    close()
 
     def _preempted(self, info: StepInfo, received: int) -> None:
         for hook in self.preemption_hooks:

@@ -3,6 +3,7 @@
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import numpy as np
 
 from ..data import DeviceLoader, HostLoader, TorchLoader
@@ -55,7 +56,9 @@ def fit(
     - `num_steps`: the total number of steps (not the number still to take).
     - `eval_data`, `eval_every`, `evaluator`: evaluate every `eval_every` steps (`None`: only at the
       end) and at the end (`Evaluate`); `val_data` likewise, logged as `val/...`.
-    - `run`: where to log (`metrics.jsonl`) and checkpoint; nothing is written when `None`.
+    - `run`: where to log (`metrics.jsonl`) and checkpoint; nothing is written when `None`. With
+      several processes pass it on every process: each saves its shards of the checkpoints (in the
+      background), process 0 commits them and logs.
     - `checkpoint_every`, `keep_checkpoints`, `checkpoint_header`: `Checkpoint`'s cadence, how many
       to keep and the JSON header written with each (`None`: only the final step, which is always
       checkpointed); `checkpoint_seconds`: also checkpoint at the first stop after so many seconds.
@@ -69,18 +72,19 @@ def fit(
     engine = Engine(loss_fn, placement=placement, log_every=log_every, steps_per_call=steps_per_call,
                     skip_nonfinite=skip_nonfinite, debug_nans=debug_nans, population=population,
                     stop_signals=stop_signals)
-    if not skip_nonfinite:
-        engine.add_hook(NonFiniteGuard(run), on_preemption=True)  # a NaN state is not saved on preemption
+    checkpoint = None if run is None else Checkpoint(run, keep_checkpoints, checkpoint_header or {}, checkpoint_seconds)
+    if not skip_nonfinite:  # a NaN state is not saved on preemption
+        engine.add_hook(NonFiniteGuard(run, checkpoint), on_preemption=True)
     for data, name in ((val_data, "val"), (eval_data, "test")):
         if data is not None:
             engine.add_hook(Evaluate(data, progress, evaluator, name), every=eval_every or num_steps)
-    trackers = ([JsonlTracker(run)] if run is not None else []) + ([tracker] if tracker is not None else [])
+    writes = run is not None and jax.process_index() == 0  # every process checkpoints, process 0 logs
+    trackers = ([JsonlTracker(run)] if writes else []) + ([tracker] if tracker is not None else [])
     engine.add_hook(Track(trackers, lr_schedule))
     start = int(np.max(np.asarray(state.step)))  # a population steps its members together
     bar = Progress(num_steps, initial=start, enabled=progress)
     engine.add_hook(ShowProgress(bar, start))
-    if run is not None:
-        checkpoint = Checkpoint(run, keep_checkpoints, checkpoint_header or {}, checkpoint_seconds)
+    if checkpoint is not None:
         engine.add_hook(checkpoint, every=checkpoint_every or num_steps, on_preemption=True)
         if checkpoint_seconds:
             engine.add_hook(checkpoint.when_due)

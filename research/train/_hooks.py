@@ -10,10 +10,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
 from ..data import DeviceLoader, HostLoader
 from ..errors import NonFiniteError
 from ..progress import Progress
-from ._checkpoint import save_checkpoint
+from ._checkpoint import CheckpointWriter
 from ._compiled import NONFINITE_NAMES
 from ._engine import StepInfo
 from ._evaluate import evaluate_state
@@ -27,14 +31,18 @@ Evaluator = Callable[..., tuple[dict[str, Any], dict[str, Any] | None]]
 @dataclasses.dataclass
 class NonFiniteGuard:
     """Stop with `NonFiniteError` naming the first step whose loss or gradient was NaN/Inf, and the
-    last good checkpoint (which stays untouched). Runs at every stop: a bad run stops early."""
+    last good checkpoint (which stays untouched; `saving`: the checkpoint hook whose save in flight
+    is committed first). Runs at every stop: a bad run stops early."""
 
     run: RunDir | None = None
+    saving: "Checkpoint | None" = None
 
     def __call__(self, info: StepInfo) -> None:
         bad_step, quantity = info.first_bad_step()
         if bad_step < 0:
             return
+        if self.saving is not None:
+            self.saving.wait()
         kept = self.run.checkpoint_paths()[-1] if self.run is not None and self.run.checkpoint_paths() else None
         where = f"; the last good checkpoint is {kept}" if kept else "; no checkpoint was written"
         raise NonFiniteError(
@@ -95,8 +103,13 @@ class ShowProgress:
 
 @dataclasses.dataclass
 class Checkpoint:
-    """Save the state (atomically, with `header` and the unlogged metrics window) and keep the
+    """Save the state (with `header` and the unlogged metrics window) in the background, and keep the
     `keep` newest checkpoints plus the best by `test/accuracy`.
+
+    A save returns once the arrays are copied off the devices; training goes on while Orbax writes
+    them, and the next save (or the end of fit: `close`) waits for the commit. With several
+    processes, add this hook on every process: each saves the shards it holds, and process 0 commits
+    the checkpoint and prunes the older ones.
 
     Add it with a step cadence (`every=N`) and, for a cadence in time, add `when_due` too (at every
     stop): it saves once `every_seconds` have passed since the last save, so a killed run loses
@@ -110,16 +123,31 @@ class Checkpoint:
     every_seconds: float | None = None
     _last: float = dataclasses.field(default_factory=time.monotonic, init=False)
     _saved_step: int = dataclasses.field(default=-1, init=False)
+    _writer: CheckpointWriter = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self._writer = CheckpointWriter(on_commit=lambda _: self.run.prune_checkpoints(self.keep))
 
     def __call__(self, info: StepInfo) -> None:
         if info.step == self._saved_step:
             return
         header = {**self.header, "step": info.step, "window": info.window(),
                   "eval": {k: v for k, v in info.record.items() if k.startswith(("test/", "val/"))}}
-        save_checkpoint(self.run.checkpoint_path(info.step), info.state, header)
-        self.run.prune_checkpoints(self.keep)
+        self._writer.save(self.run.checkpoint_path(info.step), info.saved_state, header)
         self._last, self._saved_step = time.monotonic(), info.step
 
     def when_due(self, info: StepInfo) -> None:
-        if self.every_seconds is not None and time.monotonic() - self._last >= self.every_seconds:
+        if self.every_seconds is None:
+            return
+        due = time.monotonic() - self._last >= self.every_seconds
+        if jax.process_count() > 1:  # every process saves, so all of them must agree that it is time
+            due = bool(np.max(multihost_utils.process_allgather(np.int32(due))))
+        if due:
             self(info)
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is committed."""
+        self._writer.wait()
+
+    def close(self) -> None:
+        self._writer.close()

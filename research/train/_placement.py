@@ -31,8 +31,12 @@ class Placement(abc.ABC):
       statistics donated; `broadcast_last`: the last input is one host scalar for every device.
     - `constrain(batch)`: inside a traced step, the batch as the placement wants it laid out;
       `constrain_state(leaves)`: the same for the state's leaves a step returns (FSDP keeps them sharded).
-    - `place(leaves)`: fresh copies of host leaves on the devices (the steps donate their inputs);
-      `gather(leaves)`: one host-usable copy of each placed leaf.
+    - `place(leaves)`: fresh copies of host leaves (or of restored arrays) on the devices (the steps
+      donate their inputs); `gather(leaves)`: one host-usable copy of each placed leaf (with several
+      processes every process calls it: it may gather across them).
+    - `to_save(leaves)`: fresh copies of placed leaves as a checkpoint saves them: global arrays that
+      every process hands to Orbax, one copy of a replicated value, a sharded value in its shards;
+      `restore_sharding(shape)`: where an array of the state restored from a checkpoint goes.
     - `put_stats`, `put_batch`, `put_data`, `put_indices`, `put_count`: host values as the compiled
       functions take them; `host(tree)`: one copy of values the steps keep on every device.
     - `metric_shapes(fn, leaves, batch)`: the shapes of one device's `fn(leaves, batch)`, traced.
@@ -57,6 +61,12 @@ class Placement(abc.ABC):
 
     @abc.abstractmethod
     def gather(self, leaves: Leaves) -> Leaves: ...
+
+    @abc.abstractmethod
+    def to_save(self, leaves: Leaves) -> Leaves: ...
+
+    @abc.abstractmethod
+    def restore_sharding(self, shape: tuple[int, ...]) -> jax.sharding.Sharding: ...
 
     @abc.abstractmethod
     def put_stats(self, stats: Any) -> Any: ...
@@ -92,6 +102,11 @@ def bytes_on_first_device(leaves: Leaves) -> int:
 @jax.jit
 def copy_leaves(leaves: Leaves) -> Leaves:
     return [x.copy() for x in leaves]
+
+
+def first_device() -> jax.sharding.SingleDeviceSharding:
+    """This process's first device, where a state restored for one device (or for replicas) goes."""
+    return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
 
 
 def batch_norm_layers(model: eqx.Module) -> list[eqx.nn.BatchNorm]:
@@ -135,6 +150,12 @@ class OneDevice(Placement):
 
     def gather(self, leaves: Leaves) -> Leaves:
         return leaves
+
+    def to_save(self, leaves: Leaves) -> Leaves:
+        return copy_leaves(leaves)
+
+    def restore_sharding(self, shape: tuple[int, ...]) -> jax.sharding.Sharding:
+        return first_device()
 
     def put_stats(self, stats: Any) -> Any:
         return stats

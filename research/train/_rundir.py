@@ -6,9 +6,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError
-from ._checkpoint import read_header, write_atomic
+from ._checkpoint import is_committed, read_header, remove_checkpoint, write_atomic
+from ._single_file import SUFFIX
 
-_CHECKPOINT = re.compile(r"^step_(\d+)\.ckpt$")
+_CHECKPOINT = re.compile(r"^step_(\d+)(\.ckpt)?$")  # a directory; a file of the earlier format
 
 
 def _jsonable(value: Any) -> Any:
@@ -84,14 +85,29 @@ class RunDir:
         """The final numbers of a finished run; `None` while it runs (or if it was killed)."""
         return json.loads(self.summary_file.read_text()) if self.summary_file.exists() else None
 
-        # -- checkpoints --------------------------------------------------------------------------
+    # -- checkpoints --------------------------------------------------------------------------
     def checkpoint_path(self, step: int) -> Path:
-        return self.checkpoints / f"step_{step:09d}.ckpt"
+        return self.checkpoints / f"step_{step:09d}"
 
     def checkpoint_paths(self) -> list[Path]:
-        """Checkpoint files, oldest step first."""
-        found = [(int(m.group(1)), p) for p in self.checkpoints.glob("step_*.ckpt") if (m := _CHECKPOINT.match(p.name))]
-        return [p for _, p in sorted(found)]
+        """Committed checkpoints (directories; files of the earlier format), oldest step first."""
+        found = []
+        for path in self.checkpoints.glob("step_*"):
+            match = _CHECKPOINT.match(path.name)
+            if match and (path.is_file() if match.group(2) == SUFFIX else is_committed(path)):
+                found.append((int(match.group(1)), path.is_dir(), path))
+        return [path for *_, path in sorted(found)]
+
+    def remove_uncommitted(self) -> None:
+        """Delete what interrupted saves left behind: Orbax's temporary directories, step directories
+        without a commit, temporary files of the earlier format (a run does this before it trains)."""
+        if not self.checkpoints.is_dir():
+            return
+        committed = set(self.checkpoint_paths())
+        for path in self.checkpoints.iterdir():
+            leftover = path.name.startswith("step_") or (path.name.startswith(".step_") and path.suffix == ".tmp")
+            if leftover and path not in committed:
+                remove_checkpoint(path)
 
     def latest_valid_checkpoint(self) -> tuple[Path | None, list[str]]:
         """The newest checkpoint whose checksum verifies, and a message for each newer damaged one."""
@@ -124,4 +140,4 @@ class RunDir:
         best = self.best_checkpoint()
         for path in paths[:-keep]:
             if path != best:
-                path.unlink(missing_ok=True)
+                remove_checkpoint(path)
