@@ -21,7 +21,7 @@ from ..config import Options, vmappable_options
 from ..data import DeviceLoader
 from ..experiment import Setup, config_record, initial_state, plot_curves, run_experiment
 from ..population import member, stack_members
-from ..train import RunDir, load_checkpoint, save_checkpoint
+from ..train import CheckpointWriter, RunDir, load_checkpoint
 from ._pool import Run
 from ._runs import UsageError
 
@@ -68,7 +68,7 @@ def _population_setup(experiment: str, configs: Sequence[Options], setups: Seque
 
 
 def _write_member(experiment: str, run: Run, config: Options, setup: Setup, state: Any,
-                  records: list[dict[str, Any]], summary: dict[str, Any], k: int) -> None:
+                  records: list[dict[str, Any]], summary: dict[str, Any], k: int, writer: CheckpointWriter) -> None:
     out = RunDir(run.path).create()
     out.write_config({**config_record(experiment, config, setup), "vmapped": summary["population"]})
     out.metrics_file.write_text("")
@@ -78,9 +78,10 @@ def _write_member(experiment: str, run: Run, config: Options, setup: Setup, stat
     last = member_values(records[-1], k)
     evaluated = {key: value for key, value in last.items() if key.startswith(("test/", "val/"))}
     header = {"experiment": experiment, "config": config.to_dict(), "step": step, "eval": evaluated}
-    save_checkpoint(out.checkpoint_path(step), member(state, k), header)
-    out.write_summary({key: value for key, value in member_values(summary, k).items() if key != "population"})
+    writer.save(out.checkpoint_path(step), member(state, k), header)  # written while the plot is drawn
     plot_curves([out], [run.name], out.path / "curves.png", title=f"{experiment} {run.name} (vmapped)")
+    writer.wait()  # the summary says the run finished: only once its checkpoint is committed
+    out.write_summary({key: value for key, value in member_values(summary, k).items() if key != "population"})
 
 
 def sweep_vmapped(experiment: str, module: Any, runs: Sequence[Run], configs: Sequence[Options],
@@ -103,11 +104,14 @@ def sweep_vmapped(experiment: str, module: Any, runs: Sequence[Run], configs: Se
     checkpoint, _ = population_run.latest_valid_checkpoint()
     state, _ = load_checkpoint(checkpoint, initial_state(population, population_config))
     records = population_run.read_metrics()
-    written = []
-    for k, (run, config, setup) in enumerate(zip(runs, configs, setups)):
-        if write is None or run.name in write:
-            _write_member(experiment, run, config, setup, state, records, summary, k)
-            written.append(run)
+    written, writer = [], CheckpointWriter()
+    try:
+        for k, (run, config, setup) in enumerate(zip(runs, configs, setups)):
+            if write is None or run.name in write:
+                _write_member(experiment, run, config, setup, state, records, summary, k, writer)
+                written.append(run)
+    finally:
+        writer.close()
     return written, time.perf_counter() - start
 
 
