@@ -2,6 +2,7 @@ import dataclasses
 import importlib.util
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -188,8 +189,8 @@ def test_resume_auto_starts_a_run_then_resumes_it(tmp_path, monkeypatch, capsys)
 def test_resume_auto_restarts_a_run_stopped_before_its_first_checkpoint(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     run_xor(["--run-dir", "r"])
-    for path in (tmp_path / "r/checkpoints").iterdir():
-        path.unlink()
+    shutil.rmtree(tmp_path / "r/checkpoints")  # a checkpoint is a directory (Orbax)
+    (tmp_path / "r/checkpoints").mkdir()
     (tmp_path / "r/summary.json").unlink()
     run_xor(["--run-dir", "r", "--resume", "auto"])
     steps = [json.loads(line)["step"] for line in (tmp_path / "r/metrics.jsonl").read_text().splitlines()]
