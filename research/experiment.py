@@ -21,7 +21,7 @@ import numpy as np
 
 from .config import ConfigError, Options, check_combination, resumable_options, strip_optional
 from .data import Batch, DeviceLoader, HostLoader, TorchLoader
-from .parallel import check_device_count, make_placement
+from .parallel import check_device_count, make_placement, process_zero_text
 from . import population
 from .population import evaluate_population
 from .errors import CheckpointError
@@ -70,7 +70,10 @@ def resolve_run_dir(
     Without `--resume` the `writer` (process 0) refuses a directory that already holds a run.
     """
     if config.resume:
-        path = Path(config.run_dir) if config.run_dir else RunDir.latest(RUNS_ROOT, experiment)
+        path = Path(config.run_dir) if config.run_dir else None
+        if path is None:  # every process resumes process 0's latest run
+            latest = process_zero_text(str(RunDir.latest(RUNS_ROOT, experiment) or ""))
+            path = Path(latest) if latest else None
         if config.resume == "auto" and not RunDir(path).checkpoint_paths():
             run = RunDir(path)
             if (path / "config.json").exists():  # a run stopped before its first checkpoint: start it again
@@ -94,7 +97,8 @@ def resolve_run_dir(
                 raise ConfigError(f"--resume: the run in {path} is at step {step}, past the {num_steps} steps "
                                   "this config trains; resume with as many steps or more")
         return run, checkpoint
-    path = Path(config.run_dir) if config.run_dir else RunDir.new_path(RUNS_ROOT, experiment)
+    # A new run's default name is the time: every process takes process 0's (they save into one directory).
+    path = Path(config.run_dir or process_zero_text(str(RunDir.new_path(RUNS_ROOT, experiment))))
     if writer and (path / "config.json").exists():
         raise ConfigError(f"--run-dir {path} already holds a run; pass --resume to continue it, or pick a new directory")
     return RunDir(path), None

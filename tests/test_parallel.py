@@ -184,9 +184,10 @@ def test_two_processes_stop_together_on_sigterm_and_resume_to_the_same_bits(one_
     args = ["--model", "mlp", "--loader", "device", "--parallel", "sharded", "--devices", "1", "--steps", "400",
             "--log-every", "20", "--checkpoint-every", "20", "--checkpoint-minutes", "0", "--no-progress"]
     launch_cmd = [sys.executable, "-m", "research.parallel.launch", "--num-processes", "2", "--", str(WORKER)]
-    straight = subprocess.run([*launch_cmd, *args, "--run-dir", str(tmp_path / "straight")], cwd=tmp_path,
-                              capture_output=True, text=True, timeout=600)
+    # No --run-dir: the processes must agree on the default one (named after the time) to save into it
+    straight = subprocess.run([*launch_cmd, *args], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert straight.returncode == 0, straight.stderr[-3000:]
+    [straight_dir] = (tmp_path / "runs" / "worker").iterdir()
     launcher = subprocess.Popen([*launch_cmd, *args, "--run-dir", str(tmp_path / "stopped")], cwd=tmp_path,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = tmp_path / "stopped" / "metrics.jsonl"
@@ -207,9 +208,9 @@ def test_two_processes_stop_together_on_sigterm_and_resume_to_the_same_bits(one_
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     records = lambda run: [{k: v for k, v in json.loads(line).items() if k != "steps_per_s"}  # noqa: E731
                            for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert records(tmp_path / "stopped") == records(tmp_path / "straight")
+    assert records(tmp_path / "stopped") == records(straight_dir)
     final = "checkpoints/step_000000400"
-    assert checkpoint_digest(tmp_path / "stopped" / final) == checkpoint_digest(tmp_path / "straight" / final)
+    assert checkpoint_digest(tmp_path / "stopped" / final) == checkpoint_digest(straight_dir / final)
 
 
 def _children(pid: int) -> list[int]:

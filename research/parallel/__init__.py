@@ -7,7 +7,7 @@ several processes, `--coordinator-address --num-processes --process-id` (or `scr
 
 from ..train import OneDevice, Placement
 from ._devices import DeviceError, check_device_count, simulate_cpu_devices
-from ._distributed import ProcessGroup, exit_together, process_group, setup_devices
+from ._distributed import ProcessGroup, exit_together, process_group, process_zero_text, setup_devices
 from ._placements import (
     DATA_AXIS,
     DEVICE_AXIS,
@@ -41,6 +41,7 @@ __all__ = [
     "local_copy",
     "make_placement",
     "process_group",
+    "process_zero_text",
     "process_rows",
     "setup_devices",
     "simulate_cpu_devices",

@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 from ..errors import ConfigError
 from ._devices import check_device_count, simulate_cpu_devices
@@ -125,6 +127,18 @@ def setup_devices(config: Any) -> None:
             print(f"process {group.process_id} of {group.num_processes}: joined {group.coordinator_address}",
                   file=sys.stderr)
     check_device_count(config.devices)
+
+
+def process_zero_text(text: str) -> str:
+    """Process 0's `text` on every process (a choice each process would make on its own, such as a
+    run directory named after the time, must be one choice)."""
+    if jax.process_count() == 1:
+        return text
+    data = np.frombuffer(text.encode(), np.uint8)
+    size = int(multihost_utils.broadcast_one_to_all(np.int32(data.size)))
+    padded = np.zeros(size, np.uint8)
+    padded[:min(size, data.size)] = data[:size]
+    return bytes(np.asarray(multihost_utils.broadcast_one_to_all(padded))).decode()
 
 
 def _collective_failure(error: BaseException) -> str | None:
