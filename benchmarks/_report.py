@@ -183,7 +183,8 @@ def write_markdown(path: Path, results: dict, info: dict, quick: bool, seconds: 
         lines += ["", "## (e) DP-SGD at the cost of ordinary training", "",
                   f"One engine step (`CompiledTrainer.step`, Adam, batch {results['dp_sgd']['batch']}) of the ordinary "
                   "loss and of `DPSGDLoss` (clip 1, noise 1, whole batch at once) with ghost clipping (per-example "
-                  "norms from layer inputs and output gradients, then a second backward pass) and with vmap(grad) "
+                  "norms and the clipped sum from layer inputs and output gradients, one backward pass) and with "
+                  "vmap(grad) "
                   "(every per-example gradient materialised). Memory: the temporary bytes XLA plans for the "
                   "gradient computation of the step (`memory_analysis()`, deterministic; for DP-SGD including "
                   "its parameter-sized Gaussian noise), and for the clipped sum alone (`clipped_gradient_sum`, no "

@@ -45,7 +45,7 @@ class Config(Training, Checkpointing, Devices, EMA, Tracking):
                              check=non_negative)
     clipping: Literal["auto", "ghost", "vmap"] = option(
         "auto", "how per-example gradients are clipped: vmap materialises each of them; ghost takes their norms "
-                "from each layer's inputs and output gradients, then a second backward pass (no per-example "
+                "and the clipped sum from each layer's inputs and output gradients, one backward pass (no per-example "
                 "gradients); auto: ghost where the model is covered, else vmap. The same update up to float "
                 "rounding", resumable=True)
     data_dir: str = option("data", "where MNIST-1D is generated and cached")

@@ -36,7 +36,10 @@ def add_gaussian_noise(tree: PyTree, key: PRNGKeyArray, std: float | Float[Array
     leaves, treedef = jax.tree.flatten(tree)
     keys = jax.random.split(key, max(len(leaves), 1))
     # random_normal: jax.random.normal's bits with the threefry rounds unrolled (several times faster on CPU).
-    noisy = [x + std * random_normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
+    # A fusion of their own: fused into the gradient and optimizer fusions the draws took ~3x longer
+    # (benchmarks/findings.md, case (e)).
+    noise = jax.lax.optimization_barrier([random_normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)])
+    noisy = [x + std * n for x, n in zip(leaves, noise)]
     return jax.tree.unflatten(treedef, noisy)
 
 
@@ -66,8 +69,8 @@ class DPSGDLoss:
     - `chunk_size`: accumulate the clipped sum this many examples at a time (bounds memory; chunks
       that are all padding are skipped); `None`: the whole batch in one vmap.
     - `method`: how the per-example gradients are clipped: `"vmap"` materialises each of them;
-      `"ghost"` takes their norms from each layer's inputs and output gradients and the clipped sum
-      from a second backward pass (no per-example gradient: the memory of ordinary training; models
+      `"ghost"` takes their norms and the clipped sum from each layer's inputs and output gradients
+      (one backward pass; no per-example gradient: the memory of ordinary training; models
       of `eqx.nn.Linear` layers and `conv1d_as_matmul` convolutions); `"auto"`: ghost where it covers
       the model (`ghost_problem`), else vmap. The same update up to float rounding.
 

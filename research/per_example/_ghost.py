@@ -10,10 +10,12 @@ clipping). The bias gradient is `sum_t g_t`.
 `X` and `G` come from the forward pass and one backward pass that stops at the layer outputs:
 every covered layer passes its rows through `research.nn.observed_linear_map`, where the observer
 keeps `X` and adds a zero perturbation `Z` to `Y`; the gradient with respect to `Z` is `G`, for every
-example at once under `vmap`, and no weight gradient is formed. The clipped sum is then the gradient
-of `sum_i w_i c_i loss_i` with `c_i = min(1, C / |g_i|)` held constant: a second backward pass of
-the same forward pass (`jax.vjp` once, pulled back twice). So ghost clipping (Li et al. 2022;
-Opacus) costs one forward and two backward passes, with the memory of ordinary training.
+example at once under `vmap`, and no weight gradient is formed. The clipped sum
+`sum_i w_i c_i grad_i` (`c_i = min(1, C / |g_i|)`) then follows from the same `X` and `G`, layer by
+layer: `(s * G)^T X` over the batch with `s = w c`, the weight gradient a backward pass would form,
+weighted (Bu et al. 2022, "book-keeping"). Ghost clipping as in Li et al. 2022 and Opacus pulls a
+second backward pass through the whole model for it; this costs one forward pass, one backward pass
+and the norms, with the memory of ordinary training.
 
 Covered: `eqx.nn.Linear` (called on one vector per example) and `eqx.nn.Conv1d` computed by
 `research.nn.conv1d_as_matmul`; so MLP, Logistic, LinearSigmoid and CNN1d. A model is covered when
@@ -91,6 +93,29 @@ class GhostPlan:
             if has_bias:
                 total = total + jnp.sum(jnp.square(jnp.sum(g, axis=0)))
         return total
+
+    def weighted_gradients(self, params: PyTree, inputs: list[Array], output_grads: list[Array],
+                           scales: Float[Array, " batch"]) -> PyTree:
+        """`sum_i scales_i grad_i` as a tree like `params`, from every example's input rows and
+        output-row gradients: for each layer `(s * G)^T X` over the batch and its positions (the
+        weight gradient a backward pass would form), and `sum s * G` for its bias."""
+        layers = _covered_layers(params)
+        weights, biases = [], []
+        for index, (layer, has_bias) in enumerate(zip(layers, self.has_bias, strict=True)):
+            calls = [k for k, (owner, _, _) in enumerate(self.calls) if owner == index]
+            x = jnp.concatenate([inputs[k] for k in calls], axis=1)  # [batch, positions, in]
+            g = jnp.concatenate([output_grads[k] for k in calls], axis=1) * scales[:, None, None].astype(x.dtype)
+            x, g = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])  # one matmul over batch and positions
+            weight = g.T @ x
+            weights.append(weight.reshape(layer.weight.shape).astype(layer.weight.dtype))
+            if has_bias:
+                biases.append(jnp.sum(g, axis=0).reshape(layer.bias.shape).astype(layer.bias.dtype))
+
+        def where(tree):
+            covered = _covered_layers(tree)
+            return [layer.weight for layer in covered] + [layer.bias for layer in covered if layer.bias is not None]
+
+        return eqx.tree_at(where, params, weights + biases)
 
 
 # A layer's per-example weight gradient of at most this many elements is formed directly (g^T x):
@@ -229,10 +254,10 @@ def ghost_clipped_sum(
     scale_of: Callable[[Float[Array, " batch"]], Float[Array, " batch"]],
 ) -> tuple[PyTree, Float[Array, " batch"], dict[str, Array]]:
     """`(sum_i s_i grad_i, norms, metrics)` with `s = scale_of(norms)` (weights times clip factors),
-    from one forward pass and two backward passes of the batch: the first (cotangent 1 for every
-    example) to the layer outputs, which with the layer inputs give the norms; the second (cotangent
-    `s`) to the parameters, which is the weighted clipped sum. The unused half of each backward pass
-    (weight gradients in the first, output gradients in the second) is dead code XLA drops."""
+    from one forward pass and one backward pass of the batch to the layer outputs (cotangent 1 for
+    every example; the weight gradients it would form are dead code XLA drops). The layer inputs and
+    output gradients give the norms, then the weighted clipped sum directly, layer by layer (Bu et
+    al. 2022's book-keeping: no second backward pass)."""
     params, static = eqx.partition(model, eqx.is_inexact_array)
     batch_size = jax.tree.leaves(examples)[0].shape[0]
 
@@ -245,5 +270,5 @@ def ghost_clipped_sum(
     values, pullback, (metrics, inputs) = jax.vjp(losses, params, zeros, has_aux=True)
     _, output_grads = pullback(jnp.ones_like(values))  # each example's perturbation reaches only its own loss
     norms = jnp.sqrt(jax.vmap(plan.squared_norm)(inputs, output_grads))
-    grads, _ = pullback(jax.lax.stop_gradient(scale_of(norms)).astype(values.dtype))
-    return grads, norms, {**metrics, "loss": values}
+    scales = jax.lax.stop_gradient(scale_of(norms))
+    return plan.weighted_gradients(params, inputs, output_grads, scales), norms, {**metrics, "loss": values}

@@ -12,7 +12,7 @@ same result as the direct computation up to float rounding.
 
 `method` picks how norms and clipped sums are taken: `"vmap"` materialises every example's gradient
 (memory batch x parameters); `"ghost"` takes the norms from each layer's inputs and output gradients
-and the clipped sum from a second backward pass, with no per-example gradient (`_ghost.py`; for
+and then the clipped sum, in one backward pass with no per-example gradient (`_ghost.py`; for
 models built from `eqx.nn.Linear` and `conv1d_as_matmul` convolutions); `"auto"` is ghost where it
 covers the model, else vmap. Both give the same numbers up to float rounding.
 """
@@ -286,7 +286,7 @@ def clipped_gradient_sum(
     memory holds one chunk of per-example gradients rather than the whole batch's; chunks whose
     weights are all zero (padding) are skipped. `weights` defaults to ones (0/1 masks padding).
     `method`: `"vmap"` (per-example gradients), `"ghost"` (norms from layer inputs and output
-    gradients, then a second backward pass; no per-example gradients), `"auto"` (ghost where covered).
+    gradients, one backward pass; no per-example gradients), `"auto"` (ghost where covered).
 
     **Returns:** `(summed, norms, metrics)`: the model-shaped sum, each example's gradient norm
     before clipping, and each example's metrics.
