@@ -18,8 +18,8 @@ from research.cli import main_entry
 from research.data import DeviceLoader, XORDataset
 from research.nn import MLP
 from research.errors import Preempted
-from research.train import (CheckpointWriter, NonFiniteError, RunDir, TrainState, checkpoint_digest, fit,
-                            load_checkpoint, tree_digest)
+from research.train import (CheckpointWriter, NonFiniteError, RunDir, TrainState, checkpoint_digest, evaluate_state,
+                            fit, load_checkpoint, tree_digest)
 
 ROOT = Path(__file__).parent.parent
 spec = importlib.util.spec_from_file_location("xor_experiment", ROOT / "experiments" / "xor.py")
@@ -220,6 +220,44 @@ def test_sigterm_while_a_save_is_in_flight_commits_it_and_the_run_resumes_bit_id
     resumed = xor_fit(run, 64, state=state, window=header["window"])
     assert checkpoint_digest(run.checkpoint_path(64)) == tree_digest(straight.state) == tree_digest(resumed.state)
     assert resumed.train_metrics == straight.train_metrics
+
+
+@pytest.mark.parametrize("when", ["compiling", "evaluating"])
+def test_sigterm_while_compiling_or_evaluating_stops_at_a_checkpoint_and_resumes_bit_identical(tmp_path, when):
+    """The signal arrives while XLA compiles the first step, or while the state of step 24 is being
+    evaluated: the run stops at the end of that compiled call (step 1) or that stop (step 24) with a
+    checkpoint there, and a resume from it ends where a run never stopped ends, bit for bit."""
+    test = DeviceLoader.from_dataset(XORDataset(64, seed=1), 32, shuffle=False)
+    options = {"eval_data": test, "eval_every": 24, "steps_per_call": 1}
+    straight = xor_fit(RunDir(tmp_path / "straight").create(), 64, **options)
+    sent = []
+
+    def send_once(*args, **kwargs) -> None:  # once fit handles the signal (things compile before it too)
+        if not sent and callable(signal.getsignal(signal.SIGTERM)):
+            sent.append(os.kill(os.getpid(), signal.SIGTERM))
+
+    def evaluate(state, data, progress=False):
+        if int(state.step) == 24:
+            send_once()
+        return evaluate_state(state, data, progress=progress)
+
+    jax.clear_caches()  # every step compiles again, under the listener
+    if when == "compiling":
+        jax.monitoring.register_event_duration_secs_listener(send_once)
+    run = RunDir(tmp_path / "stopped").create()
+    try:
+        with pytest.raises(Preempted) as info:
+            xor_fit(run, 64, stop_signals=True, evaluator=evaluate, **options)
+    finally:
+        if when == "compiling":
+            jax.monitoring.unregister_event_duration_listener(send_once)
+    step = info.value.step
+    assert info.value.status == 143 and step == (1 if when == "compiling" else 24)
+    assert run.checkpoint_paths()[-1] == run.checkpoint_path(step)
+    state, header = load_checkpoint(run.checkpoint_path(step), make_state())
+    resumed = xor_fit(run, 64, state=state, window=header["window"], **options)
+    assert checkpoint_digest(run.checkpoint_path(64)) == tree_digest(straight.state) == tree_digest(resumed.state)
+    assert resumed.train_metrics == straight.train_metrics and resumed.eval_metrics == straight.eval_metrics
 
 
 KILLED_DURING_A_SAVE = """
