@@ -135,10 +135,9 @@ def process_zero_text(text: str) -> str:
     if jax.process_count() == 1:
         return text
     data = np.frombuffer(text.encode(), np.uint8)
-    size = int(multihost_utils.broadcast_one_to_all(np.int32(data.size)))
-    padded = np.zeros(size, np.uint8)
-    padded[:min(size, data.size)] = data[:size]
-    return bytes(np.asarray(multihost_utils.broadcast_one_to_all(padded))).decode()
+    size = int(multihost_utils.broadcast_one_to_all(np.int32(data.size)))  # process 0's length
+    mine = data if jax.process_index() == 0 else np.zeros(size, np.uint8)  # the others only give the shape
+    return bytes(np.asarray(multihost_utils.broadcast_one_to_all(mine))).decode()
 
 
 def _collective_failure(error: BaseException) -> str | None:

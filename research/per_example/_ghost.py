@@ -82,13 +82,18 @@ class GhostPlan:
     has_bias: tuple[bool, ...]
     calls: tuple[tuple[int, tuple[int, ...], Any], ...]
 
+    def _rows(self, index: int, inputs: list[Array], output_grads: list[Array], axis: int) -> tuple[Array, Array]:
+        """Layer `index`'s input rows and output-row gradients over all its calls, joined along the
+        positions `axis` (0 for one example, 1 with a leading batch axis)."""
+        calls = [k for k, (layer, _, _) in enumerate(self.calls) if layer == index]
+        return (jnp.concatenate([inputs[k] for k in calls], axis=axis),
+                jnp.concatenate([output_grads[k] for k in calls], axis=axis))
+
     def squared_norm(self, inputs: list[Array], output_grads: list[Array]) -> Float[Array, ""]:
         """One example's squared gradient norm from each call's input rows and output-row gradients."""
         total = jnp.zeros(())
         for index, has_bias in enumerate(self.has_bias):
-            calls = [k for k, (layer, _, _) in enumerate(self.calls) if layer == index]
-            x = jnp.concatenate([inputs[k] for k in calls])  # [positions, in]
-            g = jnp.concatenate([output_grads[k] for k in calls])  # [positions, out]
+            x, g = self._rows(index, inputs, output_grads, axis=0)  # [positions, in], [positions, out]
             total = total + _weight_gradient_square(x, g)
             if has_bias:
                 total = total + jnp.sum(jnp.square(jnp.sum(g, axis=0)))
@@ -102,9 +107,8 @@ class GhostPlan:
         layers = _covered_layers(params)
         weights, biases = [], []
         for index, (layer, has_bias) in enumerate(zip(layers, self.has_bias, strict=True)):
-            calls = [k for k, (owner, _, _) in enumerate(self.calls) if owner == index]
-            x = jnp.concatenate([inputs[k] for k in calls], axis=1)  # [batch, positions, in]
-            g = jnp.concatenate([output_grads[k] for k in calls], axis=1) * scales[:, None, None].astype(x.dtype)
+            x, g = self._rows(index, inputs, output_grads, axis=1)  # [batch, positions, in], [batch, positions, out]
+            g = g * scales[:, None, None].astype(g.dtype)
             x, g = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])  # one matmul over batch and positions
             weight = g.T @ x
             weights.append(weight.reshape(layer.weight.shape).astype(layer.weight.dtype))
