@@ -101,7 +101,7 @@ def test_show_jaxpr_traces_one_step_of_an_experiment_with_its_flags_and_names_th
     assert lines[1] == "#   0: state.step int32[]"
     names = [line.split(": ", 1)[1] for line in lines[1:] if line.startswith("#   ")]
     assert names[-2:] == ["batch.inputs float32[16,2]", "batch.labels int32[16]"]
-    assert "stats.sums float32[4]" in names  # loss, accuracy, grad_norm and the weight, packed
+    assert "stats.words uint32[6]" in names  # loss, accuracy, grad_norm, the weight and two counters, packed
     assert "{ lambda ; " in text and "f32[16,2]" in text and "dot_general" in text
 
 

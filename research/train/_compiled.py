@@ -21,7 +21,7 @@ import numpy as np
 from ..data import Batch
 from ..debug import RetraceLog
 from ..state import RunningMean
-from ..typing import Array, Float, Int
+from ..typing import Array, Float, Int, UInt32
 from ._packing import Packing, describe_spec
 from ._placement import Leaves, OneDevice, Placement
 from ._state import LossFn, TrainState, train_step
@@ -45,39 +45,57 @@ def decode_first_bad(code: int) -> tuple[int, int]:
 Layout = tuple[tuple[str, tuple[int, ...]], ...]
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("sums", "counters"), meta_fields=("layout",))
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("words",), meta_fields=("layout",))
 @dataclasses.dataclass(frozen=True)
 class StepStats:
     """What the compiled steps accumulate on the device between two host synchronisations, packed
-    into two vectors: every array in or out of a compiled call costs dispatch time, and a registered
-    dataclass is flattened and rebuilt by JAX's C++ pytree code (an `eqx.Module` runs Python).
+    into one `uint32` vector. Every array in or out of a compiled call costs dispatch time, and so
+    does a pytree node: the compiled functions take and return `words` alone (a plain array), and
+    `CompiledTrainer.step`/`run` wrap it again.
 
-    - `sums`: the weighted sums of the step metrics over finite steps (in `layout` order), then the
-      total weight; `metrics` reads them as a `RunningMean`.
-    - `counters`: the first non-finite step, as `2 * step + 1` when only its gradient was
-      non-finite and `2 * step` when its loss was (`NO_BAD_STEP` while all were finite; read it with
-      `first_bad_step` and `bad_quantity`), then `skipped` (steps whose update was skipped because
-      it was not finite). Both update elementwise (a minimum and a sum), which XLA does in place:
-      one kernel and no copy a step. (Steps are counted in int32: codes hold steps below 2**30.)
-    - `layout`: static; the name and shape of each metric in `sums`.
+    `words` holds, bitcast:
+    - the weighted sums of the step metrics over finite steps (float32, in `layout` order), then
+      the total weight (`sums`; `metrics` reads them as a `RunningMean`);
+    - two int32 counters (`counters`): the first non-finite step, as `2 * step + 1` when only its
+      gradient was non-finite and `2 * step` when its loss was (`NO_BAD_STEP` while all were
+      finite; read it with `first_bad_step` and `bad_quantity`), then `skipped` (steps whose update
+      was skipped because it was not finite). (Steps are counted in int32: codes hold steps below
+      2**30.) The counters live in an integer vector, so no float operation can touch their bits.
+    - `layout`: static; the name and shape of each metric in the sums.
+
+    On the host, `fetch()` reads both parts in one transfer.
     """
 
-    sums: Float[Array, "*devices packed"]  # a leading device axis under `jax.pmap`
-    counters: Int[Array, "*devices 2"]
+    # Fresh statistics hold numpy words: the compiled call they go into transfers them with its other
+    # arguments (a separate `jnp.asarray` cost ~100 us a logging stop). A leading device axis under `jax.pmap`.
+    words: UInt32[Array | np.ndarray, "*devices packed"]
     layout: Layout
 
     @staticmethod
     def init(layout: Layout) -> "StepStats":
-        size = sum(math.prod(shape) for _, shape in layout) + 1  # made in numpy: one transfer each, no op
-        counters = np.array([NO_BAD_STEP, 0], np.int32)
-        return StepStats(jnp.asarray(np.zeros(size, np.float32)), jnp.asarray(counters), layout)
+        """Zeroed statistics for `layout`, on the host."""
+        return StepStats(_join(np.zeros(_size(layout) + 1, np.float32), _FRESH_COUNTERS), layout)
 
     @staticmethod
-    def from_window(total: dict[str, Any], weight: float, skipped: int, like: "StepStats") -> "StepStats":
-        """Statistics holding a saved logging window (`fit`'s `resume_window`), counters from `like`."""
-        packed = [np.ravel(np.asarray(total[name], np.float32)) for name, _ in like.layout]
-        sums = jnp.asarray(np.concatenate([*packed, np.asarray([weight], np.float32)]))
-        return StepStats(sums, like.counters.at[1].set(skipped), like.layout)
+    def from_window(total: dict[str, Any], weight: float, skipped: int, layout: Layout) -> "StepStats":
+        """Statistics holding a saved logging window (`fit`'s `resume_window`): its sums, its weight,
+        its skipped steps, and no non-finite step yet."""
+        packed = [np.ravel(np.asarray(total[name], np.float32)) for name, _ in layout]
+        sums = np.concatenate([*packed, np.asarray([weight], np.float32)])
+        return StepStats(jnp.asarray(_join(sums, np.array([NO_BAD_STEP, skipped], np.int32))), layout)
+
+    @property
+    def sums(self) -> Float[Array, "*devices sums"]:
+        return jax.lax.bitcast_convert_type(self.words[..., :-2], jnp.float32)
+
+    @property
+    def counters(self) -> Int[Array, "*devices 2"]:
+        return jax.lax.bitcast_convert_type(self.words[..., -2:], jnp.int32)
+
+    def fetch(self) -> tuple[np.ndarray, np.ndarray]:
+        """`(sums, counters)` on the host, in one transfer (numpy views of the fetched words)."""
+        words = np.asarray(jax.device_get(self.words))
+        return words[..., :-2].view(np.float32), words[..., -2:].view(np.int32)
 
     @property
     def metrics(self) -> RunningMean:
@@ -86,12 +104,12 @@ class StepStats:
     @property
     def first_bad_step(self) -> int:
         """The index of the first step whose loss or gradient was not finite; -1: none yet."""
-        return decode_first_bad(int(self.counters[0]))[0]
+        return decode_first_bad(int(self.fetch()[1][0]))[0]
 
     @property
     def bad_quantity(self) -> int:
         """`NONFINITE_LOSS` or `NONFINITE_GRADIENT` for `first_bad_step` (0: none)."""
-        return decode_first_bad(int(self.counters[0]))[1]
+        return decode_first_bad(int(self.fetch()[1][0]))[1]
 
     @property
     def skipped(self) -> Int[Array, ""]:
@@ -100,16 +118,38 @@ class StepStats:
     def record(self, step: Int[Array, ""], metrics: StepMetrics) -> "StepStats":
         """Add one step's metrics. A population's metrics have one value per member: its step counts
         as finite when every member's was (a member's non-finite metrics are left out of the sums)."""
-        if [name for name, _ in self.layout] != sorted(metrics):
+        if [name for name, _ in self.layout] != sorted(metrics) or self.words.shape[-1] != _size(self.layout) + 3:
             raise ValueError(f"the step's metrics {sorted(metrics)} are not the ones these statistics were made for "
-                             f"{[name for name, _ in self.layout]}; make them with the trainer's init_stats")
+                             f"{[name for name, _ in self.layout]} ({self.words.shape[-1]} words); make them with "
+                             "the trainer's init_stats")
         member_ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
         clean = [jnp.ravel(jnp.where(member_ok, metrics[name], 0.0)).astype(jnp.float32) for name, _ in self.layout]
         loss_ok, ok = _all(jnp.isfinite(metrics["loss"])), _all(member_ok)
         code = jnp.where(ok, NO_BAD_STEP, 2 * step + loss_ok.astype(jnp.int32))
-        counters = jnp.minimum(self.counters + jnp.stack([jnp.int32(0), (~ok).astype(jnp.int32)]),
-                               jnp.stack([code, jnp.int32(NO_BAD_STEP)]))
-        return StepStats(self.sums + jnp.concatenate([*clean, ok.astype(jnp.float32)[None]]), counters, self.layout)
+        # Both parts update elementwise over the whole vector (an add, a minimum, a select on the
+        # position), so XLA writes the donated buffer in place: one kernel and no copy a step.
+        sizes = self.words.shape[-1] - 2
+        added = jnp.concatenate([*clean, ok.astype(jnp.float32)[None], jnp.zeros(2, jnp.float32)])
+        counted = jnp.concatenate([jnp.zeros(sizes, jnp.int32), jnp.stack([jnp.int32(0), (~ok).astype(jnp.int32)])])
+        ceiling = jnp.concatenate([jnp.full(sizes, NO_BAD_STEP, jnp.int32), jnp.stack([code, jnp.int32(NO_BAD_STEP)])])
+        as_float, as_int = (jax.lax.bitcast_convert_type(self.words, t) for t in (jnp.float32, jnp.int32))
+        words = jnp.where(jnp.arange(sizes + 2) < sizes,
+                          jax.lax.bitcast_convert_type(as_float + added, jnp.uint32),
+                          jax.lax.bitcast_convert_type(jnp.minimum(as_int + counted, ceiling), jnp.uint32))
+        return StepStats(words, self.layout)
+
+
+_FRESH_COUNTERS = np.array([NO_BAD_STEP, 0], np.int32)
+
+
+def _size(layout: Layout) -> int:
+    """How many float32 values the metrics of `layout` take (the weight not counted)."""
+    return sum(math.prod(shape) for _, shape in layout)
+
+
+def _join(sums: np.ndarray, counters: np.ndarray) -> np.ndarray:
+    """The `StepStats.words` of host sums and counters (made in numpy: one transfer, no op)."""
+    return np.concatenate([sums.view(np.uint32), counters.view(np.uint32)])
 
 
 def _all(flags: Array) -> Array:
@@ -249,12 +289,16 @@ class CompiledTrainer:
 
     def init_stats(self, leaves: Leaves, batch: Batch) -> StepStats:
         """Zeroed step statistics laid out for the step's metrics, placed on the devices."""
+        return self.placement.put_stats(StepStats.init(self.stats_layout(leaves, batch)))
+
+    def stats_layout(self, leaves: Leaves, batch: Batch) -> Layout:
+        """The `StepStats` layout of the metrics of a step on batches shaped like `batch`."""
         signature = str(jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)), batch))
         layout = self._layouts.get(signature)
         if layout is None:
             one_step = lambda l, b: self._one(self.unpack(l), b)[1]  # noqa: E731
             layout = self._layouts[signature] = layout_of(self.placement.metric_shapes(one_step, leaves, batch))
-        return self.placement.put_stats(StepStats.init(layout))
+        return layout
 
     # -- compiled functions ------------------------------------------------------------------
     def _one(self, leaves: Leaves, batch: Batch) -> tuple[Leaves, StepMetrics]:
@@ -281,21 +325,22 @@ class CompiledTrainer:
             raise ValueError(f"the train step changed the state's structure: {self._treedef} -> {treedef}")
         return self.placement.constrain_state(flat), metrics
 
-    def _record(self, leaves: Leaves, stats: StepStats, batch: Batch) -> tuple[Leaves, StepStats]:
+    def _record(self, leaves: Leaves, stats: jax.Array, batch: Batch) -> tuple[Leaves, jax.Array]:
+        """One step, its metrics added to `stats` (`StepStats.words`, laid out for those metrics)."""
         step = self._combine(leaves).step
         step = step[0] if self.population else step  # members step together
         leaves, metrics = self._one(leaves, batch)
-        return leaves, stats.record(step, metrics)
+        return leaves, StepStats(stats, layout_of(metrics)).record(step, metrics).words
 
-    def _step_impl(self, leaves: Leaves, stats: StepStats, batch: Batch) -> tuple[Leaves, StepStats]:
+    def _step_impl(self, leaves: Leaves, stats: jax.Array, batch: Batch) -> tuple[Leaves, jax.Array]:
         leaves = self.unpack(leaves)
         self._record_trace("step", leaves, stats=stats, batch=batch)
         leaves, stats = self._record(leaves, stats, batch)
         return self._pack(leaves, "the train step changed the shape or dtype of state leaves"), stats
 
     def _run_impl(
-        self, leaves: Leaves, stats: StepStats, data: Batch, indices: jax.Array, num_steps: jax.Array
-    ) -> tuple[Leaves, StepStats]:
+        self, leaves: Leaves, stats: jax.Array, data: Batch, indices: jax.Array, num_steps: jax.Array
+    ) -> tuple[Leaves, jax.Array]:
         # Packed leaves are unpacked once a call: the loop carries (and its body sees) plain leaves.
         leaves = self.unpack(leaves)
         self._record_trace("run", leaves, stats=stats, data=data, indices=indices, num_steps=num_steps)
@@ -323,18 +368,20 @@ class CompiledTrainer:
     def step_jaxpr(self, leaves: Leaves, stats: StepStats, batch: Batch):
         """The jaxpr of one compiled train step (what `step` runs, less any packing), for inspection;
         records no trace. Its inputs are `leaf_names()` in order, then the step statistics, then the batch."""
-        return jax.make_jaxpr(self._record)(self.unpack(leaves), stats, batch)
+        return jax.make_jaxpr(self._record)(self.unpack(leaves), stats.words, batch)
 
     def step(self, leaves: Leaves, stats: StepStats, batch: Batch) -> tuple[Leaves, StepStats]:
         """One step on a host or device batch; metrics are accumulated in `stats` on the device."""
-        return self._step(leaves, stats, batch)
+        leaves, words = self._step(leaves, stats.words, batch)
+        return leaves, StepStats(words, stats.layout)
 
     def run(
         self, leaves: Leaves, stats: StepStats, data: Batch, indices: np.ndarray | jax.Array, num_steps: int
     ) -> tuple[Leaves, StepStats]:
         """`num_steps` steps in one compiled call on device-resident `data`; step `i` uses the examples
         `indices[i]`. `indices` has a fixed number of rows (>= num_steps) so the call compiles once."""
-        return self._run(leaves, stats, data, indices, self.placement.put_count(num_steps))
+        leaves, words = self._run(leaves, stats.words, data, indices, self.placement.put_count(num_steps))
+        return leaves, StepStats(words, stats.layout)
 
 
 def _broadcast(flags: Array, like: Array) -> Array:

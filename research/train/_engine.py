@@ -25,7 +25,8 @@ from jaxtyping import TypeCheckError
 from ..data import Batch, DeviceLoader, TorchLoader
 from ..debug import describe_nan_error
 from ..errors import DataError, NonFiniteError, Preempted
-from ._compiled import CompiledTrainer, StepStats, compiled_trainer, decode_first_bad, host_means, unpack_sums
+from ._compiled import (CompiledTrainer, Layout, StepStats, compiled_trainer, decode_first_bad, host_means,
+                        unpack_sums)
 from ._placement import Leaves, OneDevice, Placement, bytes_on_first_device
 from ._signals import StopSignals
 from ._state import LossFn, TrainState, classification_loss
@@ -70,7 +71,7 @@ class StepInfo:
         return self.trainer.saved_state(self.leaves)
 
     def first_bad_step(self) -> tuple[int, int]:
-        return decode_first_bad(int(jax.device_get(self.trainer.host(self.checked).counters)[0]))
+        return decode_first_bad(int(self.trainer.host(self.checked).fetch()[1][0]))
 
     def window(self) -> dict[str, Any]:
         return window_to_header(self.trainer.host(self.running))
@@ -220,6 +221,7 @@ class _Feed:
         self.trainer, self.data, self.debug_nans = trainer, data, debug_nans
         self.steps_per_call = 1 if debug_nans else steps_per_call
         self.calls = 0
+        self.layout: Layout | None = None
         self.several_devices = not isinstance(trainer.placement, OneDevice)
         if isinstance(data, DeviceLoader):
             self.example = Batch(*(a[np.zeros(data.index_shape, np.int32)] for a in data.host))
@@ -230,10 +232,14 @@ class _Feed:
             self.example = next(self.host_batches)
 
     def init_stats(self, leaves: Leaves) -> StepStats:
-        try:
-            return self.trainer.init_stats(leaves, self.example)
-        except TypeCheckError as e:
-            raise DataError(_summarise_type_error(e)) from None
+        """Zeroed statistics for the next steps; every batch has the example's shapes, so the layout
+        is worked out once (a few hundred microseconds a stop otherwise)."""
+        if self.layout is None:
+            try:
+                self.layout = self.trainer.stats_layout(leaves, self.example)
+            except TypeCheckError as e:
+                raise DataError(_summarise_type_error(e)) from None
+        return self.trainer.placement.put_stats(StepStats.init(self.layout))
 
     def advance(self, leaves: Leaves, stats: StepStats, step: int, until: int,
                 signals: StopSignals | None = None) -> tuple[Leaves, StepStats, int]:
@@ -297,7 +303,7 @@ class _Clock:
         self.start, self.step, self.count_skipped = time.perf_counter(), step, count_skipped
 
     def window_record(self, step: int, stats: StepStats) -> dict[str, Any]:
-        sums, counters = jax.device_get((stats.sums, stats.counters))  # one transfer, then numpy
+        sums, counters = stats.fetch()  # one transfer, then numpy
         means = host_means(sums, stats.layout)
         record: dict[str, Any] = {f"train/{k}": _scalar(v) for k, v in means.items()}
         record.update({f"train/member_{k}": v.tolist() for k, v in means.items() if v.ndim})
@@ -377,14 +383,14 @@ def _summarise_type_error(error: TypeCheckError) -> str:
 
 def window_to_header(stats: StepStats) -> dict[str, Any]:
     """The running metrics of an unfinished logging window, exactly, as JSON (float32 -> float is exact)."""
-    sums, counters = jax.device_get((stats.sums, stats.counters))
+    sums, counters = stats.fetch()
     total = unpack_sums(sums, stats.layout)
     return {"total": {k: np.asarray(v).tolist() for k, v in total.items()}, "weight": float(sums[-1]),
             "skipped": int(counters[1])}
 
 
 def _window_from_header(window: dict[str, Any], like: StepStats) -> StepStats:
-    return StepStats.from_window(window["total"], window["weight"], window["skipped"], like)
+    return StepStats.from_window(window["total"], window["weight"], window["skipped"], like.layout)
 
 
 def _warn_on_retrace(trainer: CompiledTrainer, before: dict[str, int]) -> None:
