@@ -179,7 +179,8 @@ class DeviceLoader:
         if not self.shuffle:
             return np.arange(self.size, dtype=np.int32)
         if self._order_cache is None or self._order_cache[0] != epoch:
-            order = np.random.default_rng(epoch_seed(self.seed, epoch)).permutation(self.size).astype(np.int32)
+            order = np.arange(self.size, dtype=np.int32)  # shuffled in place: the order `permutation(size)` gives
+            np.random.default_rng(epoch_seed(self.seed, epoch)).shuffle(order)
             self._order_cache = (epoch, order)
         return self._order_cache[1]
 
