@@ -36,9 +36,14 @@ def add_gaussian_noise(tree: PyTree, key: PRNGKeyArray, std: float | Float[Array
     leaves, treedef = jax.tree.flatten(tree)
     keys = jax.random.split(key, max(len(leaves), 1))
     # random_normal: jax.random.normal's bits with the threefry rounds unrolled (several times faster on CPU).
-    # A fusion of their own: fused into the gradient and optimizer fusions the draws took ~3x longer
-    # (benchmarks/findings.md, case (e)).
-    noise = jax.lax.optimization_barrier([random_normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)])
+    # Drawn inside a conditional, which no fusion crosses, so the noise is computed once into a buffer:
+    # XLA's CPU pipeline drops optimization barriers before it fuses, and then copied the (integer, so
+    # "cheap") hash into each fusion that reads the noise (Adam has three), drawing it 3-4 times
+    # (benchmarks/findings.md, case (e)). Both branches draw the same noise: the predicate, which
+    # XLA cannot fold, changes nothing. (Under vmap with a batched key the conditional becomes a select
+    # of two equal values, which XLA folds back: the draw is then fused as before.)
+    draw = lambda keys: [random_normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]  # noqa: E731
+    noise = jax.lax.cond(jax.random.key_data(keys[0])[0] > 0, draw, draw, keys)
     noisy = [x + std * n for x, n in zip(leaves, noise)]
     return jax.tree.unflatten(treedef, noisy)
 
