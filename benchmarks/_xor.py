@@ -349,7 +349,7 @@ def torch_fit(train, test, epochs):
 
 def run(quick: bool) -> dict:
     train, test = _data()
-    steps, repeats = (20, 3) if quick else (200, 15)
+    steps, repeats = (20, 3) if quick else (1000, 15)  # ~15-20 ms a sample for the fast steps
     flax = have_flax()
     makers = {"ours: CompiledTrainer.step": ours_step, "pure JAX (jit, donated)": pure_jax_step,
               "hand-written JAX doing our step's work": same_work,
