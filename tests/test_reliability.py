@@ -261,7 +261,7 @@ def test_sigterm_while_compiling_or_evaluating_stops_at_a_checkpoint_and_resumes
 
 
 KILLED_DURING_A_SAVE = """
-import os, signal, sys
+import os, signal, sys, time
 import jax, jax.numpy as jnp, equinox as eqx, optax
 from research.nn import MLP
 from research.train import CheckpointWriter, RunDir, TrainState, save_checkpoint
@@ -270,8 +270,15 @@ state = TrainState.create(MLP(2, 1, hidden=(8,), key=model_key), optax.sgd(0.1),
 run = RunDir(sys.argv[1]).create()
 save_checkpoint(run.checkpoint_path(8), state, {"step": 8})
 kill = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
-if sys.argv[2] == "writing":  # as soon as the save returns: Orbax is writing in the background
-    CheckpointWriter._commit = kill
+def kill_once_writing(*args):  # Orbax makes the save's directory in the background too: wait for it
+    deadline = time.monotonic() + 60
+    while not any(p.name.startswith("step_000000016") for p in run.checkpoints.iterdir()):
+        if time.monotonic() > deadline:
+            sys.exit("Orbax made no directory for step 16 within 60 s")
+        time.sleep(0.001)
+    kill()
+if sys.argv[2] == "writing":  # once the save has returned and Orbax writes in the background
+    CheckpointWriter._commit = kill_once_writing
 else:  # after Orbax renamed its directory, before checkpoint.json
     import research.train._checkpoint as checkpoint
     checkpoint._file_digests = kill
