@@ -82,7 +82,7 @@ class StepStats:
         its skipped steps, and no non-finite step yet."""
         packed = [np.ravel(np.asarray(total[name], np.float32)) for name, _ in layout]
         sums = np.concatenate([*packed, np.asarray([weight], np.float32)])
-        return StepStats(jnp.asarray(_join(sums, np.array([NO_BAD_STEP, skipped], np.int32))), layout)
+        return StepStats(_join(sums, np.array([NO_BAD_STEP, skipped], np.int32)), layout)
 
     @property
     def sums(self) -> Float[Array, "*devices sums"]:
@@ -128,12 +128,12 @@ class StepStats:
         code = jnp.where(ok, NO_BAD_STEP, 2 * step + loss_ok.astype(jnp.int32))
         # Both parts update elementwise over the whole vector (an add, a minimum, a select on the
         # position), so XLA writes the donated buffer in place: one kernel and no copy a step.
-        sizes = self.words.shape[-1] - 2
+        floats = self.words.shape[-1] - 2
         added = jnp.concatenate([*clean, ok.astype(jnp.float32)[None], jnp.zeros(2, jnp.float32)])
-        counted = jnp.concatenate([jnp.zeros(sizes, jnp.int32), jnp.stack([jnp.int32(0), (~ok).astype(jnp.int32)])])
-        ceiling = jnp.concatenate([jnp.full(sizes, NO_BAD_STEP, jnp.int32), jnp.stack([code, jnp.int32(NO_BAD_STEP)])])
+        counted = jnp.concatenate([jnp.zeros(floats, jnp.int32), jnp.stack([jnp.int32(0), (~ok).astype(jnp.int32)])])
+        ceiling = jnp.concatenate([jnp.full(floats, NO_BAD_STEP, jnp.int32), jnp.stack([code, jnp.int32(NO_BAD_STEP)])])
         as_float, as_int = (jax.lax.bitcast_convert_type(self.words, t) for t in (jnp.float32, jnp.int32))
-        words = jnp.where(jnp.arange(sizes + 2) < sizes,
+        words = jnp.where(jnp.arange(floats + 2) < floats,
                           jax.lax.bitcast_convert_type(as_float + added, jnp.uint32),
                           jax.lax.bitcast_convert_type(jnp.minimum(as_int + counted, ceiling), jnp.uint32))
         return StepStats(words, self.layout)
