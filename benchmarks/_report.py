@@ -184,13 +184,12 @@ def write_markdown(path: Path, results: dict, info: dict, quick: bool, seconds: 
                   f"One engine step (`CompiledTrainer.step`, Adam, batch {results['dp_sgd']['batch']}) of the ordinary "
                   "loss and of `DPSGDLoss` (clip 1, noise 1, whole batch at once) with ghost clipping (per-example "
                   "norms and the clipped sum from layer inputs and output gradients, one backward pass) and with "
-                  "vmap(grad) "
-                  "(every per-example gradient materialised). The first three run interleaved (10 steps a call on "
-                  "the CNN, 5 on the MLP); vmap(grad) runs after them on its own (1 step a call on the MLP), since "
-                  "freeing its per-example gradients slowed the candidate that ran next. Memory: the temporary bytes XLA plans for the "
-                  "gradient computation of the step (`memory_analysis()`, deterministic; for DP-SGD including "
-                  "its parameter-sized Gaussian noise), and for the clipped sum alone (`clipped_gradient_sum`, no "
-                  "noise); parameters, batch and gradient outputs come on top and are the same for all three.", ""]
+                  "vmap(grad) (every per-example gradient materialised). The first three run interleaved (10 steps "
+                  "a call on the CNN, 5 on the MLP); vmap(grad) runs after them on its own (1 step a call on the "
+                  "MLP), since freeing its per-example gradients slowed the candidate that ran next. Memory: the "
+                  "temporary bytes XLA plans for the gradient computation of the step (`memory_analysis()`, "
+                  "deterministic; for DP-SGD including its parameter-sized Gaussian noise), and for the clipped sum "
+                  "alone (`clipped_gradient_sum`, no noise); parameters, batch and gradient outputs come on top and are the same for all three.", ""]
         lines += ["| model | candidate | median per step | IQR | x ordinary | gradient temp memory | x ordinary "
                   "| clipped sum alone |", "|" + " --- |" * 8]
         for model, timings in results["dp_sgd"]["models"].items():

@@ -165,6 +165,9 @@ def plot_curve(widths: Sequence[int], test_error: Sequence[float], train_error: 
 
 def run_curve(config: Config) -> dict[str, Any]:
     """One run per width through `research.tools.sweep` (rerun to resume), then the curve and its peak."""
+    if jax.process_count() > 1:  # each width's run is a process of its own, started here
+        raise ConfigError("the curve trains one process per width (--jobs at a time), not across several "
+                          "processes; pass --width W to train one width over several processes")
     sweep_dir = Path(config.run_dir) if config.run_dir else RunDir.new_path(RUNS_ROOT, "double_descent")
     widths = sorted(set(config.widths))
     with warnings.catch_warnings():

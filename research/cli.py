@@ -246,13 +246,16 @@ def main_entry(main: Callable[[C], Any], config_class: type[C], argv: Sequence[s
     `--no-compilation-cache`), and `research.parallel.setup_devices` applies `--devices` (simulated
     CPU devices must be requested before JAX creates its first array) and joins the other processes
     of a multi-process run (`jax.distributed.initialize`)."""
-    from .parallel import exit_together, setup_devices  # imports jax; its backends start after setup_devices
+    from .parallel import exit_together, process_group, setup_devices  # imports jax; backends start after setup_devices
 
     config = parse_config(config_class, argv)
     prog = Path(sys.argv[0]).name
     with exit_together(prog):
         try:
             use_compilation_cache(config.compilation_cache)
+            if not isinstance(config, Devices) and process_group() is not None:
+                raise ConfigError(f"{prog} takes no device or process options and runs in one process; unset "
+                                  "$JAX_NUM_PROCESSES (or start it without scripts/launch)")
             setup_devices(config)
             main(config)
         except ResearchInputError as e:

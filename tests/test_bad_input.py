@@ -139,3 +139,21 @@ def test_bad_input_is_refused_with_one_line_and_exit_2(case, tmp_path, monkeypat
 
 def test_the_table_covers_the_kinds_of_bad_input():
     assert len(CASES) >= 25
+
+
+def test_an_experiment_without_process_options_refuses_several_processes(tmp_path, monkeypatch, capsys):
+    """lottery_ticket and metalearn_lr take no device or process options: started by scripts/launch
+    (which sets $JAX_NUM_PROCESSES), each process would name its own run directory."""
+    from research.experiment import load_experiment
+
+    lottery_ticket = load_experiment("lottery_ticket")
+    monkeypatch.chdir(tmp_path)
+    launched = {"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0", "JAX_COORDINATOR_ADDRESS": "127.0.0.1:1"}
+    for name, value in launched.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as info:
+        main_entry(lottery_ticket.main, lottery_ticket.Config, ["--rounds", "1", "--steps", "10"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "takes no device or process options and runs in one process" in err[0]
+    assert not list(tmp_path.iterdir())  # no run directory

@@ -4,6 +4,7 @@ curve, and the curve assembled from the sweep's runs (the real curve is in docs/
 import json
 
 import numpy as np
+import pytest
 
 from research.data import corrupt_labels, load_mnist1d
 from research.experiment import load_experiment
@@ -73,3 +74,11 @@ def test_the_curve_comes_from_one_run_per_width(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "curve/double_descent.png").stat().st_size > 0
     out = capsys.readouterr().out
     assert "test error peaks at 70.00% at width 16" in out and "the notebook: 54.05% at width 47" in out
+
+
+def test_the_curve_across_several_processes_is_refused_before_any_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(double_descent.jax, "process_count", lambda: 2)  # as if started by scripts/launch
+    monkeypatch.setattr(double_descent.sweep, "main", lambda argv: pytest.fail("a run was started"))
+    with pytest.raises(double_descent.ConfigError, match="pass --width W to train one width over several processes"):
+        double_descent.main(double_descent.Config(widths=(4, 8), run_dir=str(tmp_path / "curve")))
+    assert not (tmp_path / "curve").exists()
