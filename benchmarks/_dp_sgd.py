@@ -1,10 +1,12 @@
 """Case (e): DP-SGD at the cost of ordinary training (issue 18). One train step (the engine's
 `CompiledTrainer.step`, Adam, batch 256) with `DPSGDLoss` clipping by ghost norms and by
-vmap(grad), against the ordinary step, on the MNIST-1D CNN and the 784-1024-1024-10 MLP; and the
-temporary memory XLA plans for each step's gradient computation (`memory_analysis()` of the compiled
-function: deterministic, nothing is run)."""
+vmap(grad), against the ordinary step and against Opacus' ghost clipping (DP-Adam in PyTorch, when
+Opacus is installed), on the MNIST-1D CNN and the 784-1024-1024-10 MLP; and the temporary memory
+XLA plans for each step's gradient computation (`memory_analysis()` of the compiled function:
+deterministic, nothing is run)."""
 
 import functools
+import warnings
 
 import equinox as eqx
 import jax
@@ -16,6 +18,7 @@ from research.nn import MLP, CNN1d
 from research.per_example import DPSGDLoss, clipped_gradient_sum
 from research.train import TrainState, classification_loss, compiled_trainer
 
+from ._frameworks import OPACUS_MISSING, at_best_thread_count, have_opacus
 from ._timing import interleave, timed
 
 BATCH, LR, CLIP, SIGMA = 256, 1e-3, 1.0, 1.0
@@ -23,7 +26,7 @@ MODELS = {
     "MNIST-1D CNN": (lambda key: CNN1d(key=key), 40),
     "MLP 784-1024-1024-10": (lambda key: MLP(784, 10, hidden=(1024, 1024), activation="relu", key=key), 784),
 }
-ORDINARY, VMAP = "ordinary step", "DP-SGD, vmap(grad)"
+ORDINARY, VMAP, OPACUS = "ordinary step", "DP-SGD, vmap(grad)", "Opacus ghost clipping (PyTorch eager)"
 LOSSES = {
     ORDINARY: classification_loss,
     "DP-SGD, ghost clipping": DPSGDLoss(CLIP, SIGMA, BATCH, method="ghost"),
@@ -57,6 +60,44 @@ def step_candidate(model_name: str, loss_name: str, steps: int):
     return functools.partial(timed, run, steps)
 
 
+def opacus_step(model_name: str, steps: int):
+    """Opacus' ghost clipping (`grad_sample_mode="ghost"`: per-sample gradient norms from activations and
+    output gradients for its Linear layers, per-sample gradients for the others, then a second backward
+    pass of the clipped loss) with its DPOptimizer around Adam: DP-Adam on the same batch, the same
+    model (the MLP, or MNIST-1D's reference CNN), clip and noise. `steps` steps a call."""
+    import opacus
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from ._cnn import torch_model as torch_cnn
+
+    # Not a production run (secure_mode off is what makes it fast), and the hooks' notice fires every backward.
+    warnings.filterwarnings("ignore", "Secure RNG turned off")
+    warnings.filterwarnings("ignore", "Full backward hook is firing")
+
+    _, features = MODELS[model_name]
+    batch = _batch(features)
+    x, y = torch.from_numpy(batch.inputs), torch.from_numpy(batch.labels).long()
+    if "CNN" in model_name:
+        module, x = torch_cnn(), x[:, None, :]
+    else:
+        torch.manual_seed(0)
+        nn = torch.nn
+        module = nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    module, optimizer, criterion, _ = opacus.PrivacyEngine().make_private(
+        module=module, optimizer=torch.optim.Adam(module.parameters(), lr=LR), criterion=torch.nn.CrossEntropyLoss(),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=BATCH), noise_multiplier=SIGMA, max_grad_norm=CLIP,
+        poisson_sampling=False, grad_sample_mode="ghost")
+
+    def run():
+        for _ in range(steps):
+            optimizer.zero_grad(set_to_none=True)
+            criterion(module(x), y).backward()
+            optimizer.step()
+
+    return run
+
+
 def gradient_memory(model_name: str, loss_name: str) -> dict[str, int]:
     """Bytes XLA plans for the gradient of one step (the loss's `value_and_grad`, or the plain gradient)."""
     make_model, features = MODELS[model_name]
@@ -85,16 +126,21 @@ def gradient_memory(model_name: str, loss_name: str) -> dict[str, int]:
 
 def run(quick: bool) -> dict:
     repeats = 2 if quick else 7
-    results = {}
+    results, notes = {}, {}
     for model_name in MODELS:
         steps = 1 if quick else 5 if "MLP" in model_name else 10
         candidates = {name: step_candidate(model_name, name, steps) for name in LOSSES if name != VMAP}
+        if have_opacus():
+            label, opacus_run = at_best_thread_count(OPACUS, opacus_step(model_name, steps))
+            candidates[label] = functools.partial(timed, opacus_run, steps)
+        else:
+            notes[OPACUS] = OPACUS_MISSING
         timings = interleave(candidates, repeats)
         # vmap(grad) allocates and frees its per-example gradients (1.8 GiB on the MLP) every step, which
         # slowed whatever ran next when interleaved (the ordinary MLP step's IQR reached 12-150 ms); it
         # is timed on its own, after the others.
         timings |= interleave({VMAP: step_candidate(model_name, VMAP, 1 if "MLP" in model_name else steps)}, repeats)
         for name, timing in timings.items():
-            timing.extra["memory"] = gradient_memory(model_name, name)
+            timing.extra["memory"] = {} if name.startswith(OPACUS) else gradient_memory(model_name, name)
         results[model_name] = list(timings.values())
-    return {"models": results, "batch": BATCH}
+    return {"models": results, "batch": BATCH, "notes": notes}

@@ -1,4 +1,4 @@
-"""Optional frameworks: Flax lives in the `bench` extra, so every Flax case checks for it first."""
+"""Optional frameworks: Flax and Opacus live in the `bench` extra, so every case using them checks first."""
 
 import contextlib
 import importlib.util
@@ -13,7 +13,12 @@ def have_mnist1d() -> bool:
     return importlib.util.find_spec("mnist1d") is not None
 
 
+def have_opacus() -> bool:
+    return importlib.util.find_spec("opacus") is not None
+
+
 FLAX_MISSING = "skipped: flax is not installed (install the `bench` extra: pip install -e '.[bench]')"
+OPACUS_MISSING = "skipped: opacus is not installed (install the `bench` extra: pip install -e '.[bench]')"
 
 
 def at_best_thread_count(name: str, run: Callable[..., object], *args: object) -> tuple[str, Callable[..., object]]:

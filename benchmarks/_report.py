@@ -105,6 +105,11 @@ def targets(results: dict) -> list[tuple[str, str, str, bool | None]]:
                 m = vmap.extra["memory"]["temp"] / max(ghost.extra["memory"]["temp"], 1)
                 rows.append((f"(e) gradient memory, vmap(grad) / ghost, {model} (issue 18)", ">= 5x", f"{m:.0f}x",
                              m >= 5))
+            opacus = _find(timings, "Opacus")
+            if opacus:
+                r = opacus.median / ghost.median
+                rows.append((f"(e) DP-SGD step (ghost), ours vs Opacus ghost clipping, {model} (issue 18)", "faster",
+                             f"{r:.2f}x as fast", r > 1))
     if "population" in results:
         for grid, timings in results["population"]["grids"].items():
             alone, together = _find(timings, "K runs"), _find(timings, "one vmapped")
@@ -186,7 +191,11 @@ def write_markdown(path: Path, results: dict, info: dict, quick: bool, seconds: 
                   "norms and the clipped sum from layer inputs and output gradients, one backward pass) and with "
                   "vmap(grad) (every per-example gradient materialised). The first three run interleaved (10 steps "
                   "a call on the CNN, 5 on the MLP); vmap(grad) runs after them on its own (1 step a call on the "
-                  "MLP), since freeing its per-example gradients slowed the candidate that ran next. Memory: the "
+                  "MLP), since freeing its per-example gradients slowed the candidate that ran next. Opacus (when "
+                  "installed) runs the same DP-Adam step in PyTorch eager with `grad_sample_mode=\"ghost\"` (norms "
+                  "from activations and output gradients for its Linear layers, per-sample gradients for the "
+                  "convolutions, then a second backward pass), interleaved with the first three; its memory is not "
+                  "XLA's to plan, so not given. Memory: the "
                   "temporary bytes XLA plans for the gradient computation of the step (`memory_analysis()`, "
                   "deterministic; for DP-SGD including its parameter-sized Gaussian noise), and for the clipped sum "
                   "alone (`clipped_gradient_sum`, no noise); parameters, batch and gradient outputs come on top and are the same for all three.", ""]
@@ -196,10 +205,12 @@ def write_markdown(path: Path, results: dict, info: dict, quick: bool, seconds: 
             base = _find(timings, "ordinary")
             for t in timings:
                 q1, q3 = t.quartiles
-                temp, base_temp = t.extra["memory"]["temp"], max(base.extra["memory"]["temp"], 1)
+                temp, base_temp = t.extra["memory"].get("temp"), max(base.extra["memory"]["temp"], 1)
                 lines.append(f"| {model} | {t.name} | {_fmt_seconds(t.median)} | {_fmt_seconds(q1)} - "
                              f"{_fmt_seconds(q3)} | {t.median / base.median:.2f} | {_fmt_bytes(temp)} | "
-                             f"{temp / base_temp:.1f} | {_fmt_bytes(t.extra['memory'].get('clipped_sum_temp'))} |")
+                             f"{'-' if temp is None else f'{temp / base_temp:.1f}'} | "
+                             f"{_fmt_bytes(t.extra['memory'].get('clipped_sum_temp'))} |")
+        lines += [f"- {k}: {v}" for k, v in results["dp_sgd"].get("notes", {}).items()]
     if "population" in results:
         lines += ["", "## (f) Populations: K runs in one program", "",
                   "K runs of a grid over the seed and the learning rate, trained one after another as "
