@@ -68,7 +68,7 @@ def test_a_logging_window_survives_the_checkpoint_header_exactly():
         stats = stats.record(jnp.int32(i), step_metrics(value, value / 2, value * 3))
     stats = stats.record(jnp.int32(3), step_metrics(np.nan, 0, 0))
     header = json.loads(json.dumps(window_to_header(stats)))
-    restored = _window_from_header(header, StepStats.init(stats.layout))
+    restored = _window_from_header(header, stats.layout)
     np.testing.assert_array_equal(restored.sums, stats.sums)
     assert int(restored.skipped) == 1 and int(restored.first_bad_step) == -1  # counters other than skipped restart
 

@@ -101,15 +101,19 @@ class StepStats:
     def metrics(self) -> RunningMean:
         return RunningMean(unpack_sums(self.sums, self.layout), self.sums[-1])
 
+    def first_bad(self) -> tuple[int, int]:
+        """`(first_bad_step, bad_quantity)`, in one transfer."""
+        return decode_first_bad(int(self.fetch()[1][0]))
+
     @property
     def first_bad_step(self) -> int:
         """The index of the first step whose loss or gradient was not finite; -1: none yet."""
-        return decode_first_bad(int(self.fetch()[1][0]))[0]
+        return self.first_bad()[0]
 
     @property
     def bad_quantity(self) -> int:
         """`NONFINITE_LOSS` or `NONFINITE_GRADIENT` for `first_bad_step` (0: none)."""
-        return decode_first_bad(int(self.fetch()[1][0]))[1]
+        return self.first_bad()[1]
 
     @property
     def skipped(self) -> Int[Array, ""]:

@@ -25,8 +25,7 @@ from jaxtyping import TypeCheckError
 from ..data import Batch, DeviceLoader, TorchLoader
 from ..debug import describe_nan_error
 from ..errors import DataError, NonFiniteError, Preempted
-from ._compiled import (CompiledTrainer, Layout, StepStats, compiled_trainer, decode_first_bad, host_means,
-                        unpack_sums)
+from ._compiled import CompiledTrainer, Layout, StepStats, compiled_trainer, host_means, unpack_sums
 from ._placement import Leaves, OneDevice, Placement, bytes_on_first_device
 from ._signals import StopSignals
 from ._state import LossFn, TrainState, classification_loss
@@ -71,7 +70,7 @@ class StepInfo:
         return self.trainer.saved_state(self.leaves)
 
     def first_bad_step(self) -> tuple[int, int]:
-        return decode_first_bad(int(self.trainer.host(self.checked).fetch()[1][0]))
+        return self.trainer.host(self.checked).first_bad()
 
     def window(self) -> dict[str, Any]:
         return window_to_header(self.trainer.host(self.running))
@@ -148,7 +147,7 @@ class Engine:
         feed = _Feed(trainer, train_data, step, self.steps_per_call, self.debug_nans)
         fresh = lambda: feed.init_stats(leaves)  # noqa: E731
         stats = fresh() if resume_window is None else trainer.placement.put_stats(
-            _window_from_header(resume_window, trainer.host(fresh())))
+            _window_from_header(resume_window, feed.stats_layout(leaves)))
         clock, record, final = _Clock(step, self.skip_nonfinite), {}, {}
         with self._closing_hooks(), _nan_checks(self.debug_nans), _signals(self.stop_signals) as signals:
             alone = jax.process_count() == 1  # several processes may only stop where all of them stop
@@ -231,15 +230,19 @@ class _Feed:
             self.host_batches = _peeked(data.batches(step))
             self.example = next(self.host_batches)
 
-    def init_stats(self, leaves: Leaves) -> StepStats:
-        """Zeroed statistics for the next steps; every batch has the example's shapes, so the layout
-        is worked out once (a few hundred microseconds a stop otherwise)."""
+    def stats_layout(self, leaves: Leaves) -> Layout:
+        """The layout of the step statistics; every batch has the example's shapes, so it is worked
+        out once (a few hundred microseconds a logging stop otherwise)."""
         if self.layout is None:
             try:
                 self.layout = self.trainer.stats_layout(leaves, self.example)
             except TypeCheckError as e:
                 raise DataError(_summarise_type_error(e)) from None
-        return self.trainer.placement.put_stats(StepStats.init(self.layout))
+        return self.layout
+
+    def init_stats(self, leaves: Leaves) -> StepStats:
+        """Zeroed statistics for the next steps, placed."""
+        return self.trainer.placement.put_stats(StepStats.init(self.stats_layout(leaves)))
 
     def advance(self, leaves: Leaves, stats: StepStats, step: int, until: int,
                 signals: StopSignals | None = None) -> tuple[Leaves, StepStats, int]:
@@ -389,8 +392,8 @@ def window_to_header(stats: StepStats) -> dict[str, Any]:
             "skipped": int(counters[1])}
 
 
-def _window_from_header(window: dict[str, Any], like: StepStats) -> StepStats:
-    return StepStats.from_window(window["total"], window["weight"], window["skipped"], like.layout)
+def _window_from_header(window: dict[str, Any], layout: Layout) -> StepStats:
+    return StepStats.from_window(window["total"], window["weight"], window["skipped"], layout)
 
 
 def _warn_on_retrace(trainer: CompiledTrainer, before: dict[str, int]) -> None:
