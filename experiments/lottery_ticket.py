@@ -150,7 +150,8 @@ def train_round(config: Config, run: RunDir, masks: PyTree | None, *,
     """Train one round in `run` (or take it as it finished); returns its numbers and its trained model."""
     if run.read_summary() is None:  # not finished: start it, or continue it from its last checkpoint
         resume = "auto" if run.checkpoint_paths() or run.config_file.exists() else None
-        run_experiment(NAME, dataclasses.replace(config, run_dir=str(run.path), resume=resume),
+        group = config.group or run.path.parent.resolve().name  # the rounds, one group in the trackers
+        run_experiment(NAME, dataclasses.replace(config, run_dir=str(run.path), resume=resume, group=group),
                        setup(config, masks, reinit=reinit))
     state, _ = load_checkpoint(run.latest_valid_checkpoint()[0], build_state(config, masks, reinit=reinit))
     evaluations = [r for r in run.read_metrics() if "test/accuracy" in r]

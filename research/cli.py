@@ -4,14 +4,21 @@
 variable number of values for a tuple, `--resume [auto|must|never]` (bare `--resume`: must;
 `--no-resume`: never). Only the options of the groups an experiment takes are on its command line;
 any other is refused. A bad value is refused in one line, `xor.py: error: ...`, with exit status 2
-(tyro's own boxed messages are replaced through its parse-error hook: tyro is pinned for that).
+(tyro's own boxed messages are replaced through its parse-error hook, `tyro._errors`, documented but
+private: were it gone from a later tyro, its own messages would show instead).
+
+`--config FILE` takes the defaults of the options from a YAML file (`lr: 0.3`, one option a line, as
+in the config's fields) or from a run's `config.json` (less its run directory and resume mode), and
+the other flags override them.
 """
 
 import contextlib
 import dataclasses
+import difflib
 import importlib.util
 import inspect
 import io
+import json
 import os
 import sys
 import typing
@@ -20,7 +27,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
 import tyro
-from tyro import _errors as tyro_errors  # private but documented hook; tyro is pinned exactly
+import yaml
 from tyro.constructors import (
     ConstructorRegistry,
     PrimitiveConstructorSpec,
@@ -42,6 +49,7 @@ from .config import (
     Tracking,
     strip_optional,
     check_combination,
+    check_option,
     flag_name,
     non_negative,
     open_unit_interval,
@@ -50,6 +58,11 @@ from .config import (
     unit_interval,
 )
 from .errors import Preempted, ConfigError, ResearchInputError
+
+try:  # private but documented: tyro's parse-error hook, for one-line refusals
+    from tyro import _errors as tyro_errors
+except ImportError:  # a tyro without it: its own (boxed) messages, the same exit status 2
+    tyro_errors = None
 
 __all__ = [
     "EMA", "Checkpointing", "ConfigError", "Devices", "Options", "TrainConfig", "Training", "Tracking",
@@ -112,6 +125,8 @@ def _config_rule(info: StructTypeInfo) -> StructConstructorSpec | None:
         extras.append(tyro.conf.arg(metavar=_metavar(hint), help_behavior_hint="" if "default:" in help else None))
         tp = Annotated[(hint, *extras)]
         default = field.default if field.default is not dataclasses.MISSING else tyro.MISSING_NONPROP
+        if isinstance(info.default, info.type):  # defaults from --config FILE
+            default = getattr(info.default, field.name)
         specs.append(StructFieldSpec(name=field.name, type=tp, default=default, helptext=help))
     return StructConstructorSpec(instantiate=info.type, fields=tuple(specs))
 
@@ -134,7 +149,7 @@ def _flag(argument: Any) -> str:
     return argument.lowered.name_or_flags[0] if argument is not None else "?"
 
 
-def _refuse(event: tyro_errors.ParseErrorEvent) -> None:
+def _refuse(event: Any) -> None:
     """tyro's parse-error hook: turn each refusal into one argparse-style line."""
     if isinstance(event, tyro_errors.UnrecognizedArgs):
         message = "unrecognized arguments: " + " ".join(event.tokens)
@@ -159,16 +174,98 @@ def _resume_shim(args: list[str], config_class: type) -> list[str]:
 
 
 def parse_config(config_class: type[C], argv: Sequence[str] | None = None, prog: str | None = None) -> C:
-    """Parse the command line into `config_class`; on a bad value print one line and exit with 2."""
+    """Parse the command line into `config_class` (defaults from `--config FILE` when given); on a bad
+    value print one line and exit with 2."""
     prog = prog or Path(sys.argv[0]).name
     args = _resume_shim(list(sys.argv[1:] if argv is None else argv), config_class)
-    description = inspect.cleandoc(config_class.__doc__) if "__doc__" in vars(config_class) else None
+    description = inspect.cleandoc(config_class.__doc__) if "__doc__" in vars(config_class) else ""
+    description += ("\n\n--config FILE: take the options' defaults from a YAML file or a run's config.json; the "
+                    "other flags override them")
     try:
-        with tyro_errors.on_parse_error(_refuse):
-            return tyro.cli(config_class, args=args, prog=prog, description=description, registry=_registry)
-    except _Refused as e:
+        args, path = _config_flag(args)
+        default = tyro.MISSING_NONPROP if path is None else config_file_defaults(config_class, path, prog)
+        hook = contextlib.nullcontext() if tyro_errors is None else tyro_errors.on_parse_error(_refuse)
+        with hook:
+            return tyro.cli(config_class, args=args, prog=prog, description=description, registry=_registry,
+                            default=default)
+    except (_Refused, ConfigError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def _config_flag(args: list[str]) -> tuple[list[str], Path | None]:
+    """`args` without `--config FILE` (or `--config=FILE`), and that file."""
+    found = [i for i, arg in enumerate(args) if arg == "--config" or arg.startswith("--config=")]
+    if not found:
+        return args, None
+    if len(found) > 1:
+        raise ConfigError("--config is given more than once")
+    i = found[0]
+    if "=" in args[i]:
+        return args[:i] + args[i + 1:], Path(args[i].partition("=")[2])
+    if i + 1 == len(args) or args[i + 1].startswith("--"):
+        raise ConfigError("argument --config: expected a file (YAML, or a run's config.json)")
+    return args[:i] + args[i + 2:], Path(args[i + 1])
+
+
+def read_config_file(path: Path, experiment: str | None = None) -> dict[str, Any]:
+    """The options a config file sets: a YAML (or JSON) mapping of option names to values, or the
+    `config` of a run's config.json less `run_dir` and `resume` (which name that run, not what it
+    trains); `ConfigError` naming the file when it cannot be read or is of another `experiment`."""
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"--config {path}: cannot read it ({e.strerror})") from None
+    try:
+        values = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as e:
+        kind = "JSON" if path.suffix == ".json" else "YAML"
+        raise ConfigError(f"--config {path}: not valid {kind}: {' '.join(str(e).split())}") from None
+    if isinstance(values, dict) and isinstance(values.get("config"), dict) and "experiment" in values:
+        if experiment is not None and values["experiment"] != experiment:
+            raise ConfigError(f"--config {path} is a run of {values['experiment']}, not of {experiment}")
+        values = {k: v for k, v in values["config"].items() if k not in ("run_dir", "resume")}
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise ConfigError(f"--config {path}: expected option: value pairs, found a {type(values).__name__}")
+    return {str(k).replace("-", "_"): v for k, v in values.items()}
+
+
+def config_file_defaults(config_class: type[C], path: Path, prog: str) -> C:
+    """An instance of `config_class` holding the defaults of the options, the file's values where it
+    sets them, each checked on its own (the checks across options run once the flags are in)."""
+    values = read_config_file(path, Path(prog).stem if prog.endswith(".py") else None)
+    fields = {f.name: f for f in dataclasses.fields(config_class)}
+    for key in values:
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else f"; its options: {', '.join(sorted(fields))}"
+            raise ConfigError(f"--config {path}: '{key}' is not an option of {Path(prog).stem}{hint}")
+    hints = typing.get_type_hints(config_class)
+    defaults = object.__new__(config_class)  # no __post_init__: the flags may still change what it checks
+    for name, field in fields.items():
+        value = _from_file(values[name], hints[name]) if name in values else field.default
+        if name in values:
+            try:
+                check_option(field, value, hints[name])
+            except ConfigError as e:
+                raise ConfigError(f"--config {path}: {e}") from None
+        object.__setattr__(defaults, name, value)
+    return defaults
+
+
+def _from_file(value: Any, hint: Any) -> Any:
+    """A value read from YAML or JSON as the option's type holds it: a list as a tuple; a number that
+    YAML read as text (`1e-3`, which YAML 1.1 takes for a string) as a number."""
+    inner, _ = strip_optional(hint)
+    if isinstance(value, list) and typing.get_origin(inner) is tuple:
+        item = (typing.get_args(inner) or (Any,))[0]
+        return tuple(_from_file(v, item) for v in value)
+    if isinstance(value, str) and inner in (int, float):
+        with contextlib.suppress(ValueError):
+            return inner(value)
+    return value
 
 
 def help_text(config_class: type[Options], prog: str = "experiment.py", width: int = 120) -> str:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from .errors import ConfigError
-from .train import tensorboard_problem
+from .train import tensorboard_problem, trackers_problem
 
 Resume = Literal["auto", "must"] | None
 
@@ -80,13 +80,7 @@ class Options:
         if "resume" in hints and self.resume in (True, False, "never"):  # from Python: resume=True is "must"
             object.__setattr__(self, "resume", "must" if self.resume is True else None)
         for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            _check_type(field.name, value, hints[field.name])
-            check = field.metadata.get("check")
-            problem = check(value) if check is not None and value is not None else None
-            if problem:
-                got = "" if isinstance(value, bool) else f" (got {value!r})"
-                raise ConfigError(f"{flag_name(field.name)} {problem}{got}")
+            check_option(field, getattr(self, field.name), hints[field.name])
         check_combination(self)
 
     def __getattr__(self, name: str) -> Any:
@@ -169,12 +163,40 @@ class EMA(Options):
                                    "test/*, the trained model as test_raw/* (0: no EMA)", check=unit_interval)
 
 
+def profile_window(text: str) -> tuple[int, int]:
+    """`(A, B)` of a `--profile-steps A:B` value (`ValueError` when it is not `A:B` with 0 <= A < B)."""
+    start, colon, stop = text.partition(":")
+    if not colon or not start.strip().isdigit() or not stop.strip().isdigit() or int(start) >= int(stop):
+        raise ValueError(text)
+    return int(start), int(stop)
+
+
+def _profile_steps(value: str) -> str | None:
+    try:
+        profile_window(value)
+    except ValueError:
+        return "must be A:B, two step counts with A < B (say 10:20)"
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class Tracking(Options):
-    """Where metrics go besides metrics.jsonl."""
+    """What a run records besides metrics.jsonl: trackers, a profile."""
 
-    tensorboard: bool = option(False, "also write TensorBoard event files into the run directory",
-                               check=_tensorboard_installed, resumable=True)
+    tracker: str = option(
+        "jsonl", "where metrics go, a comma list of: jsonl (metrics.jsonl, always), tensorboard (event files in the "
+                 "run directory), wandb (Weights & Biases, offline in the run directory unless $WANDB_MODE says "
+                 "otherwise), mlflow (to --mlflow-uri)", check=trackers_problem, resumable=True)
+    tensorboard: bool = option(False, "also write TensorBoard event files into the run directory (as --tracker "
+                                      "tensorboard)", check=_tensorboard_installed, resumable=True)
+    mlflow_uri: str | None = option(
+        None, "MLflow tracking URI of --tracker mlflow (default: $MLFLOW_TRACKING_URI, else a SQLite database "
+              "runs/mlflow.db with its artifacts in runs/mlartifacts/)", resumable=True)
+    group: str | None = option(None, "a group name for the trackers (W&B's group, an MLflow tag); scripts/sweep "
+                                     "gives its runs the sweep's name", resumable=True)
+    profile_steps: str | None = option(
+        None, "A:B: write a jax.profiler trace of steps A..B (A steps taken to B) into the run directory's "
+              "profile/ (TensorBoard's profile plugin, Perfetto)", check=_profile_steps, resumable=True)
 
 
 GROUPS: tuple[type[Options], ...] = (Training, Checkpointing, Devices, EMA, Tracking)
@@ -213,6 +235,16 @@ def check_combination(config: Any, processes: int | None = None) -> None:
         raise ConfigError("--debug-nans replays steps op by op on one device; drop --devices and --parallel")
     if config.resume == "auto" and config.run_dir is None:
         raise ConfigError("--resume auto needs --run-dir: the directory a restarted job finds its run in")
+
+
+def check_option(field: dataclasses.Field, value: Any, hint: Any) -> None:
+    """Refuse (`ConfigError`, naming the flag) a value of the wrong type, or one its `check` refuses."""
+    _check_type(field.name, value, hint)
+    check = field.metadata.get("check")
+    problem = check(value) if check is not None and value is not None else None
+    if problem:
+        got = "" if isinstance(value, bool) else f" (got {value!r})"
+        raise ConfigError(f"{flag_name(field.name)} {problem}{got}")
 
 
 def vmappable_options(config: Any) -> set[str]:

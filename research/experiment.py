@@ -2,7 +2,6 @@
 `load_run`, which rebuilds a run's trained model from its directory."""
 
 import dataclasses
-import importlib.metadata
 import importlib.util
 import json
 import math
@@ -19,34 +18,49 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from .config import ConfigError, Options, check_combination, resumable_options, strip_optional
+from .config import ConfigError, Options, check_combination, profile_window, resumable_options, strip_optional
 from .data import Batch, DeviceLoader, HostLoader, TorchLoader
 from .parallel import check_device_count, make_placement, process_zero_text
 from . import population
 from .population import evaluate_population
-from .errors import CheckpointError
-from .train import (Evaluator, FitResult, LossFn, Placement, RunDir, TensorBoardTracker, TrainState,
-                    bytes_on_first_device, classification_loss, evaluate_state, fit, load_checkpoint, read_header)
+from .provenance import describe_parameters, git_state, machine, parameter_counts, peak_memory, versions
+from .errors import CheckpointError, Preempted
+from .tracking import RunTrackers, open_trackers, run_files
+from .train import (Ending, Evaluator, FitResult, LossFn, Placement, Profile, RunDir, TrainState, bytes_on_first_device,
+                    classification_loss, evaluate_state, fit, load_checkpoint, read_header)
 
 RUNS_ROOT = Path("runs")
-EXPERIMENTS_DIR = Path(__file__).resolve().parent.parent / "experiments"
+
+
+def experiments_dir() -> Path:
+    """Where the experiment scripts are: `research/experiments/` of an installed package (pyproject.toml
+    ships `experiments/` there), else `experiments/` beside the source tree."""
+    installed = Path(__file__).resolve().parent / "experiments"
+    return installed if installed.is_dir() else Path(__file__).resolve().parent.parent / "experiments"
+
+
+EXPERIMENTS_DIR = experiments_dir()
+
+
+def experiment_names() -> list[str]:
+    return sorted(p.stem for p in EXPERIMENTS_DIR.glob("*.py") if not p.stem.startswith("_"))
+
+
+def experiment_script(name: str) -> Path:
+    """The script of an experiment named `name` (`xor` is `experiments/xor.py`), or of a path to one."""
+    path = Path(name) if name.endswith(".py") or "/" in name else EXPERIMENTS_DIR / f"{name}.py"
+    if not path.is_file():
+        raise ConfigError(f"no experiment {name!r} ({path} does not exist); available: {' '.join(experiment_names())}")
+    return path
 
 
 def load_experiment(name: str) -> types.ModuleType:
     """Import an experiment script by name (`xor` is `experiments/xor.py`) or by path, without running it."""
-    path = Path(name) if name.endswith(".py") or "/" in name else EXPERIMENTS_DIR / f"{name}.py"
-    if not path.is_file():
-        available = " ".join(sorted(p.stem for p in EXPERIMENTS_DIR.glob("*.py")))
-        raise ConfigError(f"no experiment {name!r} ({path} does not exist); available: {available}")
+    path = experiment_script(name)
     spec = importlib.util.spec_from_file_location(f"experiments.{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def _versions() -> dict[str, str]:
-    names = ["jax", "jaxlib", "equinox", "optax", "jaxtyping", "numpy", "torch"]
-    return {n: importlib.metadata.version(n) for n in names}
 
 
 def config_differences(saved: dict[str, Any], config: Options) -> list[str]:
@@ -110,13 +124,18 @@ def _check_same_config(run: RunDir, config: Options) -> None:
         raise ConfigError(f"--resume: the config differs from the run in {run.path}: " + "; ".join(differences))
 
 
-def config_record(experiment: str, config: Options, setup: "Setup") -> dict[str, Any]:
-    """What a run's config.json holds: the config, the resolved step count, library versions, the command."""
+def config_record(experiment: str, config: Options, setup: "Setup", state: TrainState) -> dict[str, Any]:
+    """What a run's config.json holds: the config, the resolved step count, the model's parameter count
+    (of one member in a population), the machine, library versions, the git commit, the command."""
+    members = population.num_members(state) or None
     return {
         "experiment": experiment,
         "config": config.to_dict(),
         "resolved": {"num_steps": setup.num_steps, "steps_per_epoch": setup.train_data.steps_per_epoch},
-        "versions": _versions(),
+        "parameters": {**parameter_counts(state.model, members), **({"members": members} if members else {})},
+        "machine": machine(config.devices * jax.process_count()),
+        "versions": versions(),
+        "git": git_state(),
         "command": [Path(sys.argv[0]).name, *sys.argv[1:]],
     }
 
@@ -272,6 +291,7 @@ def run_experiment(
     check_device_count(config.devices)
     placement = make_placement(config.parallel, config.devices)
     check_combination(config, processes=jax.process_count())
+    _check_profile_window(config, setup.num_steps)
     state = initial_state(setup, config)
     placement.check(state.model, setup.train_data.batch_size)
     writer = jax.process_index() == 0
@@ -290,16 +310,43 @@ def run_experiment(
         if writer:
             run.truncate_metrics(after_step=start_step)
             print(f"resuming {run.path} from step {start_step} ({checkpoint.name})", file=sys.stderr)
+    trackers = RunTrackers({})
     if writer:
         run.create()
         run.remove_uncommitted()  # an interrupted save's files; the saves of this run replace them
-        run.write_config(config_record(experiment, config, setup))
+        previous = run.read_config().get("trackers", {}) if run.config_file.exists() else {}
+        trackers = open_trackers(experiment, config, run, runs_root=RUNS_ROOT, start_step=start_step,
+                                 previous=previous)
+        record = config_record(experiment, config, setup, state)
+        run.write_config({**record, "trackers": trackers.identities()})
+        print(start_line(experiment, record, state, run), flush=True)
+    ending: Ending = "failed"
+    summary = None
+    try:
+        summary = _run_and_summarize(experiment, config, setup, state, placement, run, writer, header, trackers,
+                                     summary_extra, summarize_run, fit_kwargs)
+        ending = "finished"
+        return summary
+    except Preempted:
+        ending = "killed"
+        raise
+    finally:
+        trackers.close(ending, summary, run_files(run))
+
+
+def _run_and_summarize(experiment: str, config: Options, setup: Setup, state: TrainState, placement: Placement,
+                       run: RunDir, writer: bool, header: dict[str, Any], trackers: RunTrackers,
+                       summary_extra: Any, summarize_run: Any, fit_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Train (or, checkpointed at its last step, only evaluate) and write the summary and curves.png."""
     start = time.perf_counter()
     if header.get("step") == setup.num_steps:  # checkpointed at its last step, stopped before its summary
         result = _evaluate_finished(setup, state, run, placement)
     else:
-        result = _train(experiment, config, setup, state, placement, run, writer, header, fit_kwargs)
+        result = _train(experiment, config, setup, state, placement, run, writer, header, trackers, fit_kwargs)
     summary = {"experiment": experiment, **_summary(result), "wall_seconds": time.perf_counter() - start}
+    if result.compile_seconds is not None:
+        summary["compile_seconds"] = result.compile_seconds
+    summary.update(peak_memory())
     if placement.name != "none":  # how the state is spread: FSDP holds about 1/N of it a device
         summary["state_bytes_per_device"] = result.state_bytes_per_device
     summary.update((summary_extra(result) if callable(summary_extra) else summary_extra) or {})
@@ -311,30 +358,61 @@ def run_experiment(
     return summary
 
 
+def _check_profile_window(config: Options, num_steps: int) -> None:
+    if config.profile_steps:
+        start, stop = profile_window(config.profile_steps)
+        if stop > num_steps:
+            raise ConfigError(f"--profile-steps {config.profile_steps} ends past the run's {num_steps} steps")
+
+
+def start_line(experiment: str, record: dict[str, Any], state: TrainState, run: RunDir) -> str:
+    """What a run prints when it starts: the model and its size, the steps, the devices, where it writes."""
+    counts, place = record["parameters"], record["machine"]
+    members = f"{counts['members']} members of " if "members" in counts else ""
+    devices = f"{place['devices']} {place['device_kind']} device" + ("s" if place["devices"] > 1 else "")
+    processes = f" in {place['processes']} processes" if place["processes"] > 1 else ""
+    return (f"{experiment}: {type(state.model).__name__}, {members}{describe_parameters(counts)}; "
+            f"{record['resolved']['num_steps']:,} steps on {devices}{processes}; run directory {run.path}")
+
+
 def _train(experiment: str, config: Options, setup: Setup, state: TrainState, placement: Placement,
-           run: RunDir, writer: bool, header: dict[str, Any], fit_kwargs: dict[str, Any]) -> FitResult:
+           run: RunDir, writer: bool, header: dict[str, Any], trackers: RunTrackers,
+           fit_kwargs: dict[str, Any]) -> FitResult:
     """`fit` with the run's options: its hooks write into `run` (every process its shards of the
-    checkpoints; the `writer`, process 0, the rest)."""
-    tracker = None
-    if config.tensorboard and writer:
-        tracker = TensorBoardTracker(run.path, purge_step=header["step"] + 1 if header else None)
-    try:
-        return fit(
-            state, setup.train_data, num_steps=setup.num_steps, loss_fn=setup.loss_fn, placement=placement,
-            population=setup.population, evaluator=setup.evaluate_with(),
-            lr_schedule=setup.lr_schedule, eval_data=setup.eval_data, val_data=setup.val_data,
-            eval_every=config.eval_every or None,
-            log_every=config.log_every, steps_per_call=config.steps_per_call, run=run,
-            checkpoint_every=config.checkpoint_every or None, keep_checkpoints=config.keep_checkpoints,
-            checkpoint_seconds=60 * config.checkpoint_minutes or None, stop_signals=True,
-            checkpoint_header={"experiment": experiment, "config": config.to_dict()},
-            resume_window=header.get("window"), skip_nonfinite=config.skip_nonfinite,
-            progress=config.progress and writer, tracker=tracker, debug_nans=config.debug_nans,
-            **fit_kwargs,
-        )
-    finally:
-        if tracker is not None:
-            tracker.finish()
+    checkpoints; the `writer`, process 0, the rest, and to the `trackers`)."""
+    return fit(
+        state, setup.train_data, num_steps=setup.num_steps, loss_fn=setup.loss_fn, placement=placement,
+        population=setup.population, evaluator=setup.evaluate_with(),
+        lr_schedule=setup.lr_schedule, eval_data=setup.eval_data, val_data=setup.val_data,
+        eval_every=config.eval_every or None,
+        log_every=config.log_every, steps_per_call=config.steps_per_call, run=run,
+        checkpoint_every=config.checkpoint_every or None, keep_checkpoints=config.keep_checkpoints,
+        checkpoint_seconds=60 * config.checkpoint_minutes or None, stop_signals=True,
+        checkpoint_header={"experiment": experiment, "config": config.to_dict()},
+        resume_window=header.get("window"), skip_nonfinite=config.skip_nonfinite,
+        progress=config.progress and writer, tracker=trackers if trackers.trackers else None,
+        debug_nans=config.debug_nans, profile=_profile(config, run, writer), **fit_kwargs,
+    )
+
+
+def _profile(config: Options, run: RunDir, writer: bool) -> Profile | None:
+    """The `--profile-steps` window's profiler hook: every process traces into the run directory's
+    `profile/` (process i > 0 into `profile/process_i`); process 0 says where its trace is."""
+    if not config.profile_steps:
+        return None
+    start, stop = profile_window(config.profile_steps)
+    index = jax.process_index()
+    directory = run.path / "profile" / (f"process_{index}" if index else "")
+    return Profile(directory, start, stop, done=_profile_hint(start, stop) if writer else lambda _: None)
+
+
+def _profile_hint(start: int, stop: int) -> Callable[[Path], None]:
+    def hint(directory: Path) -> None:
+        perfetto = next(directory.glob("plugins/profile/*/perfetto_trace.json.gz"), None)
+        print(f"profile of steps {start}-{stop}: `tensorboard --logdir {directory}` (the Profile tab), or open "
+              f"{perfetto or directory} in https://ui.perfetto.dev", file=sys.stderr)
+
+    return hint
 
 
 def _evaluate_finished(setup: Setup, state: TrainState, run: RunDir, placement: Placement) -> FitResult:

@@ -25,8 +25,9 @@ from pathlib import Path
 
 import pytest
 
+from research import run
 from research.cli import main_entry, parse_config
-from research.experiment import EXPERIMENTS_DIR, load_experiment
+from research.experiment import load_experiment
 from research.tools import compare_runs, plot_runs, show_jaxpr, sweep
 
 ROOT = Path(__file__).parent.parent
@@ -58,10 +59,11 @@ def run_command(line: str, monkeypatch) -> tuple[int, str] | None:
     code = 0
     with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
         try:
-            if command == "./scripts/run":
-                module = load_experiment(args[0])
-                monkeypatch.setattr(sys, "argv", [str(EXPERIMENTS_DIR / f"{args[0]}.py"), *args[1:]])
-                main_entry(module.main, module.Config, args[1:])
+            if command == "./scripts/run":  # research.run: NAME [flags] or --from RUN_DIR [flags]
+                script, flags = run.command(args)
+                module = load_experiment(str(script))
+                monkeypatch.setattr(sys, "argv", [str(script), *flags])
+                main_entry(module.main, module.Config, flags)
             elif command in TOOLS:
                 TOOLS[command](args)
             else:
@@ -102,10 +104,11 @@ def check_parses(body: str) -> None:
                 raise AssertionError(f"`{command}` does not pass --dry-run: {err.getvalue().strip()}") from None
     for command in re.findall(r"\./scripts/run [^;&|\n]+", body):
         words = shlex.split(re.sub(r"\$\{?(\w+)\}?", lambda m: first.get(m[1], "0"), command), comments=True)
-        module = load_experiment(words[1])
+        script, flags = run.command(words[1:])
+        module = load_experiment(str(script))
         with contextlib.redirect_stderr(io.StringIO()) as err:
             try:
-                parse_config(module.Config, words[2:])
+                parse_config(module.Config, flags, prog=script.name)
             except SystemExit:
                 raise AssertionError(f"`{command}` does not parse: {err.getvalue().strip()}") from None
 

@@ -34,7 +34,7 @@ from research.parallel import (
     process_rows,
     simulate_cpu_devices,
 )
-from research.parallel.launch import launch
+from research.tools.launch import launch
 from research.train import checkpoint_digest, fit, load_checkpoint
 
 ROOT = Path(__file__).parent.parent
@@ -145,7 +145,7 @@ def test_two_processes_give_the_same_numbers_and_stop_together_when_one_dies(one
         group("mlp", "sharded", 1, tmp_path / "endless", "--steps", "10000000", "--log-every", "20"),
     ]
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "research.parallel.launch", "--num-processes", "2", "--", str(WORKER),
+        [sys.executable, "-m", "research.tools.launch", "--num-processes", "2", "--", str(WORKER),
          *worker_args(*groups)],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -183,7 +183,7 @@ def test_two_processes_stop_together_on_sigterm_and_resume_to_the_same_bits(one_
     `--resume auto` ends where an uninterrupted two-process run ends, bit for bit."""
     args = ["--model", "mlp", "--loader", "device", "--parallel", "sharded", "--devices", "1", "--steps", "400",
             "--log-every", "20", "--checkpoint-every", "20", "--checkpoint-minutes", "0", "--no-progress"]
-    launch_cmd = [sys.executable, "-m", "research.parallel.launch", "--num-processes", "2", "--", str(WORKER)]
+    launch_cmd = [sys.executable, "-m", "research.tools.launch", "--num-processes", "2", "--", str(WORKER)]
     # No --run-dir: the processes must agree on the default one (named after the time) to save into it
     straight = subprocess.run([*launch_cmd, *args], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert straight.returncode == 0, straight.stderr[-3000:]

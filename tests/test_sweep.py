@@ -52,7 +52,7 @@ def test_a_dry_run_prints_each_run_of_the_grid_as_its_command(tmp_path, capsys):
                               "--", "--epochs", "2"], capsys)
     assert code == 0
     assert out.splitlines() == [
-        f"scripts/run xor --epochs 2 --lr {lr} --no-tensorboard --run-dir s/lr={lr},tensorboard=false "
+        f"scripts/run xor --epochs 2 --group s --lr {lr} --no-tensorboard --run-dir s/lr={lr},tensorboard=false "
         "--resume auto --no-progress" for lr in ("0.1", "0.3")]
 
 

@@ -1,5 +1,9 @@
-"""Trackers: fit's records reach metrics.jsonl and TensorBoard event files with the same names and values."""
+"""Trackers: fit's records reach metrics.jsonl, TensorBoard event files, W&B and MLflow with the same names and
+values, read back through each library's own reader."""
 
+import os
+import shutil
+import signal
 import sys
 
 import jax
@@ -17,7 +21,10 @@ from research.train import (
     TensorBoardTracker,
     TrainState,
     fit,
+    parse_trackers,
     read_tensorboard_scalars,
+    read_wandb_runs,
+    scalars,
 )
 
 
@@ -101,3 +108,168 @@ def test_tensorboard_flag_without_the_package_is_one_line_exit_2(monkeypatch, ca
     assert err.startswith("xor.py: error: --tensorboard needs the tensorboardX package, which is not installed")
     assert "pip install" in err and ".[tensorboard]" in err
     assert parse_config(TrainConfig, []).tensorboard is False  # without the flag nothing is needed
+
+
+# -- the run's trackers: W&B and MLflow, read back through their own readers ----------------------------
+XOR = ["--no-progress", "--train-size", "256", "--test-size", "64", "--batch-size", "32", "--log-every", "4",
+       "--eval-every", "8", "--steps-per-call", "4", "--checkpoint-every", "8", "--checkpoint-minutes", "0"]
+
+
+def run_xor(argv):
+    """xor.py in this process; its exit status (0 when it returned)."""
+    from research.cli import main_entry
+    from research.experiment import load_experiment
+
+    xor = load_experiment("xor")
+    try:
+        main_entry(xor.main, xor.Config, argv)
+    except SystemExit as e:
+        return e.code
+    return 0
+
+
+def mlflow_runs(uri, experiment="xor"):
+    import mlflow
+
+    mlflow.set_tracking_uri(uri)
+    return mlflow.search_runs(experiment_names=[experiment], output_format="list")
+
+
+def mlflow_history(uri, run_id):
+    """{step: {name: value}} of every metric of an MLflow run, each (step, name) once or it fails."""
+    from mlflow.tracking import MlflowClient
+
+    client, history = MlflowClient(uri), {}
+    for name in client.get_run(run_id).data.metrics:
+        for metric in client.get_metric_history(run_id, name):
+            assert name not in history.setdefault(metric.step, {}), f"{name} logged twice at step {metric.step}"
+            history[metric.step][name] = metric.value
+    return history
+
+
+def jsonl_history(run):
+    """{step: {name: value}} of metrics.jsonl, as the scalar trackers take it (a list is one value a member)."""
+    return {r["step"]: scalars({k: v for k, v in r.items() if k != "step"}) for r in run.read_metrics()}
+
+
+def wandb_history(runs):
+    """{step: {name: value}} over W&B runs (a resumed run is several), each step logged by one of them."""
+    history = {}
+    for run in runs:
+        for row in run["history"]:
+            assert row["step"] not in history, f"step {row['step']} logged twice"
+            history[row["step"]] = {k: v for k, v in row.items() if k != "step"}
+    return history
+
+
+def assert_same_history(got, expected):
+    assert sorted(got) == sorted(expected)
+    for step, values in expected.items():
+        assert sorted(got[step]) == sorted(values), step
+        np.testing.assert_allclose([got[step][k] for k in sorted(values)], [values[k] for k in sorted(values)],
+                                   rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_wandb_mlflow_and_tensorboard_hold_every_record_the_summary_and_files_through_sigterm_and_resume(
+        tmp_path, monkeypatch):
+    """A run stopped by SIGTERM after step 12's record and resumed with --resume auto: one W&B run (two
+    offline files of one id), one MLflow run and the TensorBoard events hold exactly metrics.jsonl's
+    records, the config, the summary and the files; config.json says which runs they are."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    log = JsonlTracker.log
+
+    def stop_after_12(self, step, metrics):
+        log(self, step, metrics)
+        if step == 12 and not (tmp_path / "stopped").exists():
+            (tmp_path / "stopped").touch()
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(JsonlTracker, "log", stop_after_12)
+    args = [*XOR, "--epochs", "4", "--run-dir", "r", "--tracker", "wandb,mlflow", "--tensorboard"]
+    assert run_xor([*args, "--resume", "auto"]) == 143
+    assert run_xor([*args, "--resume", "auto"]) == 0
+
+    run = RunDir(tmp_path / "r")
+    expected, summary, saved = jsonl_history(run), run.read_summary(), run.read_config()
+    assert sorted(expected) == list(range(4, 33, 4)) and "test/accuracy" in expected[16]
+    wandb_runs = read_wandb_runs(run.path)
+    assert [w["run_id"] for w in wandb_runs] == [saved["trackers"]["wandb"]["run_id"]] * 2
+    assert [w["exit_code"] for w in wandb_runs] == [143, 0]
+    assert_same_history(wandb_history(wandb_runs), expected)
+    assert wandb_runs[0]["config"]["lr"] == 0.1 and wandb_runs[0]["config"]["epochs"] == 4
+    assert {k: wandb_runs[-1]["summary"][k] for k in ("test_accuracy", "step")} == {
+        "test_accuracy": pytest.approx(summary["test_accuracy"]), "step": 32}
+    assert {"config.json", "summary.json", "curves.png"} <= set(wandb_runs[-1]["files"])
+
+    uri = saved["trackers"]["mlflow"]["uri"]
+    assert uri == f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}"  # the default: in the runs folder
+    [found] = mlflow_runs(uri)
+    assert found.info.run_id == saved["trackers"]["mlflow"]["run_id"] and found.info.status == "FINISHED"
+    assert found.info.run_name == "r" and found.data.params["lr"] == "0.1" and found.data.params["epochs"] == "4"
+    history = mlflow_history(uri, found.info.run_id)
+    final = history[32]
+    assert final.pop("test_accuracy") == pytest.approx(summary["test_accuracy"])  # the summary at the last step
+    assert_same_history({s: {k: v for k, v in h.items() if k in expected[s]} for s, h in history.items()}, expected)
+    from mlflow.tracking import MlflowClient
+
+    artifacts = {a.path for a in MlflowClient(uri).list_artifacts(found.info.run_id)}
+    assert {"config.json", "summary.json", "curves.png"} <= artifacts
+
+    tensorboard = read_tensorboard_scalars(run.path)
+    latest = {}  # TensorBoard keeps the points of the first events file up to the resume, then the second's
+    for name, points in tensorboard.items():
+        for step, value in points:
+            latest.setdefault(step, {})[name] = value
+    assert_same_history(latest, expected)
+
+
+def test_a_resume_after_a_kill_logs_each_step_once_and_a_tracker_added_then_gets_the_records_before(
+        tmp_path, monkeypatch):
+    """A run killed after logging steps past its last checkpoint (as SIGKILL leaves it): its resume
+    redoes those steps, and MLflow keeps one value a step; W&B, added at the resume, gets every record."""
+    monkeypatch.chdir(tmp_path)
+    args = [*XOR, "--epochs", "3", "--run-dir", "r"]
+    assert run_xor([*args, "--tracker", "mlflow"]) == 0
+    run = RunDir(tmp_path / "r")
+    for path in run.checkpoint_paths()[-1:]:  # as if killed after logging step 24, checkpointed at 16
+        shutil.rmtree(path)
+    run.summary_file.unlink()
+    run.truncate_metrics(after_step=20)
+    assert run_xor([*args, "--tracker", "mlflow,wandb", "--resume", "auto"]) == 0
+    expected = jsonl_history(run)
+    saved = run.read_config()["trackers"]
+    history = mlflow_history(saved["mlflow"]["uri"], saved["mlflow"]["run_id"])
+    untimed = {s: {k: v for k, v in h.items() if k != "steps_per_s"} for s, h in expected.items()}  # redone: its rate
+    assert_same_history({s: {k: v for k, v in h.items() if k in untimed[s]} for s, h in history.items()}, untimed)
+    assert_same_history(wandb_history(read_wandb_runs(run.path)), expected)
+
+
+@pytest.mark.parametrize("tracker, module", [("wandb", "wandb"), ("mlflow", "mlflow"), ("jsonl,wandb", "wandb")])
+def test_a_tracker_without_its_library_is_refused_in_one_line_naming_the_install(tracker, module, monkeypatch,
+                                                                                    capsys):
+    monkeypatch.setitem(sys.modules, module, None)
+    with pytest.raises(SystemExit) as info:
+        parse_config(TrainConfig, ["--tracker", tracker], prog="xor.py")
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.count("\n") == 1
+    assert err.startswith(f"xor.py: error: --tracker {module} needs the {module} package, which is not installed")
+    assert f"pip install '.[{module}]'" in err
+
+
+def test_tracker_names_are_checked_and_tensorboard_is_a_spelling_of_one(capsys):
+    with pytest.raises(SystemExit):
+        parse_config(TrainConfig, ["--tracker", "wandb,neptune"], prog="xor.py")
+    assert "unknown tracker 'neptune'; choose from jsonl, tensorboard, wandb, mlflow" in capsys.readouterr().err
+    from research.tracking import trackers_of
+
+    assert trackers_of(parse_config(TrainConfig, [])) == ("jsonl",)
+    assert trackers_of(parse_config(TrainConfig, ["--tensorboard", "--tracker", "mlflow"])) == (
+        "jsonl", "tensorboard", "mlflow")
+    assert parse_trackers(" mlflow , wandb,jsonl") == ("jsonl", "wandb", "mlflow")
+
+
+def test_a_population_sends_one_scalar_a_member():
+    assert scalars({"train/loss": 0.5, "train/member_loss": [0.25, 0.75], "note": "x", "ok": True}) == {
+        "train/loss": 0.5, "train/member_loss/0": 0.25, "train/member_loss/1": 0.75}

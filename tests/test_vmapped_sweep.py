@@ -66,7 +66,8 @@ def test_each_member_equals_its_run_trained_alone(swept, name):
     summary = json.loads((together / "summary.json").read_text())
     assert summary["test_accuracy"] == pytest.approx(a.summary["test_accuracy"])
     assert json.loads((together / "config.json").read_text())["config"] == \
-        {**json.loads((alone / "config.json").read_text())["config"], "run_dir": str(together), "resume": "auto"}
+        {**json.loads((alone / "config.json").read_text())["config"], "run_dir": str(together), "resume": "auto",
+         "group": "v"}  # the sweep groups its runs in the trackers
 
 
 def test_rerunning_skips_the_finished_runs_with_or_without_vmapped(swept, capsys):

@@ -7,7 +7,8 @@ several processes, `--coordinator-address --num-processes --process-id` (or `scr
 
 from ..train import OneDevice, Placement
 from ._devices import DeviceError, check_device_count, simulate_cpu_devices
-from ._distributed import ProcessGroup, exit_together, process_group, process_zero_text, setup_devices
+from ._distributed import (LOST_PEER_STATUS, ProcessGroup, exit_together, process_group, process_zero_text,
+                           setup_devices)
 from ._placements import (
     DATA_AXIS,
     DEVICE_AXIS,
@@ -27,6 +28,7 @@ __all__ = [
     "DATA_AXIS",
     "DEVICE_AXIS",
     "DeviceError",
+    "LOST_PEER_STATUS",
     "Fsdp",
     "OneDevice",
     "ParallelName",

@@ -19,7 +19,8 @@ from typing import Any
 
 from ..config import Options, vmappable_options
 from ..data import DeviceLoader
-from ..experiment import Setup, config_record, initial_state, plot_curves, run_experiment
+from ..experiment import RUNS_ROOT, Setup, config_record, initial_state, plot_curves, run_experiment
+from ..tracking import track_finished_run, trackers_of
 from ..population import member, stack_members
 from ..train import CheckpointWriter, RunDir, load_checkpoint
 from ._pool import Run
@@ -70,7 +71,9 @@ def _population_setup(experiment: str, configs: Sequence[Options], setups: Seque
 def _write_member(experiment: str, run: Run, config: Options, setup: Setup, state: Any,
                   records: list[dict[str, Any]], summary: dict[str, Any], k: int, writer: CheckpointWriter) -> None:
     out = RunDir(run.path).create()
-    out.write_config({**config_record(experiment, config, setup), "vmapped": summary["population"]})
+    own = member(state, k)
+    record = {**config_record(experiment, config, setup, own), "vmapped": summary["population"]}
+    out.write_config(record)
     out.metrics_file.write_text("")
     for record in records:
         out.log(member_values(record, k))
@@ -78,10 +81,12 @@ def _write_member(experiment: str, run: Run, config: Options, setup: Setup, stat
     last = member_values(records[-1], k)
     evaluated = {key: value for key, value in last.items() if key.startswith(("test/", "val/"))}
     header = {"experiment": experiment, "config": config.to_dict(), "step": step, "eval": evaluated}
-    writer.save(out.checkpoint_path(step), member(state, k), header)  # written while the plot is drawn
+    writer.save(out.checkpoint_path(step), own, header)  # written while the plot is drawn
     plot_curves([out], [run.name], out.path / "curves.png", title=f"{experiment} {run.name} (vmapped)")
     writer.wait()  # the summary says the run finished: only once its checkpoint is committed
     out.write_summary({key: value for key, value in member_values(summary, k).items() if key != "population"})
+    if len(trackers_of(config)) > 1:  # one tracked run a member, as its own run would have been
+        out.write_config({**record, "trackers": track_finished_run(experiment, config, out, runs_root=RUNS_ROOT)})
 
 
 def sweep_vmapped(experiment: str, module: Any, runs: Sequence[Run], configs: Sequence[Options],
@@ -95,7 +100,9 @@ def sweep_vmapped(experiment: str, module: Any, runs: Sequence[Run], configs: Se
     population = _population_setup(experiment, configs, setups)
     names = "\n".join(run.name for run in runs)
     path = sweep_dir / f"population-{hashlib.sha1(names.encode()).hexdigest()[:8]}"
-    population_config = dataclasses.replace(configs[0], run_dir=str(path), resume="auto", progress=True)
+    # The members are tracked as their runs (`_write_member`), the population itself only in its metrics.jsonl.
+    population_config = dataclasses.replace(configs[0], run_dir=str(path), resume="auto", progress=True,
+                                            tracker="jsonl", tensorboard=False)
     print(f"sweep: training {len(runs)} runs as one vmapped population in {path}", file=sys.stderr, flush=True)
     start = time.perf_counter()
     summary = run_experiment(experiment, population_config, population, summary_extra={"members": names.split("\n")})

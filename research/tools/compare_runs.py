@@ -4,7 +4,8 @@
     scripts/compare_runs --over seed RUN_DIR...
 
 Options that do not change what is trained (the run directory, resume, the progress bar, the compilation cache,
-TensorBoard, NaN debugging) are left out. Final numbers come from `summary.json`; a run without
+the trackers, the profile, NaN debugging) are left out, and so are the measurements of the machine (compile
+time, peak memory). Final numbers come from `summary.json`; a run without
 one (still running, or killed) shows its last logged metrics, marked `(unfinished)`.
 
 With `--over OPTION` (repeatable), runs that differ only in those options (say, seeds) make one row:
@@ -21,7 +22,9 @@ from typing import Any
 from ..train import RunDir
 from ._runs import Parser, UsageError, fail, open_runs, run_labels
 
-NOT_COMPARED = {"run_dir", "resume", "progress", "tensorboard", "debug_nans", "compilation_cache"}
+NOT_COMPARED = {"run_dir", "resume", "progress", "tensorboard", "tracker", "mlflow_uri", "group", "profile_steps",
+                "debug_nans", "compilation_cache"}
+NOT_SHOWN = {"compile_seconds", "peak_host_memory_bytes", "peak_device_memory_bytes"}
 FIRST_METRICS = ["val_accuracy", "val_loss", "test_accuracy", "test_loss", "train_loss", "step", "wall_seconds"]
 _FROM_METRICS = {"test_accuracy": "test/accuracy", "test_loss": "test/loss", "train_loss": "train/loss"}
 
@@ -94,7 +97,7 @@ def compare_runs(run_dirs: Sequence[str | Path], over: Sequence[str] = ()) -> st
                  and len({json.dumps(s.get(k), sort_keys=True) for s in settings}) > 1]
     finals = [_final_numbers(run) for run in runs]
     numeric = {k for numbers, _ in finals for k, v in numbers.items()
-               if isinstance(v, (int, float)) and not isinstance(v, bool)}
+               if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in NOT_SHOWN}
     metrics = [k for k in FIRST_METRICS if k in numeric] + sorted(numeric - set(FIRST_METRICS))
     if over:
         groups: dict[str, list[int]] = {}

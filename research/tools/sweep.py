@@ -9,7 +9,8 @@ values, a search's choices) or `lr=1e-3:1e-1:log` (a numeric range, for a search
 checked as its command line before anything starts; a bad key or value is refused in one line
 (exit status 2). Each run is its own process, `--jobs` at a time, started like
 `scripts/run EXPERIMENT [flags after --] --KEY VALUE... --run-dir SWEEP_DIR/KEY=VALUE,... --resume auto
---no-progress`; its output goes to `SWEEP_DIR/logs/`. Rerunning the same command skips the runs
+--no-progress` (and `--group SWEEP_DIR's name`, which groups the runs in W&B and MLflow, unless the flags
+give one); its output goes to `SWEEP_DIR/logs/`. Rerunning the same command skips the runs
 that finished (touching none of their files: a run whose summary.json and config.json say it
 finished with this config is not even started, as `--resume auto` would only print its summary) and
 resumes the others. A failed run is reported
@@ -277,6 +278,8 @@ def sweep(args: Any) -> int:
     args.sweep_dir = Path(args.sweep_dir or default_dir)
     args.direction = args.direction or ("maximize" if "accuracy" in args.metric else "minimize")
     title = f"{args.experiment} sweep over {', '.join(a.key for a in axes)}"
+    if "group" in fields and not any(word.split("=")[0] == "--group" for word in args.flags):
+        args.flags = [*args.flags, "--group", args.sweep_dir.name]  # its runs, one group in the trackers
 
     def make(values: dict[str, str], prefix: str = "") -> Run:
         return _make_run(script, args.sweep_dir, args.flags, axes, values, prefix)

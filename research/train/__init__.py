@@ -10,16 +10,25 @@ from ..errors import CheckpointError, DataError, NonFiniteError
 from ._engine import Engine, FitResult, StepInfo
 from ._fit import fit
 from ._language import NextTokenLoss, evaluate_language_model, next_token_sums
-from ._hooks import Checkpoint, Evaluate, Evaluator, NonFiniteGuard, ShowProgress, Track
+from ._hooks import Checkpoint, Evaluate, Evaluator, NonFiniteGuard, Profile, ShowProgress, Track
 from ._rundir import RunDir
 from ._tracking import (
+    TRACKERS,
+    Ending,
     JsonlTracker,
     MultiTracker,
+    RunTracker,
     TensorBoardTracker,
     Tracker,
     read_tensorboard_scalars,
+    scalars,
     tensorboard_problem,
+    parse_trackers,
+    tracker_problem,
+    trackers_problem,
 )
+from ._mlflow import MlflowTracker
+from ._wandb import WandbTracker, read_wandb_runs
 from ._keys import random_normal
 from ._state import (
     LossFn,
@@ -34,11 +43,13 @@ from ._state import (
 )
 
 __all__ = [
+    "TRACKERS",
     "Checkpoint",
     "CheckpointError",
     "CheckpointWriter",
     "CompiledTrainer",
     "DataError",
+    "Ending",
     "Engine",
     "Evaluate",
     "Evaluator",
@@ -47,19 +58,23 @@ __all__ = [
     "Leaves",
     "LossFn",
     "Metrics",
+    "MlflowTracker",
     "MultiTracker",
     "NextTokenLoss",
     "NonFiniteError",
     "NonFiniteGuard",
     "OneDevice",
     "Placement",
+    "Profile",
     "RunDir",
+    "RunTracker",
     "ShowProgress",
     "StepInfo",
     "TensorBoardTracker",
     "Track",
     "Tracker",
     "TrainState",
+    "WandbTracker",
     "batch_norm_layers",
     "bytes_on_first_device",
     "check_batch_norm_axis",
@@ -81,9 +96,14 @@ __all__ = [
     "loss_value_and_grad",
     "next_token_sums",
     "read_header",
+    "parse_trackers",
     "read_tensorboard_scalars",
+    "read_wandb_runs",
     "save_checkpoint",
+    "scalars",
     "tensorboard_problem",
+    "tracker_problem",
+    "trackers_problem",
     "train_step",
     "tree_digest",
 ]

@@ -25,6 +25,7 @@ from jaxtyping import TypeCheckError
 from ..data import Batch, DeviceLoader, TorchLoader
 from ..debug import describe_nan_error
 from ..errors import DataError, NonFiniteError, Preempted
+from ..provenance import CompileTimer
 from ._compiled import CompiledTrainer, Layout, StepStats, compiled_trainer, host_means, unpack_sums
 from ._placement import Leaves, OneDevice, Placement, bytes_on_first_device
 from ._signals import StopSignals
@@ -86,6 +87,7 @@ class FitResult:
     state_bytes_per_device: int | None = None  # the train state's bytes on the first device (FSDP: ~1/N)
     steps_per_s: float | None = None  # over the last logging window (compile and hooks left out)
     val_metrics: dict[str, float] | None = None  # on the validation set, when the run has one
+    compile_seconds: float | None = None  # JAX's tracing and compilation in the calls up to the first stop
 
 
 class Engine:
@@ -118,14 +120,16 @@ class Engine:
         self.loss_fn, self.placement, self.population = loss_fn, placement, population
         self.log_every, self.steps_per_call = log_every, steps_per_call
         self.skip_nonfinite, self.debug_nans, self.stop_signals = skip_nonfinite, debug_nans, stop_signals
-        self.hooks: list[tuple[Hook, int | None]] = []
+        self.hooks: list[tuple[Hook, int | None, tuple[int, ...]]] = []
         self.preemption_hooks: list[Hook] = []
 
-    def add_hook(self, hook: Hook, *, every: int | None = None, on_preemption: bool = False) -> "Engine":
-        """Call `hook(info)` every `every` steps and at the end (`every=None`: at every stop), and,
-        with `on_preemption`, where a signal stopped the run. A hook with a `close()` method (the
-        checkpoint) is closed when fit ends, normally or not."""
-        self.hooks.append((hook, every))
+    def add_hook(self, hook: Hook, *, every: int | None = None, at: tuple[int, ...] = (),
+                 on_preemption: bool = False) -> "Engine":
+        """Call `hook(info)` every `every` steps and at the end (`every=None`: at every stop), or only
+        at the steps `at` (say a profile's first and last), and, with `on_preemption`, where a signal
+        stopped the run. A hook with a `close()` method (the checkpoint) is closed when fit ends,
+        normally or not."""
+        self.hooks.append((hook, every, tuple(at)))
         if on_preemption:
             self.preemption_hooks.append(hook)
         return self
@@ -149,11 +153,13 @@ class Engine:
         stats = fresh() if resume_window is None else trainer.placement.put_stats(
             _window_from_header(resume_window, feed.stats_layout(leaves)))
         clock, record, final = _Clock(step, self.skip_nonfinite), {}, {}
-        with self._closing_hooks(), _nan_checks(self.debug_nans), _signals(self.stop_signals) as signals:
+        with (self._closing_hooks(), _nan_checks(self.debug_nans), _signals(self.stop_signals) as signals,
+              CompileTimer() as compiling):
             alone = jax.process_count() == 1  # several processes may only stop where all of them stop
             while step < num_steps:
                 until = self._next_stop(step, num_steps)
                 leaves, stats, step = feed.advance(leaves, stats, step, until, signals if alone else None)
+                compiling.freeze()  # the first stop's calls compiled the step: later ones reuse it
                 if step < until:
                     self._preempted(StepInfo(step, num_steps, {}, trainer, leaves, stats, stats), signals.received)
                 checked, record = stats, {}
@@ -169,7 +175,8 @@ class Engine:
                             self._preempted(info, received)
                 final.update(record)
         _warn_on_retrace(trainer, traces_before)
-        return _result(trainer.state(leaves), final, time.perf_counter() - start_time, state_bytes)
+        result = _result(trainer.state(leaves), final, time.perf_counter() - start_time, state_bytes)
+        return dataclasses.replace(result, compile_seconds=compiling.seconds)
 
     @contextlib.contextmanager
     def _closing_hooks(self) -> Iterator[None]:
@@ -179,7 +186,7 @@ class Engine:
             yield
         finally:
             closed = set()
-            for hook, _ in self.hooks:
+            for hook, *_ in self.hooks:
                 close = getattr(hook, "close", None)
                 if close is not None and id(hook) not in closed:
                     closed.add(id(hook))
@@ -195,12 +202,13 @@ class Engine:
                         "command with --resume auto to continue", step=info.step, status=128 + received)
 
     def _next_stop(self, step: int, num_steps: int) -> int:
-        cadences = [self.log_every, *(every for _, every in self.hooks)]
-        return int(min(num_steps, *(_next_multiple(step, every) for every in cadences)))
+        cadences = [self.log_every, *(every for _, every, _ in self.hooks)]
+        points = [s for *_, at in self.hooks for s in at if s > step]
+        return int(min(num_steps, *points, *(_next_multiple(step, every) for every in cadences)))
 
     def _run_hooks(self, info: StepInfo) -> None:
-        for hook, every in self.hooks:
-            if every is None or info.final or info.step % every == 0:
+        for hook, every, at in self.hooks:
+            if info.step in at if at else (every is None or info.final or info.step % every == 0):
                 hook(info)
 
 

@@ -9,7 +9,7 @@ import numpy as np
 from ..data import DeviceLoader, HostLoader, TorchLoader
 from ..progress import Progress
 from ._engine import Engine, FitResult
-from ._hooks import Checkpoint, Evaluate, Evaluator, NonFiniteGuard, ShowProgress, Track
+from ._hooks import Checkpoint, Evaluate, Evaluator, NonFiniteGuard, Profile, ShowProgress, Track
 from ._evaluate import evaluate_state
 from ._placement import OneDevice, Placement
 from ._rundir import RunDir
@@ -43,6 +43,7 @@ def fit(
     population: bool = False,
     evaluator: Evaluator = evaluate_state,
     stop_signals: bool = False,
+    profile: Profile | None = None,
 ) -> FitResult:
     """Train `state` until `state.step == num_steps`: an `Engine` with the standard hooks.
 
@@ -68,6 +69,7 @@ def fit(
     - `tracker`: another destination for the logged records (say a `TensorBoardTracker`); the
       caller owns it and calls its `finish()`.
     - `lr_schedule`: the optimizer's schedule (`step -> lr`), logged as `lr`.
+    - `profile`: a `Profile` hook tracing its window of steps.
     """
     engine = Engine(loss_fn, placement=placement, log_every=log_every, steps_per_call=steps_per_call,
                     skip_nonfinite=skip_nonfinite, debug_nans=debug_nans, population=population,
@@ -88,7 +90,12 @@ def fit(
         engine.add_hook(checkpoint, every=checkpoint_every or num_steps, on_preemption=True)
         if checkpoint_seconds:
             engine.add_hook(checkpoint.when_due)
+    if profile is not None:
+        engine.add_hook(profile, at=(profile.start, profile.stop))
+        profile.begin_if_due(start)
     try:
         return engine.fit(state, train_data, num_steps, resume_window=resume_window)
     finally:
         bar.close()
+        if profile is not None:
+            profile.close()

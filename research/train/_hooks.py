@@ -8,6 +8,7 @@ earlier one put in `StepInfo.record`.
 import dataclasses
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -151,3 +152,43 @@ class Checkpoint:
 
     def close(self) -> None:
         self._writer.close()
+
+
+@dataclasses.dataclass
+class Profile:
+    """A `jax.profiler` trace of the steps from `start` to `stop` (`start` steps taken, to `stop`) in
+    `directory`: TensorBoard's profile plugin reads it (`tensorboard --logdir DIRECTORY`, the Profile
+    tab), and `plugins/profile/*/perfetto_trace.json.gz` opens in https://ui.perfetto.dev.
+
+    Add it with `at=(start, stop)` (the engine then stops there). A run that starts at or after
+    `start` (resumed) traces from its first step, compilation included; a run that ends first stops
+    the trace at its end (`close`). `done` is called with the directory once the trace is written."""
+
+    directory: Path
+    start: int
+    stop: int
+    done: Callable[[Path], None] = lambda directory: None
+    _tracing: bool = dataclasses.field(default=False, init=False)
+
+    def begin_if_due(self, step: int) -> None:
+        """Start tracing now when the run starts at `step`, inside the window."""
+        if self.start <= step < self.stop:
+            self._begin()
+
+    def _begin(self) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        jax.profiler.start_trace(str(self.directory), create_perfetto_trace=True)
+        self._tracing = True
+
+    def __call__(self, info: StepInfo) -> None:
+        if info.step == self.start and not self._tracing:
+            self._begin()
+        elif info.step >= self.stop and self._tracing:
+            jax.block_until_ready(info.leaves)  # the steps' device work, inside the trace
+            self.close()
+
+    def close(self) -> None:
+        if self._tracing:
+            jax.profiler.stop_trace()
+            self._tracing = False
+            self.done(self.directory)

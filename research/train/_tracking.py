@@ -2,23 +2,86 @@
 
 A tracker has two methods, `log(step, metrics)` and `finish()`. `fit` sends every logged record to
 the run directory's `metrics.jsonl` (`JsonlTracker`) and to any trackers it is given;
-`TensorBoardTracker` writes TensorBoard event files through tensorboardX (the `tensorboard` extra).
-Metric names are the same everywhere: `train/loss`, `train/accuracy`, `train/grad_norm`,
-`test/loss`, `test/accuracy`, `lr` (when a schedule is given) and `steps_per_s`.
+`TensorBoardTracker` writes TensorBoard event files through tensorboardX (the `tensorboard` extra),
+`WandbTracker` a Weights & Biases run (`wandb`), `MlflowTracker` an MLflow run (`mlflow`). A tracker of
+a whole run (a `RunTracker`) also takes the run's summary and files at its end, and finishes with how
+the run ended. Metric names are the same everywhere: `train/loss`, `train/accuracy`,
+`train/grad_norm`, `test/loss`, `test/accuracy`, `lr` (when a schedule is given) and `steps_per_s`;
+a population's per-member values (`train/member_loss`, a list) go to the trackers other than
+metrics.jsonl as one scalar per member, `train/member_loss/0`, `train/member_loss/1`, ...
 """
 
+import importlib.util
 import math
 import numbers
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
+from ..errors import ConfigError
 from ._rundir import RunDir
 
-TENSORBOARD_MISSING = (
-    "needs the tensorboardX package, which is not installed; install it with "
-    "`.venv/bin/pip install -c requirements/constraints.txt -e '.[tensorboard]'`"
-)
+Ending = Literal["finished", "failed", "killed"]  # how a run ended, as a RunTracker is told
+EXTRAS = {"tensorboard": ("tensorboardX", "tensorboard"), "wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
+
+
+def tracker_problem(name: str) -> str | None:
+    """`None` when the library of the tracker `name` can be imported, else what to do about it."""
+    if name not in EXTRAS:
+        return None
+    module, extra = EXTRAS[name]
+    if importlib.util.find_spec(module) is not None:
+        return None
+    return (f"needs the {module} package, which is not installed; install it with `pip install '.[{extra}]'` "
+            f"in this repository (`.venv/bin/pip install -c requirements/constraints.txt -e '.[{extra}]'`), "
+            f"or `pip install {module}`")
+
+
+TRACKERS = ("jsonl", "tensorboard", "wandb", "mlflow")
+
+
+def parse_trackers(text: str) -> tuple[str, ...]:
+    """The trackers of a `--tracker` comma list, in their canonical order, `jsonl` always among them."""
+    names = {name.strip() for name in text.split(",") if name.strip()}
+    unknown = sorted(names - set(TRACKERS))
+    if unknown:
+        raise ConfigError(f"--tracker: unknown tracker {', '.join(map(repr, unknown))}; "
+                          f"choose from {', '.join(TRACKERS)}")
+    return tuple(name for name in TRACKERS if name in names | {"jsonl"})
+
+
+def trackers_problem(text: str) -> str | None:
+    """What is wrong with a `--tracker` value (an unknown name, a library that is not installed), or None."""
+    try:
+        names = parse_trackers(text)
+    except ConfigError as e:
+        return str(e).removeprefix("--tracker: ")
+    for name in names:
+        problem = tracker_problem(name)
+        if problem:
+            return f"{name} {problem}"
+    return None
+
+
+def tensorboard_problem() -> str | None:
+    """`None` when tensorboardX can be imported, else what to do about it."""
+    return tracker_problem("tensorboard")
+
+
+def scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """The numbers of a record, as trackers of scalars take them: a list (a population's values, one a
+    member) becomes `name/0`, `name/1`, ...; anything that is not a number is left out."""
+    found = {}
+    for name, value in metrics.items():
+        if isinstance(value, (list, tuple)):
+            found.update({f"{name}/{i}": float(v) for i, v in enumerate(value) if _is_number(v)})
+        elif _is_number(value):
+            found[name] = float(value)
+    return found
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 @runtime_checkable
@@ -28,6 +91,23 @@ class Tracker(Protocol):
 
     def finish(self) -> None:
         """Flush and close; the tracker is not used afterwards."""
+
+
+@runtime_checkable
+class RunTracker(Protocol):
+    """A tracker of one whole run (what `--tracker` opens): its records, then its summary and files."""
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Record `metrics` (name -> number) as of training step `step`."""
+
+    def log_summary(self, summary: Mapping[str, Any]) -> None:
+        """Record the run's final numbers (its summary.json)."""
+
+    def log_files(self, paths: Sequence[Path]) -> None:
+        """Keep these files of the run (config.json, summary.json, curves.png) with it."""
+
+    def finish(self, ending: Ending = "finished") -> None:
+        """Close, saying how the run ended; the tracker is not used afterwards."""
 
 
 class JsonlTracker:
@@ -41,15 +121,6 @@ class JsonlTracker:
 
     def finish(self) -> None:
         pass
-
-
-def tensorboard_problem() -> str | None:
-    """`None` when tensorboardX can be imported, else what to do about it."""
-    try:
-        import tensorboardX  # noqa: F401
-    except ImportError:
-        return TENSORBOARD_MISSING
-    return None
 
 
 class TensorBoardTracker:
@@ -66,17 +137,22 @@ class TensorBoardTracker:
         try:
             from tensorboardX import SummaryWriter
         except ImportError:
-            raise ImportError(f"TensorBoardTracker {TENSORBOARD_MISSING}") from None
+            raise ImportError(f"TensorBoardTracker {tensorboard_problem()}") from None
         self._writer = SummaryWriter(logdir=str(logdir), purge_step=purge_step)
         self.logdir = Path(logdir)
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
-        for name, value in metrics.items():
-            if isinstance(value, numbers.Real) and not isinstance(value, bool):
-                self._writer.add_scalar(name, float(value), global_step=step)
+        for name, value in scalars(metrics).items():
+            self._writer.add_scalar(name, value, global_step=step)
         self._writer.flush()  # a killed run keeps what it logged
 
-    def finish(self) -> None:
+    def log_summary(self, summary: Mapping[str, Any]) -> None:
+        pass  # the final numbers are the last points of the curves
+
+    def log_files(self, paths: Sequence[Path]) -> None:
+        pass  # the event files live in the run directory, beside the others
+
+    def finish(self, ending: Ending = "finished") -> None:
         self._writer.close()
 
 

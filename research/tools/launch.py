@@ -2,7 +2,7 @@
 
     scripts/launch --num-processes 2 -- mnist1d --model cnn [flags]
 
-Each process runs `experiments/EXPERIMENT.py [flags]` (or a script path) with
+Each process runs the experiment's script (`experiments/EXPERIMENT.py`, or a script path) with
 `JAX_COORDINATOR_ADDRESS=127.0.0.1:PORT`, `JAX_NUM_PROCESSES=N` and `JAX_PROCESS_ID=i`, which the
 experiment's `research.cli.main_entry` turns into `jax.distributed.initialize` with gloo collectives.
 When one process fails, the others are stopped and the launcher exits with that process's status;
@@ -18,9 +18,9 @@ import sys
 import time
 from pathlib import Path
 
-from ._distributed import LOST_PEER_STATUS
-
-ROOT = Path(__file__).resolve().parent.parent.parent
+from ..errors import ConfigError
+from ..experiment import experiment_script
+from ..parallel import LOST_PEER_STATUS
 
 
 def free_port() -> int:
@@ -30,15 +30,11 @@ def free_port() -> int:
 
 
 def script_path(experiment: str) -> Path:
-    path = Path(experiment)
-    if path.suffix == ".py" and path.is_file():
-        return path
-    path = ROOT / "experiments" / f"{experiment}.py"
-    if not path.is_file():
-        names = " ".join(sorted(p.stem for p in (ROOT / "experiments").glob("*.py")))
-        print(f"launch: error: no experiment '{experiment}'; available: {names}", file=sys.stderr)
-        raise SystemExit(2)
-    return path
+    try:
+        return experiment_script(experiment)
+    except ConfigError as e:
+        print(f"launch: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 PREEMPTED = (143, 130)  # a process stopped by SIGTERM / SIGINT after its checkpoint

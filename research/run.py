@@ -1,0 +1,53 @@
+"""Run an experiment: `python -m research.run NAME [flags]` (what `scripts/run` calls), from a source
+checkout or an installed package alike.
+
+    python -m research.run xor --epochs 5
+    python -m research.run --from runs/xor/20261125-101500 --seed 3   # that run again, in a new directory
+
+`--from RUN_DIR` takes the experiment and every option from `RUN_DIR/config.json` (as `--config`
+does: its run directory and resume mode left out), the flags after it override them, and the run
+goes to a new directory (`--run-dir` names one).
+"""
+
+import runpy
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from .errors import ConfigError
+from .experiment import experiment_names, experiment_script
+from .train import RunDir
+
+USAGE = "usage: python -m research.run NAME [flags] | --from RUN_DIR [flags]   (scripts/run takes the same)"
+
+
+def command(argv: Sequence[str]) -> tuple[Path, list[str]]:
+    """The experiment script and its flags that `argv` asks for (`NAME [flags]` or `--from RUN_DIR [flags]`);
+    `ConfigError` when there is no such experiment or run."""
+    argv = list(argv)
+    if argv[0] == "--from" or argv[0].startswith("--from="):
+        source = argv[0].partition("=")[2] if "=" in argv[0] else (argv[1] if len(argv) > 1 else "")
+        rest = argv[1:] if "=" in argv[0] else argv[2:]
+        run = RunDir(source)
+        if not source or not run.config_file.is_file():
+            raise ConfigError(f"--from: no run in {source or '(nothing given)'}: it has no config.json")
+        return experiment_script(run.read_config()["experiment"]), ["--config", str(run.config_file), *rest]
+    return experiment_script(argv[0]), argv[1:]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(f"{USAGE}\nexperiments: {' '.join(experiment_names())}", file=sys.stderr)
+        raise SystemExit(0 if argv else 2)
+    try:
+        script, flags = command(argv)
+    except ConfigError as e:
+        print(f"run: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    sys.argv = [str(script), *flags]  # the script reads its flags, and names itself, from sys.argv
+    runpy.run_path(str(script), run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

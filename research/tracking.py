@@ -1,0 +1,102 @@
+"""The trackers a run's config asks for (`--tracker jsonl,tensorboard,wandb,mlflow`), for one run directory.
+
+metrics.jsonl is always written (by `fit`); the others are opened here, on process 0 only, before
+training, and closed after the run's summary with its files. Each keeps its identity in config.json
+(`trackers`), so a resumed run continues the same W&B and MLflow runs; a tracker added when a run is
+resumed first gets the records logged before (from metrics.jsonl), and so does every tracker of a run
+written after the fact (`track_finished_run`: the members of `scripts/sweep --vmapped`).
+"""
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from .train import TRACKERS, Ending, MlflowTracker, RunDir, RunTracker, TensorBoardTracker, WandbTracker, parse_trackers
+
+def trackers_of(config: Any) -> tuple[str, ...]:
+    """The trackers a config asks for (`--tensorboard` spells `--tracker tensorboard`)."""
+    names = set(parse_trackers(config.tracker)) | ({"tensorboard"} if config.tensorboard else set())
+    return tuple(name for name in TRACKERS if name in names)
+
+
+def mlflow_uri(config: Any, runs_root: Path) -> str:
+    """`--mlflow-uri`, else `$MLFLOW_TRACKING_URI`, else a SQLite database in the runs folder."""
+    uri = config.mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    return uri or f"sqlite:///{(runs_root / 'mlflow.db').resolve()}"
+
+
+class RunTrackers:
+    """The run's trackers besides metrics.jsonl, as one: `fit`'s tracker, then `close` with the summary."""
+
+    def __init__(self, trackers: Mapping[str, RunTracker]):
+        self.trackers = dict(trackers)
+
+    def identities(self) -> dict[str, Any]:
+        return {name: tracker.identity for name, tracker in self.trackers.items() if hasattr(tracker, "identity")}
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        for tracker in self.trackers.values():
+            tracker.log(step, metrics)
+
+    def finish(self) -> None:
+        pass  # `close` ends the run: fit hands it on to the summary
+
+    def replay(self, records: Sequence[dict[str, Any]]) -> None:
+        """Log records of metrics.jsonl (`{"step": s, ...}`) again."""
+        for record in records:
+            self.log(record["step"], {k: v for k, v in record.items() if k != "step"})
+
+    def close(self, ending: Ending, summary: Mapping[str, Any] | None = None, files: Sequence[Path] = ()) -> None:
+        """Give each tracker the summary and the files that exist, then finish it with `ending`."""
+        for tracker in self.trackers.values():
+            try:
+                if summary is not None:
+                    tracker.log_summary(summary)
+                tracker.log_files([path for path in files if path.is_file()])
+            finally:
+                tracker.finish(ending)
+
+
+def open_trackers(experiment: str, config: Any, run: RunDir, *, runs_root: Path, start_step: int = 0,
+                  previous: Mapping[str, Any] | None = None) -> RunTrackers:
+    """Open the trackers `config` asks for on the run in `run`: those named in `previous` (the
+    `trackers` of the run's config.json, when it is resumed) continue their runs; a new one of a run
+    resumed at `start_step` first gets metrics.jsonl's records up to there."""
+    previous = previous or {}
+    name, group = run.path.resolve().name, config.group
+    options = config.to_dict()
+    trackers: dict[str, RunTracker] = {}
+    try:
+        for tracker in trackers_of(config)[1:]:  # after jsonl, which fit writes
+            known = previous.get(tracker, {}).get("run_id")
+            if tracker == "tensorboard":
+                known = next(run.path.glob("events.out.tfevents.*"), None)  # its points up to the resume stay
+                trackers[tracker] = TensorBoardTracker(run.path, purge_step=start_step + 1 if start_step else None)
+            elif tracker == "wandb":
+                trackers[tracker] = WandbTracker(run.path, project=experiment, name=name, run_id=known, group=group,
+                                                 config=options)
+            elif tracker == "mlflow":
+                uri = previous.get(tracker, {}).get("uri") if known else mlflow_uri(config, runs_root)
+                trackers[tracker] = MlflowTracker(uri, experiment=experiment, name=name, run_id=known, group=group,
+                                                  params=options, tags={"run_dir": str(run.path.resolve())})
+            if start_step and not known:
+                RunTrackers({tracker: trackers[tracker]}).replay(run.read_metrics())
+    except BaseException:
+        RunTrackers(trackers).close("failed")
+        raise
+    return RunTrackers(trackers)
+
+
+def track_finished_run(experiment: str, config: Any, run: RunDir, *, runs_root: Path) -> dict[str, Any]:
+    """Send a finished run's records, summary and files to the trackers `config` asks for (as new runs);
+    returns their identities, for its config.json."""
+    trackers = open_trackers(experiment, config, run, runs_root=runs_root)
+    trackers.replay(run.read_metrics())
+    trackers.close("finished", run.read_summary(), run_files(run))
+    return trackers.identities()
+
+
+def run_files(run: RunDir) -> list[Path]:
+    """The files of a run its trackers keep: config.json, summary.json, curves.png."""
+    return [run.config_file, run.summary_file, run.path / "curves.png"]

@@ -1,0 +1,69 @@
+"""The package installs beside other packages: compatible ranges, the experiments inside it, a licence; and
+a non-editable `pip install .` into a fresh virtual environment runs an experiment and loads it back."""
+
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parent.parent
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+PINNED_BEFORE = ("jax", "jaxlib", "equinox", "torch", "tyro", "orbax-checkpoint")
+
+
+def test_core_dependencies_are_ranges_and_the_exact_versions_are_constraints():
+    dependencies = {re.split("[<>=]", d)[0].strip(): d for d in PYPROJECT["project"]["dependencies"]}
+    for name in PINNED_BEFORE:
+        assert "==" not in dependencies[name] and ">=" in dependencies[name], dependencies[name]
+    constraints = (ROOT / "requirements" / "constraints.txt").read_text().splitlines()
+    for name in PINNED_BEFORE[:3] + PINNED_BEFORE[4:]:  # torch: scripts/setup installs its CPU build first
+        assert any(line.startswith(f"{name}==") for line in constraints), name
+    assert PYPROJECT["project"]["license"] == "Apache-2.0"
+    assert "Apache License" in (ROOT / "LICENSE").read_text() and "Version 2.0" in (ROOT / "LICENSE").read_text()
+
+
+def test_every_package_of_the_source_tree_is_installed():
+    """pyproject.toml lists research's packages by hand (one of them, research.experiments, lives in
+    experiments/): a new subpackage must be added there too."""
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "research").rglob("__init__.py")}
+    assert set(PYPROJECT["tool"]["setuptools"]["packages"]) == found | {"research.experiments"}
+
+
+@pytest.mark.slow
+def test_pip_install_into_a_fresh_venv_runs_an_experiment_and_loads_it_back(tmp_path):
+    source = tmp_path / "source"  # a copy: pip builds in the tree it is given
+    top_level = {".git", ".venv", "runs", "data", "build", ".pytest_cache"}  # the checkout's own, and what it made
+    shutil.copytree(ROOT, source, ignore=lambda where, names: [
+        n for n in names if (Path(where) == ROOT and n in top_level) or n == "__pycache__" or n.endswith(".egg-info")])
+    subprocess.run([sys.executable, "-m", "venv", str(tmp_path / "venv")], check=True)
+    python = str(tmp_path / "venv" / "bin" / "python")
+    pip = [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    subprocess.run([*pip, "torch==2.13.0"], check=True, capture_output=True)  # the CPU build on disk
+    installed = subprocess.run([*pip, "-c", str(ROOT / "requirements" / "constraints.txt"), str(source)],
+                               capture_output=True, text=True)
+    assert installed.returncode == 0, installed.stderr[-3000:]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    ran = subprocess.run([python, "-m", "research.run", "xor", "--epochs", "1", "--run-dir", "r", "--no-progress"],
+                         cwd=elsewhere, capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.startswith("xor: MLP, 33 parameters")
+    check = """
+import json, research, research.experiment
+from research import load_run
+run = load_run("r")
+assert run.step == 19 and run.summary is not None and type(run.model).__name__ == "MLP"
+assert "site-packages" in research.__file__ and research.experiment.EXPERIMENTS_DIR.name == "experiments"
+assert json.load(open("r/config.json"))["git"] == "not a git checkout"
+from importlib.metadata import metadata
+assert metadata("research")["License-Expression"] == "Apache-2.0"
+"""
+    loaded = subprocess.run([python, "-c", check], cwd=elsewhere, capture_output=True, text=True, timeout=300)
+    assert loaded.returncode == 0, loaded.stderr
+    swept = subprocess.run([python, "-m", "research.tools.sweep", "xor", "lr=0.1,0.3", "--dry-run"], cwd=elsewhere,
+                           capture_output=True, text=True, timeout=300)
+    assert swept.returncode == 0 and len(swept.stdout.splitlines()) == 2, swept.stderr
