@@ -128,6 +128,7 @@ def run_one(script: str, argv: list[str]) -> dict:
         "files_touched": sorted(k for k, v in files(run_dir).items() if files_before.get(k) != v),
         "stdout": stdout.getvalue().splitlines()[:20],
         "run_dir_exists": bool(run_dir and run_dir.exists()),
+        "run_dir": str(run_dir) if run_dir else None,
         "compilations": compiled.compiled,
         "compiled_devices": compiled.most,
         "seconds": time.perf_counter() - start,

@@ -12,6 +12,9 @@ import pytest
 # the user's cache; RESEARCH_COMPILATION_CACHE=0 in the environment runs the suite without it.
 _COMPILATION_CACHE = tempfile.mkdtemp(prefix="research-tests-jax-cache-")
 os.environ.setdefault("RESEARCH_COMPILATION_CACHE_DIR", _COMPILATION_CACHE)
+# Trackers stay on this machine whatever the developer's environment says: W&B offline, MLflow in each run's folder.
+os.environ["WANDB_MODE"] = "offline"
+os.environ.pop("MLFLOW_TRACKING_URI", None)
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -30,6 +30,9 @@ from pathlib import Path
 
 import pytest
 
+from research.train import RunDir, read_wandb_runs
+from test_tracking import assert_same_history, jsonl_history, mlflow_history, tensorboard_history, wandb_history
+
 # -- the grid ------------------------------------------------------------------------------------------
 # Flags and spellings change as the CLI evolves: everything the runs pass is in this block.
 
@@ -42,6 +45,7 @@ class Experiment:
     data_dir: bool = False  # reads MNIST-1D from --data-dir (tests/conftest.py's generated directory)
     script: str | None = None  # experiments/<script>.py; None: the name in EXPERIMENTS
     phases: tuple[str, ...] | None = None  # the PHASES it runs; None: all
+    devices: bool = True  # takes --devices (else refuses every placement but the first)
 
 
 EXPERIMENTS = {  # state_passing is no training run
@@ -75,13 +79,13 @@ EXPERIMENTS = {  # state_passing is no training run
                            data_dir=True),
     # no --devices or --ema-decay (one unrolled run a step: nothing to split, no weights to average): refused
     "metalearn_lr": Experiment(("--steps", "2", "--inner-steps", "3", "--hidden", "4"),
-                               ("--steps", "3", "--inner-steps", "3", "--hidden", "4"), data_dir=True),
+                               ("--steps", "3", "--inner-steps", "3", "--hidden", "4"), data_dir=True, devices=False),
     # one engine run a pruning round, in its own directory; resuming with more --rounds continues the schedule.
     # No --devices or --ema-decay (which weights would prune?): refused
     "lottery_ticket": Experiment(
         ("--rounds", "1", "--schedule-length", "2", "--hidden", "4", "--steps", "2", "--steps-per-call", "2"),
         ("--rounds", "2", "--schedule-length", "2", "--hidden", "4", "--steps", "2", "--steps-per-call", "2"),
-        data_dir=True),
+        data_dir=True, devices=False),
 }
 PLACEMENTS = {  # the first is the reference the others must match
     "1dev": (),
@@ -89,6 +93,10 @@ PLACEMENTS = {  # the first is the reference the others must match
     "sharded4": ("--devices", "4", "--parallel", "sharded"),
 }
 EMAS = {"noema": (), "ema": ("--ema-decay", "0.9")}
+# Every experiment once more with every tracker, on one placement each (taken in turn), fresh and resumed:
+# each tracker must hold metrics.jsonl's records (checked in `tracker_problems`).
+TRACKERS = {"untracked": (), "tracked": ("--tracker", "tensorboard,wandb,mlflow")}
+TRACKED_PHASES = ("fresh", "resumed")
 LOADERS = {"device": (), "torch": ("--loader", "torch")}  # only for experiments with --loader
 # Invocations in one run directory, in this order: the short run, `--resume` continuing it to the
 # longer run, `--resume auto` of that finished run (a requeued job: it reports the run and exits 0).
@@ -113,27 +121,37 @@ class Combination:
     ema: str
     loader: str
     phase: str
+    tracker: str = "untracked"
 
     @property
     def id(self) -> str:
-        return "-".join(dataclasses.astuple(self))
+        return "-".join(self._parts())
 
     @property
     def run_name(self) -> str:  # the phases of one series share a run directory
-        return "-".join(dataclasses.astuple(self)[:4])
+        return "-".join(p for p in self._parts() if p != self.phase)
+
+    def _parts(self) -> tuple[str, ...]:
+        parts = dataclasses.astuple(self)
+        return parts if self.tracker != "untracked" else parts[:-1]
 
     @property
     def devices(self) -> int:
         flags = PLACEMENTS[self.placement]
         return int(flags[flags.index("--devices") + 1]) if "--devices" in flags else 1
 
-    def reference(self) -> "Combination":
-        return dataclasses.replace(self, placement=next(iter(PLACEMENTS)))
+    def reference(self) -> "Combination":  # trackers change nothing trained
+        return dataclasses.replace(self, placement=next(iter(PLACEMENTS)), tracker="untracked")
+
+    @property
+    def checks_trackers(self) -> bool:  # the last phase of a tracked series, whose run directory is complete
+        phases = [p for p in EXPERIMENTS[self.experiment].phases or PHASES if p in TRACKED_PHASES]
+        return self.tracker != "untracked" and self.phase == phases[-1]
 
     def argv(self, root: Path, data_dir: Path) -> list[str]:
         experiment = EXPERIMENTS[self.experiment]
         return [*PHASES[self.phase](experiment), *PLACEMENTS[self.placement], *EMAS[self.ema], *LOADERS[self.loader],
-                *(("--data-dir", str(data_dir)) if experiment.data_dir else ()),
+                *TRACKERS[self.tracker], *(("--data-dir", str(data_dir)) if experiment.data_dir else ()),
                 "--run-dir", str(root / "runs" / self.run_name), *COMMON]
 
 
@@ -142,6 +160,11 @@ COMBINATIONS = [
     for name, experiment in EXPERIMENTS.items()
     for placement, ema, loader, phase in itertools.product(
         PLACEMENTS, EMAS, LOADERS if experiment.has_loader else list(LOADERS)[:1], experiment.phases or PHASES)
+] + [
+    Combination(name, list(PLACEMENTS)[i % len(PLACEMENTS) if experiment.devices else 0], "noema", "device", phase,
+                "tracked")
+    for i, (name, experiment) in enumerate(EXPERIMENTS.items()) if experiment.script is None
+    for phase in experiment.phases or PHASES if phase in TRACKED_PHASES
 ]
 
 
@@ -271,7 +294,33 @@ def problems(combination: Combination, results: dict[str, dict]) -> list[str]:
         differences = compare(summary, reference["summary"])
         if differences:
             found.append("differs from 1 device: " + "; ".join(differences))
+    if combination.checks_trackers:
+        found += tracker_problems(Path(result["run_dir"]))
     return found
+
+
+def tracker_problems(run_dir: Path) -> list[str]:
+    """What the trackers of each run in `run_dir` (itself, or its rounds) miss of its metrics.jsonl, the
+    W&B and MLflow runs continued across the resume."""
+    found = []
+    runs = [RunDir(p.parent) for p in sorted(run_dir.rglob("metrics.jsonl"))
+            if "wandb" not in p.parts and "trackers" in RunDir(p.parent).read_config()]
+    for run in runs:
+        expected, saved = jsonl_history(run), run.read_config()["trackers"]
+        where = f"{run.path.relative_to(run_dir)}: " if run.path != run_dir else ""
+        checks = {
+            "tensorboard": lambda: assert_same_history(tensorboard_history(run), expected),
+            "wandb": lambda: assert_same_history(wandb_history(read_wandb_runs(run.path)), expected),
+            "mlflow": lambda: assert_same_history(
+                {s: {k: v for k, v in h.items() if k in expected.get(s, {})}
+                 for s, h in mlflow_history(saved["mlflow"]["uri"], saved["mlflow"]["run_id"]).items()}, expected),
+        }
+        for tracker, check in checks.items():
+            try:
+                check()
+            except (AssertionError, KeyError, OSError) as e:
+                found.append(f"{where}{tracker} differs from metrics.jsonl: {' '.join(str(e).split())[:300]}")
+    return found or ([] if runs else ["no run directory names its trackers in config.json"])
 
 
 def compare(summary: dict, reference: dict) -> list[str]:

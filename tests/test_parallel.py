@@ -35,7 +35,8 @@ from research.parallel import (
     simulate_cpu_devices,
 )
 from research.tools.launch import launch
-from research.train import checkpoint_digest, fit, load_checkpoint
+from research.train import RunDir, checkpoint_digest, fit, load_checkpoint, read_wandb_runs
+from test_tracking import assert_same_history, jsonl_history, mlflow_history, mlflow_runs, wandb_history
 
 ROOT = Path(__file__).parent.parent
 WORKER = Path(__file__).parent / "_parallel_worker.py"
@@ -180,7 +181,8 @@ def test_two_processes_stop_together_on_sigterm_and_resume_to_the_same_bits(one_
     """SIGTERM to `scripts/launch` reaches both processes; they agree on the step (at the next logging
     stop, where a checkpoint is saved every time: the signal comes while a save is in flight), the
     checkpoint there is committed, every process exits 143, and the same command with
-    `--resume auto` ends where an uninterrupted two-process run ends, bit for bit."""
+    `--resume auto` ends where an uninterrupted two-process run ends, bit for bit. Its trackers are
+    process 0's alone: one W&B run (started twice) and one MLflow run, holding metrics.jsonl's records."""
     args = ["--model", "mlp", "--loader", "device", "--parallel", "sharded", "--devices", "1", "--steps", "400",
             "--log-every", "20", "--checkpoint-every", "20", "--checkpoint-minutes", "0", "--no-progress"]
     launch_cmd = [sys.executable, "-m", "research.tools.launch", "--num-processes", "2", "--", str(WORKER)]
@@ -188,8 +190,9 @@ def test_two_processes_stop_together_on_sigterm_and_resume_to_the_same_bits(one_
     straight = subprocess.run([*launch_cmd, *args], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert straight.returncode == 0, straight.stderr[-3000:]
     [straight_dir] = (tmp_path / "runs" / "worker").iterdir()
-    launcher = subprocess.Popen([*launch_cmd, *args, "--run-dir", str(tmp_path / "stopped")], cwd=tmp_path,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    tracked = [*args, "--run-dir", str(tmp_path / "stopped"), "--tracker", "wandb,mlflow"]
+    launcher = subprocess.Popen([*launch_cmd, *tracked], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
     metrics = tmp_path / "stopped" / "metrics.jsonl"
     deadline = time.monotonic() + 600
     while not metrics.exists() or len(metrics.read_text().splitlines()) < 2:
@@ -203,14 +206,23 @@ def test_two_processes_stop_together_on_sigterm_and_resume_to_the_same_bits(one_
     step = steps.pop()
     assert 0 < step < 400 and step % 20 == 0
     assert (tmp_path / "stopped" / "checkpoints" / f"step_{step:09d}" / "checkpoint.json").exists()
-    resumed = subprocess.run([*launch_cmd, *args, "--run-dir", str(tmp_path / "stopped"), "--resume", "auto"],
-                             cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    resumed = subprocess.run([*launch_cmd, *tracked, "--resume", "auto"], cwd=tmp_path, capture_output=True,
+                             text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     records = lambda run: [{k: v for k, v in json.loads(line).items() if k != "steps_per_s"}  # noqa: E731
                            for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert records(tmp_path / "stopped") == records(straight_dir)
     final = "checkpoints/step_000000400"
     assert checkpoint_digest(tmp_path / "stopped" / final) == checkpoint_digest(straight_dir / final)
+
+    run = RunDir(tmp_path / "stopped")
+    expected, saved = jsonl_history(run), run.read_config()["trackers"]
+    wandb_runs = read_wandb_runs(run.path)
+    assert [w["run_id"] for w in wandb_runs] == [saved["wandb"]["run_id"]] * 2
+    assert_same_history(wandb_history(wandb_runs), expected)
+    [found] = mlflow_runs(saved["mlflow"]["uri"], experiment="worker")
+    history = mlflow_history(saved["mlflow"]["uri"], found.info.run_id)
+    assert_same_history({s: {k: v for k, v in h.items() if k in expected[s]} for s, h in history.items()}, expected)
 
 
 def _children(pid: int) -> list[int]:

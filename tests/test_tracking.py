@@ -152,6 +152,15 @@ def jsonl_history(run):
     return {r["step"]: scalars({k: v for k, v in r.items() if k != "step"}) for r in run.read_metrics()}
 
 
+def tensorboard_history(run):
+    """{step: {name: value}} of a run's event files: a resumed run's file takes over from the resume on."""
+    history = {}
+    for name, points in read_tensorboard_scalars(run.path).items():
+        for step, value in points:
+            history.setdefault(step, {})[name] = value
+    return history
+
+
 def wandb_history(runs):
     """{step: {name: value}} over W&B runs (a resumed run is several), each step logged by one of them."""
     history = {}
@@ -217,12 +226,7 @@ def test_wandb_mlflow_and_tensorboard_hold_every_record_the_summary_and_files_th
     artifacts = {a.path for a in MlflowClient(uri).list_artifacts(found.info.run_id)}
     assert {"config.json", "summary.json", "curves.png"} <= artifacts
 
-    tensorboard = read_tensorboard_scalars(run.path)
-    latest = {}  # TensorBoard keeps the points of the first events file up to the resume, then the second's
-    for name, points in tensorboard.items():
-        for step, value in points:
-            latest.setdefault(step, {})[name] = value
-    assert_same_history(latest, expected)
+    assert_same_history(tensorboard_history(run), expected)
 
 
 def test_a_resume_after_a_kill_logs_each_step_once_and_a_tracker_added_then_gets_the_records_before(

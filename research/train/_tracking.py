@@ -14,6 +14,7 @@ metrics.jsonl as one scalar per member, `train/member_loss/0`, `train/member_los
 import importlib.util
 import math
 import numbers
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -138,7 +139,8 @@ class TensorBoardTracker:
             from tensorboardX import SummaryWriter
         except ImportError:
             raise ImportError(f"TensorBoardTracker {tensorboard_problem()}") from None
-        self._writer = SummaryWriter(logdir=str(logdir), purge_step=purge_step)
+        # tensorboardX names its file after the second: a run resumed within that second would write over it.
+        self._writer = SummaryWriter(logdir=str(logdir), purge_step=purge_step, filename_suffix=f".{time.time_ns()}")
         self.logdir = Path(logdir)
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:

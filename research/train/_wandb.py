@@ -41,7 +41,7 @@ class WandbTracker:
         self._run = wandb.init(
             dir=str(Path(directory).resolve()),  # W&B's service may run in another working directory
             project=os.environ.get("WANDB_PROJECT", project), name=name, group=group, id=run_id, resume="allow",
-            mode=None if os.environ.get("WANDB_MODE") else "offline",
+            mode=os.environ.get("WANDB_MODE") or "offline",  # read each time: W&B reads it once a process
             # The run's output is its own (progress bars, the summary line): W&B copies it only when asked to.
             settings=wandb.Settings(console=os.environ.get("WANDB_CONSOLE", "off")),
         )
