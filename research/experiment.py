@@ -312,17 +312,14 @@ def run_experiment(
             print(f"resuming {run.path} from step {start_step} ({checkpoint.name})", file=sys.stderr)
     trackers = RunTrackers({})
     if writer:
-        run.create()
-        run.remove_uncommitted()  # an interrupted save's files; the saves of this run replace them
         previous = run.read_config().get("trackers", {}) if run.config_file.exists() else {}
         trackers = open_trackers(experiment, config, run, runs_root=RUNS_ROOT, start_step=start_step,
                                  previous=previous)
-        record = config_record(experiment, config, setup, state)
-        run.write_config({**record, "trackers": trackers.identities()})
-        print(start_line(experiment, record, state, run), flush=True)
     ending: Ending = "failed"
     summary = None
     try:
+        if writer:
+            _start_run(experiment, config, setup, state, run, trackers)
         summary = _run_and_summarize(experiment, config, setup, state, placement, run, writer, header, trackers,
                                      summary_extra, summarize_run, fit_kwargs)
         ending = "finished"
@@ -332,6 +329,16 @@ def run_experiment(
         raise
     finally:
         trackers.close(ending, summary, run_files(run))
+
+
+def _start_run(experiment: str, config: Options, setup: Setup, state: TrainState, run: RunDir,
+               trackers: RunTrackers) -> None:
+    """Process 0's start: the run directory cleared of interrupted saves, config.json, the start line."""
+    run.create()
+    run.remove_uncommitted()  # an interrupted save's files; the saves of this run replace them
+    record = config_record(experiment, config, setup, state)
+    run.write_config({**record, "trackers": trackers.identities()})
+    print(start_line(experiment, record, state, run), flush=True)
 
 
 def _run_and_summarize(experiment: str, config: Options, setup: Setup, state: TrainState, placement: Placement,

@@ -8,10 +8,11 @@ written after the fact (`track_finished_run`: the members of `scripts/sweep --vm
 """
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .errors import ConfigError
 from .train import TRACKERS, Ending, MlflowTracker, RunDir, RunTracker, TensorBoardTracker, WandbTracker, parse_trackers
 
 def trackers_of(config: Any) -> tuple[str, ...]:
@@ -62,30 +63,44 @@ def open_trackers(experiment: str, config: Any, run: RunDir, *, runs_root: Path,
                   previous: Mapping[str, Any] | None = None) -> RunTrackers:
     """Open the trackers `config` asks for on the run in `run`: those named in `previous` (the
     `trackers` of the run's config.json, when it is resumed) continue their runs; a new one of a run
-    resumed at `start_step` first gets metrics.jsonl's records up to there."""
+    resumed at `start_step` first gets metrics.jsonl's records up to there. A tracker that cannot start
+    (an MLflow store it cannot reach, W&B online without a login) is a `ConfigError` naming it; the
+    ones that may refuse open first, so that a refused run leaves no directory behind."""
     previous = previous or {}
     name, group = run.path.resolve().name, config.group
     options = config.to_dict()
     trackers: dict[str, RunTracker] = {}
     try:
-        for tracker in trackers_of(config)[1:]:  # after jsonl, which fit writes
+        for tracker in sorted(trackers_of(config)[1:], key=OPEN_ORDER.index):  # jsonl: fit writes it
             known = previous.get(tracker, {}).get("run_id")
             if tracker == "tensorboard":
                 known = next(run.path.glob("events.out.tfevents.*"), None)  # its points up to the resume stay
                 trackers[tracker] = TensorBoardTracker(run.path, purge_step=start_step + 1 if start_step else None)
             elif tracker == "wandb":
-                trackers[tracker] = WandbTracker(run.path, project=experiment, name=name, run_id=known, group=group,
-                                                 config=options)
+                trackers[tracker] = _opened(tracker, lambda: WandbTracker(
+                    run.path, project=experiment, name=name, run_id=known, group=group, config=options))
             elif tracker == "mlflow":
                 uri = previous.get(tracker, {}).get("uri") if known else mlflow_uri(config, runs_root)
-                trackers[tracker] = MlflowTracker(uri, experiment=experiment, name=name, run_id=known, group=group,
-                                                  params=options, tags={"run_dir": str(run.path.resolve())})
+                trackers[tracker] = _opened(tracker, lambda: MlflowTracker(
+                    uri, experiment=experiment, name=name, run_id=known, group=group, params=options,
+                    tags={"run_dir": str(run.path.resolve())}))
             if start_step and not known:
                 RunTrackers({tracker: trackers[tracker]}).replay(run.read_metrics())
     except BaseException:
         RunTrackers(trackers).close("failed")
         raise
     return RunTrackers(trackers)
+
+
+OPEN_ORDER = ("mlflow", "wandb", "tensorboard")
+
+
+def _opened(name: str, make: Callable[[], RunTracker]) -> RunTracker:
+    try:
+        return make()
+    except Exception as e:  # the library's own error, whatever its type: said in one line, as bad input
+        message = " ".join(str(e).split())[:400] or type(e).__name__
+        raise ConfigError(f"--tracker {name} could not start: {message}") from e
 
 
 def track_finished_run(experiment: str, config: Any, run: RunDir, *, runs_root: Path) -> dict[str, Any]:

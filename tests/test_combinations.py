@@ -93,9 +93,9 @@ PLACEMENTS = {  # the first is the reference the others must match
     "sharded4": ("--devices", "4", "--parallel", "sharded"),
 }
 EMAS = {"noema": (), "ema": ("--ema-decay", "0.9")}
-# Every experiment once more with every tracker, on one placement each (taken in turn), fresh and resumed:
-# each tracker must hold metrics.jsonl's records (checked in `tracker_problems`).
-TRACKERS = {"untracked": (), "tracked": ("--tracker", "tensorboard,wandb,mlflow")}
+# Every experiment once more with every tracker and a profile of step 2, on one placement each (taken in
+# turn), fresh and resumed: each tracker must hold metrics.jsonl's records (checked in `tracker_problems`).
+TRACKERS = {"untracked": (), "tracked": ("--tracker", "tensorboard,wandb,mlflow", "--profile-steps", "1:2")}
 TRACKED_PHASES = ("fresh", "resumed")
 LOADERS = {"device": (), "torch": ("--loader", "torch")}  # only for experiments with --loader
 # Invocations in one run directory, in this order: the short run, `--resume` continuing it to the

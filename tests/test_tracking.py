@@ -129,10 +129,12 @@ def run_xor(argv):
 
 
 def mlflow_runs(uri, experiment="xor"):
-    import mlflow
+    """The MLflow runs of `experiment` in the store `uri` (through the client: `mlflow.set_tracking_uri`
+    would set $MLFLOW_TRACKING_URI for every later run of this process)."""
+    from mlflow.tracking import MlflowClient
 
-    mlflow.set_tracking_uri(uri)
-    return mlflow.search_runs(experiment_names=[experiment], output_format="list")
+    client = MlflowClient(uri)
+    return client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
 
 
 def mlflow_history(uri, run_id):
@@ -277,3 +279,13 @@ def test_tracker_names_are_checked_and_tensorboard_is_a_spelling_of_one(capsys):
 def test_a_population_sends_one_scalar_a_member():
     assert scalars({"train/loss": 0.5, "train/member_loss": [0.25, 0.75], "note": "x", "ok": True}) == {
         "train/loss": 0.5, "train/member_loss/0": 0.25, "train/member_loss/1": 0.75}
+
+
+def test_a_tracker_that_cannot_start_is_refused_in_one_line_and_leaves_no_run(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "file").write_text("")  # the store's directory is a file
+    uri = f"sqlite:///{tmp_path}/file/mlflow.db"
+    assert run_xor([*XOR, "--epochs", "1", "--run-dir", "r", "--tracker", "wandb,mlflow", "--mlflow-uri", uri]) == 2
+    err = capsys.readouterr().err
+    assert ": error: --tracker mlflow could not start: " in err and err.count("\n") == 1, err
+    assert not (tmp_path / "r").exists()

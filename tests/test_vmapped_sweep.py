@@ -18,8 +18,9 @@ from research.nn import build_model
 from research.population import member, stack_members
 from research.tools import sweep
 from research.tools._vmapped import member_values
-from research.train import RunDir, TrainState
+from research.train import RunDir, TrainState, read_wandb_runs
 from test_sweep import run_sweep
+from test_tracking import assert_same_history, jsonl_history, mlflow_history, mlflow_runs, wandb_history
 
 # 8 steps an epoch: 56 steps, evaluated at the end.
 NAMES = ["lr=0.1,seed=0", "lr=0.1,seed=1", "lr=0.5,seed=0", "lr=0.5,seed=1"]
@@ -157,3 +158,22 @@ def test_the_validation_split_is_the_same_for_every_seed_and_disjoint_from_train
     np.testing.assert_array_equal(val.labels, val_again.labels)
     assert sorted([*train.labels, *val.labels]) == list(range(100))
     assert list(train.labels) == sorted(train.labels)  # the examples kept keep their order
+
+
+def test_a_vmapped_sweep_tracks_each_member_as_its_own_run_grouped_by_the_sweep(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # MLflow's default store: runs/mlflow.db here
+    sweep.main(["xor", "seed=0,1", "--vmapped", "--sweep-dir", "v", "--", "--epochs", "2", *FLAGS[2:],
+                "--tracker", "mlflow,wandb"])
+    runs = {run.info.run_name: run for run in mlflow_runs(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")}
+    assert sorted(runs) == ["seed=0", "seed=1"]  # the members, not their population
+    for name, found in runs.items():
+        member = RunDir(tmp_path / "v" / name)
+        expected, saved = jsonl_history(member), member.read_config()["trackers"]
+        assert found.data.tags["group"] == "v" and found.info.run_id == saved["mlflow"]["run_id"]
+        history = mlflow_history(saved["mlflow"]["uri"], found.info.run_id)
+        assert_same_history({s: {k: v for k, v in h.items() if k in expected[s]} for s, h in history.items()},
+                            expected)
+        [wandb_run] = read_wandb_runs(member.path)
+        assert wandb_run["group"] == "v" and wandb_run["run_id"] == saved["wandb"]["run_id"]
+        assert_same_history(wandb_history([wandb_run]), expected)
+    assert not list(tmp_path.glob("v/population-*/wandb"))

@@ -72,8 +72,8 @@ def _write_member(experiment: str, run: Run, config: Options, setup: Setup, stat
                   records: list[dict[str, Any]], summary: dict[str, Any], k: int, writer: CheckpointWriter) -> None:
     out = RunDir(run.path).create()
     own = member(state, k)
-    record = {**config_record(experiment, config, setup, own), "vmapped": summary["population"]}
-    out.write_config(record)
+    saved = {**config_record(experiment, config, setup, own), "vmapped": summary["population"]}
+    out.write_config(saved)
     out.metrics_file.write_text("")
     for record in records:
         out.log(member_values(record, k))
@@ -86,7 +86,7 @@ def _write_member(experiment: str, run: Run, config: Options, setup: Setup, stat
     writer.wait()  # the summary says the run finished: only once its checkpoint is committed
     out.write_summary({key: value for key, value in member_values(summary, k).items() if key != "population"})
     if len(trackers_of(config)) > 1:  # one tracked run a member, as its own run would have been
-        out.write_config({**record, "trackers": track_finished_run(experiment, config, out, runs_root=RUNS_ROOT)})
+        out.write_config({**saved, "trackers": track_finished_run(experiment, config, out, runs_root=RUNS_ROOT)})
 
 
 def sweep_vmapped(experiment: str, module: Any, runs: Sequence[Run], configs: Sequence[Options],
