@@ -100,7 +100,8 @@ class MlflowTracker:
             self._client.log_batch(self.run_id, metrics=batch[i:i + BATCH])
 
     def log_summary(self, summary: Mapping[str, Any]) -> None:
-        self.log(int(summary.get("step", 0)), summary)
+        step = int(summary.get("step", 0))  # the x axis, not a metric
+        self.log(step, {k: v for k, v in summary.items() if k != "step"})
 
     def log_files(self, paths: Sequence[Path]) -> None:
         for path in paths:
