@@ -41,3 +41,11 @@ def mnist1d_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("mnist1d")
     load_mnist1d(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def digits_formats(tmp_path_factory):
+    """scikit-learn's digits as 32x32 RGB images in every format `research.data` reads: {format: path}."""
+    from _image_formats import digits, write_formats
+
+    return write_formats(tmp_path_factory.mktemp("digits"), *digits())

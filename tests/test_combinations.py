@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from research.train import RunDir, read_wandb_runs
@@ -43,6 +44,8 @@ class Experiment:
     longer: tuple[str, ...]  # the same run made longer, which `--resume` continues the short one to
     has_loader: bool = False  # takes --loader {device,torch}
     data_dir: bool = False  # reads MNIST-1D from --data-dir (tests/conftest.py's generated directory)
+    images: bool = False  # reads --data: a .npz of 256 + 64 of scikit-learn's digits (tests/_image_formats.py)
+    ema_everywhere: bool = True  # else --ema-decay on the first placement only (each placement compiles anew)
     script: str | None = None  # experiments/<script>.py; None: the name in EXPERIMENTS
     phases: tuple[str, ...] | None = None  # the PHASES it runs; None: all
 
@@ -73,6 +76,12 @@ EXPERIMENTS = {  # state_passing is no training run
                                   "--train-split", "0.8"),
                                  ("--width", "8", "--epochs", "2", "--batch-size", "1000", "--num-samples", "5000",
                                   "--train-split", "0.8"), data_dir=True),
+    # a ResNet of 4, 8, 16 channels on 32x32 digits, 4 steps of 64 an epoch (a small rate: BatchNorm amplifies
+    # the rounding that differs between 1 and 4 devices). Its compilations take seconds: no requeue phase, and
+    # the EMA on one device (it is the same hook everywhere: the other experiments cover it on every placement)
+    "images": Experiment(("--epochs", "1", "--features", "4", "--blocks", "1", "--batch-size", "64", "--lr", "0.01"),
+                         ("--epochs", "2", "--features", "4", "--blocks", "1", "--batch-size", "64", "--lr", "0.01"),
+                         images=True, phases=("fresh", "resumed"), ema_everywhere=False),
     "ensemble": Experiment(("--num-members", "2", "--hidden", "8", "--epochs", "1", "--batch-size", "1000"),
                            ("--num-members", "2", "--hidden", "8", "--epochs", "2", "--batch-size", "1000"),
                            data_dir=True),
@@ -148,10 +157,11 @@ class Combination:
         phases = [p for p in EXPERIMENTS[self.experiment].phases or PHASES if p in TRACKED_PHASES]
         return self.tracker != "untracked" and self.phase == phases[-1]
 
-    def argv(self, root: Path, data_dir: Path) -> list[str]:
+    def argv(self, root: Path, data_dir: Path, images: Path) -> list[str]:
         experiment = EXPERIMENTS[self.experiment]
         return [*PHASES[self.phase](experiment), *PLACEMENTS[self.placement], *EMAS[self.ema], *LOADERS[self.loader],
                 *TRACKERS[self.tracker], *(("--data-dir", str(data_dir)) if experiment.data_dir else ()),
+                *(("--data", str(images)) if experiment.images else ()),
                 "--run-dir", str(root / "runs" / self.run_name), *COMMON]
 
 
@@ -160,6 +170,7 @@ COMBINATIONS = [
     for name, experiment in EXPERIMENTS.items()
     for placement, ema, loader, phase in itertools.product(
         PLACEMENTS, EMAS, LOADERS if experiment.has_loader else list(LOADERS)[:1], experiment.phases or PHASES)
+    if experiment.ema_everywhere or ema == "noema" or placement == next(iter(PLACEMENTS))
 ] + [
     Combination(name, "1dev", "noema", "device", phase, "tracked")
     for name, experiment in EXPERIMENTS.items() if experiment.script is None
@@ -231,7 +242,7 @@ def _tail(path: Path, lines: int = 15) -> str:
 
 
 @pytest.fixture(scope="session")
-def combination_results(request, tmp_path_factory, mnist1d_dir) -> dict[str, dict]:
+def combination_results(request, tmp_path_factory, mnist1d_dir, digits_formats) -> dict[str, dict]:
     """The result of every combination this session selected (and the 1-device runs they compare with),
     run in one worker per device count."""
     selected = {item.callspec.params["combination"] for item in request.session.items
@@ -240,10 +251,14 @@ def combination_results(request, tmp_path_factory, mnist1d_dir) -> dict[str, dic
     series = {c.run_name for c in selected}  # a resume needs the phases before it
     needed = [c for c in COMBINATIONS if c.run_name in series]
     root = tmp_path_factory.mktemp("combinations")
+    digits = np.load(digits_formats["npz"])
+    images = root / "digits-small.npz"
+    np.savez(images, x_train=digits["x_train"][::5][:256], y_train=digits["y_train"][::5][:256],
+             x_test=digits["x_test"][::5][:64], y_test=digits["y_test"][::5][:64])
 
     def runs(devices: int) -> list[dict]:
         return [{"id": c.id, "script": EXPERIMENTS[c.experiment].script or c.experiment,
-                 "argv": c.argv(root, mnist1d_dir)} for c in needed if c.devices == devices]
+                 "argv": c.argv(root, mnist1d_dir, images)} for c in needed if c.devices == devices]
 
     with concurrent.futures.ThreadPoolExecutor(WORKERS_AT_ONCE) as pool:
         futures = [pool.submit(run_worker, runs(devices), devices, root) for devices in {c.devices for c in needed}]

@@ -2,12 +2,13 @@
 
 Registered names (`build_model(name, key=..., **hparams)`): `logistic`, `mlp`, `cnn`, `gru`,
 `resnet` (stateful: built with its `eqx.nn.State`), `transformer`, `lm` (a byte-level decoder-only
-language model), and `linear_sigmoid`.
+language model), `image_resnet` (a ResNet for 28-32 px images, stateful), and `linear_sigmoid`.
 """
 
 from ._cnn import CNN1d
-from ._conv import conv1d_as_matmul
+from ._conv import conv1d_as_matmul, conv2d_as_matmul
 from ._gru import GRUClassifier
+from ._image_resnet import ImageBlock, ImageResNet
 from ._lm import DecoderBlock, LanguageModel, LastTokenClassifier, cast_floating
 from ._logistic import Logistic
 from ._masked import Masked
@@ -22,6 +23,8 @@ __all__ = [
     "CNN1d",
     "DecoderBlock",
     "GRUClassifier",
+    "ImageBlock",
+    "ImageResNet",
     "LanguageModel",
     "LastTokenClassifier",
     "Logistic",
@@ -36,6 +39,7 @@ __all__ = [
     "build_model",
     "cast_floating",
     "conv1d_as_matmul",
+    "conv2d_as_matmul",
     "model_names",
     "observed_linear_map",
     "observing_linear_maps",

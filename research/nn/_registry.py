@@ -6,6 +6,7 @@ import equinox as eqx
 from ..typing import PRNGKeyArray
 from ._cnn import CNN1d
 from ._gru import GRUClassifier
+from ._image_resnet import ImageResNet
 from ._lm import LanguageModel
 from ._logistic import Logistic
 from ._mlp import MLP, LinearSigmoid
@@ -50,3 +51,4 @@ register_model("gru", GRUClassifier)
 register_model("resnet", ResNet1d)
 register_model("transformer", TransformerClassifier)
 register_model("lm", LanguageModel)
+register_model("image_resnet", ImageResNet)

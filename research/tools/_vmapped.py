@@ -59,7 +59,7 @@ def _population_setup(experiment: str, configs: Sequence[Options], setups: Seque
     if any(setup.population or setup.evaluator is not None for setup in setups):
         raise UsageError(f"--vmapped: {experiment} is a population or has its own evaluator already; "
                          "sweep it without --vmapped")
-    if len({setup.num_steps for setup in setups}) > 1 or any(s.loss_fn is not first.loss_fn for s in setups):
+    if len({setup.num_steps for setup in setups}) > 1 or any(s.loss_fn != first.loss_fn for s in setups):
         raise UsageError("--vmapped: the members train for different numbers of steps or with different losses")
     return Setup(
         build_state=lambda: stack_members([initial_state(s, c) for s, c in zip(setups, configs)]),

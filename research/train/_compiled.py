@@ -310,7 +310,9 @@ class CompiledTrainer:
         batch = self.placement.constrain(batch)
         step = lambda s, b: train_step(s, b, self.loss_fn, axis_name=self.placement.axis_name)  # noqa: E731
         if self.population:
-            new, metrics = eqx.filter_vmap(step, in_axes=(0, 0 if self.member_batches else None))(old, batch)
+            # Array leaves only: a module's other leaves (BatchNorm's axis name) are not mapped.
+            members = (eqx.if_array(0), eqx.if_array(0) if self.member_batches else None)
+            new, metrics = eqx.filter_vmap(step, in_axes=members)(old, batch)
         else:
             new, metrics = step(old, batch)
         if self.skip_nonfinite:

@@ -12,7 +12,7 @@ from jaxtyping import Key
 
 from ..data import Batch
 from ..state import EMA
-from ..typing import Array, Bool, Float, Int, KeyData, PRNGKeyArray, PyTree, typecheck
+from ..typing import Array, Bool, Float, Int, Integer, KeyData, PRNGKeyArray, PyTree, typecheck
 from ._keys import split_key_data
 
 Metrics = dict[str, Float[Array, ""]]
@@ -121,12 +121,13 @@ def _example_keys(key: PRNGKeyArray, count: int) -> Key[Array, " {count}"]:
 def forward(
     model: eqx.Module,
     model_state: eqx.nn.State | None,
-    inputs: Float[Array, "batch *example"] | Int[Array, "batch *example"],
+    inputs: Float[Array, "batch *example"] | Integer[Array, "batch *example"],
     *,
     key: PRNGKeyArray | None,
     axis_name: str = "batch",
 ) -> tuple[Float[Array, "batch ..."], eqx.nn.State | None]:
-    """Apply a single-example model to a batch with `jax.vmap`; inputs are signals (floats) or tokens (ints).
+    """Apply a single-example model to a batch with `jax.vmap`; inputs are signals (floats), tokens (ints)
+    or images (uint8).
 
     Each example gets its own key (dropout masks differ across the batch). A stateful model is called
     as `model(x, state, key=...)` with the state shared (not mapped) and batch statistics reduced
