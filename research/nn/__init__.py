@@ -17,6 +17,7 @@ from ._registry import build_model, model_names, register_model
 from ._resnet import ResidualBlock, ResNet1d
 from ._taps import LinearMapObserver, observed_linear_map, observing_linear_maps
 from ._transformer import TransformerBlock, TransformerClassifier
+from ._weights import array_names, load_weights, named_arrays, read_weights, save_weights
 
 __all__ = [
     "ACTIVATIONS",
@@ -36,12 +37,17 @@ __all__ = [
     "ResidualBlock",
     "TransformerBlock",
     "TransformerClassifier",
+    "array_names",
     "build_model",
     "cast_floating",
     "conv1d_as_matmul",
     "conv2d_as_matmul",
+    "load_weights",
     "model_names",
+    "named_arrays",
     "observed_linear_map",
     "observing_linear_maps",
+    "read_weights",
     "register_model",
+    "save_weights",
 ]

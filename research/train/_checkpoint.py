@@ -1,9 +1,14 @@
 """Checkpoints: one directory per step, written by Orbax from every process, committed by our JSON file.
 
     step_000000038/
-        _METADATA, manifest.ocdbt, ocdbt.process_N/, ...   Orbax's: the array leaves of the state, each
-                                                            process writing the shards it holds
+        _METADATA, manifest.ocdbt, ocdbt.process_N/, ...   Orbax's: the arrays of the state under their
+                                                            names, each process writing the shards it holds
         checkpoint.json                                     ours, written last: the commit
+
+The arrays are a tree of dictionaries named after the state's fields (`research.nn.array_names`:
+`model.blocks.0.conv1.weight`, `opt_state.0.mu.blocks.0.conv1.weight`, ...), so that Orbax's own
+restore, without this code, returns them named (`ocp.StandardCheckpointer().restore(path)`).
+Checkpoints of the first directory format (an unnamed list of arrays) still load.
 
 A save is asynchronous (`CheckpointWriter`): it returns once Orbax has copied the arrays off the
 devices, and training goes on while they are written. Orbax writes into a temporary directory and
@@ -33,10 +38,11 @@ import jax
 import numpy as np
 
 from ..errors import CheckpointError
+from ..nn import array_names
 from . import _single_file
 
 COMMIT_FILE = "checkpoint.json"
-FORMAT = "research-orbax 1"
+FORMAT = "research-orbax 2"  # arrays named; "research-orbax 1": an unnamed list
 T = TypeVar("T")
 ShardingFn = Callable[[tuple[int, ...]], jax.sharding.Sharding]
 
@@ -116,8 +122,35 @@ def _file_digests(path: Path) -> dict[str, list[Any]]:
     return digests
 
 
+def _named(names: list[str], leaves: list[Any]) -> dict[str, Any]:
+    """The nested dictionaries Orbax saves: `{"model": {"blocks": {"0": {...}}}}` for `model.blocks.0...`."""
+    tree: dict[str, Any] = {}
+    for name, leaf in zip(names, leaves, strict=True):
+        *parents, last = name.split(".")
+        node = tree
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = leaf
+    return tree
+
+
+def _in_order(tree: dict[str, Any], names: list[str]) -> list[Any]:
+    def get(name: str) -> Any:
+        node = tree
+        for part in name.split("."):
+            node = node[part]
+        return node
+
+    return [get(name) for name in names]
+
+
 def _verify(path: Path) -> dict[str, Any]:
     """The header of a checkpoint directory, after checking every file against `checkpoint.json`."""
+    return _verified_record(path)["header"]
+
+
+def _verified_record(path: Path) -> dict[str, Any]:
+    """`checkpoint.json` of a checkpoint directory, after checking every file against it."""
     try:
         record = json.loads((path / COMMIT_FILE).read_text())
     except FileNotFoundError:
@@ -135,7 +168,7 @@ def _verify(path: Path) -> dict[str, Any]:
         with open(file, "rb") as f:
             if hashlib.file_digest(f, "sha256").hexdigest() != sha256:
                 raise CheckpointError(f"checkpoint {path} is corrupted: checksum mismatch in {name}")
-    return record["header"]
+    return record
 
 
 def read_header(path: str | os.PathLike) -> dict[str, Any]:
@@ -149,7 +182,9 @@ def read_header(path: str | os.PathLike) -> dict[str, Any]:
     return _verify(path)
 
 
-def _restore(path: Path, like: list[Any], sharding: ShardingFn | None) -> list[Any]:
+def _restore(path: Path, like: list[Any], sharding: ShardingFn | None, names: list[str] | None) -> list[Any]:
+    """The arrays of a checkpoint directory, shaped like `like` and placed by `sharding`; `names`: those
+    of a named checkpoint (None: the first format's list)."""
     import orbax.checkpoint as ocp  # imported on first use: a quarter of a second
 
     first = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
@@ -157,7 +192,10 @@ def _restore(path: Path, like: list[Any], sharding: ShardingFn | None) -> list[A
                for x in like]
     orbax = ocp.StandardCheckpointer()
     try:
-        restored = orbax.restore(path.absolute(), targets)
+        if names is None:
+            restored = orbax.restore(path.absolute(), targets)
+        else:
+            restored = _in_order(orbax.restore(path.absolute(), _named(names, targets)), names)
     except Exception as e:  # Orbax's and TensorStore's errors have no common type
         message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"checkpoint {path} cannot be read: {message}") from None
@@ -176,7 +214,13 @@ def load_checkpoint(path: str | os.PathLike, skeleton: T, *, sharding: ShardingF
     the checkpoint was saved from."""
     path = Path(path)
     single_file = path.is_file()
-    header, payload = _single_file.read(path) if single_file else (read_header(path), b"")
+    if single_file:
+        (header, payload), named = _single_file.read(path), False
+    elif path.is_dir():
+        record = _verified_record(path)
+        header, payload, named = record["header"], b"", record.get("format") == FORMAT
+    else:
+        raise CheckpointError(f"cannot read checkpoint {path}: No such file or directory")
     if "leaves" in header:
         differences = _describe_differences(header["leaves"], leaf_summary(skeleton))
         if differences:
@@ -185,7 +229,8 @@ def load_checkpoint(path: str | os.PathLike, skeleton: T, *, sharding: ShardingF
         return _single_file.deserialise(path, payload, skeleton), header
     arrays, rest = eqx.partition(skeleton, eqx.is_array)
     leaves, treedef = jax.tree.flatten(arrays)
-    return eqx.combine(jax.tree.unflatten(treedef, _restore(path, leaves, sharding)), rest), header
+    restored = _restore(path, leaves, sharding, array_names(skeleton) if named else None)
+    return eqx.combine(jax.tree.unflatten(treedef, restored), rest), header
 
 
 def tree_digest(tree: Any) -> str:
@@ -204,9 +249,11 @@ def checkpoint_digest(path: str | os.PathLike) -> str:
     path = Path(path)
     if path.is_file():
         raise CheckpointError(f"{path} is a single-file checkpoint; restore it with load_checkpoint to compare it")
-    header = read_header(path)
+    record = _verified_record(path)
+    header = record["header"]
     like = [np.zeros(shape, dtype) for _, shape, dtype in header["leaves"]]
-    return tree_digest(_restore(path, like, None))
+    names = header.get("names") if record.get("format") == FORMAT else None
+    return tree_digest(_restore(path, like, None, names))
 
 
 class CheckpointWriter:
@@ -237,8 +284,10 @@ class CheckpointWriter:
 
             self._orbax = ocp.StandardCheckpointer()
         path = Path(path).absolute()
-        full_header = {**header, "leaves": leaf_summary(tree)}
-        self._orbax.save(path, _arrays(tree), force=True)  # force: replaces a damaged one of the same step
+        names = array_names(tree)
+        full_header = {**header, "leaves": leaf_summary(tree), "names": names}
+        # force: replaces a damaged checkpoint of the same step
+        self._orbax.save(path, _named(names, _arrays(tree)), force=True)
         self._thread = threading.Thread(target=self._commit, args=(path, full_header), name="checkpoint-commit")
         self._thread.start()
 
@@ -271,8 +320,8 @@ class CheckpointWriter:
 
 
 def save_checkpoint(path: str | os.PathLike, tree: Any, header: dict[str, Any]) -> None:
-    """Write `tree`'s array leaves with a JSON `header` (which must not use the key `leaves`) into the
-    checkpoint directory `path`, and return once it is committed."""
+    """Write `tree`'s array leaves under their names with a JSON `header` (which must not use the keys
+    `leaves` and `names`) into the checkpoint directory `path`, and return once it is committed."""
     writer = CheckpointWriter()
     try:
         writer.save(path, tree, header)
