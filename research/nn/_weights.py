@@ -47,7 +47,8 @@ def array_names(tree: Any) -> list[str]:
         else:
             names.append(".".join(_dotted(path)))
     if len(set(names)) != len(names):
-        raise ValueError(f"two arrays of this tree have the same name: {sorted(n for n in names if names.count(n) > 1)[0]}")
+        twice = sorted(n for n in names if names.count(n) > 1)
+        raise ValueError(f"two arrays of this tree have the same name: {twice[0]}")
     return names
 
 
