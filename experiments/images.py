@@ -7,7 +7,7 @@ device per example, label smoothing, SGD with Nesterov momentum or AdamW under a
 """
 
 import dataclasses
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -16,8 +16,8 @@ import optax
 
 from research.cli import (EMA, Checkpointing, ConfigError, Devices, Tracking, Training, main_entry, non_negative,
                           option, positive, unit_interval)
-from research.data import (FORMATS_HELP, Batch, ImageData, eval_loader, random_crop_flip, read_image_data,
-                           split_validation, train_and_eval_loaders)
+from research.data import (FORMATS_HELP, ArrayDataset, Batch, GrainLoader, ImageData, TorchLoader, eval_loader,
+                           make_dataloader, random_crop_flip, read_image_data, train_and_eval_loaders, validation_rows)
 from research.experiment import Setup, run_experiment
 from research.nn import build_model
 from research.parallel import batch_axis_name
@@ -43,9 +43,12 @@ class Config(Training, Checkpointing, Devices, EMA, Tracking):
     flip: bool = option(False, "random left-right flips (natural images, CIFAR; not digits or letters)")
     val_size: int = option(0, "training images held out as a validation set, evaluated as val/...",
                            check=non_negative)
-    loader: Literal["device", "torch"] = option(
-        "device", "device: the images on the device, batches gathered there; torch: a torch DataLoader with numpy "
-                  "collate")
+    loader: Literal["device", "torch", "grain"] = option(
+        "device", "device: the images on the device, batches gathered there; torch: a torch DataLoader; grain: "
+                  "Grain. Both stream the images from disk (an uncompressed IDX or .npy file memory-mapped: a data "
+                  "set larger than memory), each process reading only its rows of every batch")
+    workers: int = option(2, "torch: DataLoader worker processes; grain: reading threads (0: read in the "
+                             "training process)", check=non_negative)
     batch_size: int = option(128, "examples per training step", check=positive)
     steps_per_call: int = option(10, "training steps per compiled call (device loader)", check=positive)
     log_every: int = option(50, "steps between logged training metrics", check=positive)
@@ -87,32 +90,64 @@ def optimizer(config: Config, shape: optax.Schedule) -> optax.GradientTransforma
     return optax.chain(adamw, optax.scale_by_schedule(shape))
 
 
-def build_state(config: Config, data: ImageData, shape: optax.Schedule) -> TrainState:
+def channel_statistics(images: np.ndarray, rows: np.ndarray, chunk: int = 4096) -> tuple[list[float], list[float]]:
+    """Per-channel mean and standard deviation (0-1 units) of `images[rows]`, a chunk at a time (a
+    memory-mapped set is read once, never whole into memory)."""
+    channels = images.shape[-1]
+    total, squares, count = np.zeros(channels), np.zeros(channels), 0
+    for start in range(0, len(rows), chunk):
+        pixels = np.asarray(images[np.sort(rows[start:start + chunk])], np.float64).reshape(-1, channels) / 255
+        total, squares, count = total + pixels.sum(0), squares + np.square(pixels).sum(0), count + len(pixels)
+    mean = total / count
+    return mean.tolist(), np.sqrt(np.maximum(squares / count - mean**2, 1e-12)).tolist()
+
+
+def build_state(config: Config, data: ImageData, statistics: tuple[list[float], list[float]],
+                shape: optax.Schedule) -> TrainState:
     model_key, train_key = jax.random.split(jax.random.key(config.seed))
     height, width, channels = data.image_shape
-    pixels = np.asarray(data.train.inputs, np.float64).reshape(-1, channels) / 255  # the statistics to normalise by
+    mean, std = statistics  # of the training images, to normalise by
     model, model_state = build_model(
         "image_resnet", height=height, width=width, channels=channels, classes=len(data.classes),
-        features=config.features, blocks=config.blocks, mean=pixels.mean(0).tolist(), std=pixels.std(0).tolist(),
+        features=config.features, blocks=config.blocks, mean=mean, std=std,
         axis_name=batch_axis_name(config.parallel), key=model_key)
     return TrainState.create(model, optimizer(config, shape), key=train_key, model_state=model_state)
+
+
+def loaders(config: Config, data: ImageData, kept: np.ndarray, held_out: np.ndarray) -> tuple[Any, Any, Any]:
+    """(train, test, validation or None): on the device, or streamed from the (memory-mapped) arrays."""
+    train, test = data.train, data.test
+    if config.loader == "device":
+        train_data, test_data = train_and_eval_loaders(Batch(train.inputs[kept], train.labels[kept]), test,
+                                                       config.batch_size, seed=config.seed, eval_batch_size=500)
+        held = Batch(train.inputs[held_out], train.labels[held_out])
+        return train_data, test_data, eval_loader(held, 500) if len(held_out) else None
+    rows = None if len(kept) == len(train.labels) else kept
+    train_set = ArrayDataset(train.inputs, train.labels, rows)
+    if config.loader == "torch":
+        train_data = TorchLoader(train_set, config.batch_size, seed=config.seed, num_workers=config.workers)
+    else:
+        train_data = GrainLoader(train_set, config.batch_size, seed=config.seed, workers=config.workers)
+    in_order = lambda dataset: make_dataloader(dataset, min(500, len(dataset)), shuffle=False)  # noqa: E731
+    validation = in_order(ArrayDataset(train.inputs, train.labels, held_out)) if len(held_out) else None
+    return train_data, in_order(ArrayDataset(test.inputs, test.labels)), validation
 
 
 def setup(config: Config) -> Setup:
     """The state and the data of a run, without training (`scripts/show_jaxpr images --data PATH` uses it)."""
     if config.data is None:
         raise ConfigError(f"--data names the images to train on: {FORMATS_HELP}")
-    data = read_image_data(config.data)
-    train, val = split_validation(data.train, config.val_size)
-    train_data, test_data = train_and_eval_loaders(train, data.test, config.batch_size, seed=config.seed,
-                                                   kind=config.loader, eval_batch_size=500)
+    data = read_image_data(config.data, mmap=config.loader != "device")
+    kept, held_out = validation_rows(len(data.train.labels), config.val_size)
+    train_data, test_data, val_data = loaders(config, data, kept, held_out)
+    statistics = channel_statistics(data.train.inputs, kept)
     num_steps = config.epochs * train_data.steps_per_epoch
     shape = schedule_shape(train_data.steps_per_epoch, num_steps)
     return Setup(
-        build_state=lambda: build_state(config, dataclasses.replace(data, train=Batch(*train)), shape),
+        build_state=lambda: build_state(config, data, statistics, shape),
         train_data=train_data,
         eval_data=test_data,
-        val_data=eval_loader(val, 500, config.loader) if config.val_size else None,
+        val_data=val_data,
         num_steps=num_steps,
         loss_fn=AugmentedLoss(config.crop_padding, config.flip, config.label_smoothing),
         lr_schedule=lambda step: config.lr * shape(step),

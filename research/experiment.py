@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from .config import ConfigError, Options, check_combination, profile_window, resumable_options, strip_optional
-from .data import Batch, DeviceLoader, HostLoader, TorchLoader
+from .data import Batch, DeviceLoader, GrainLoader, HostLoader, TorchLoader
 from .parallel import check_device_count, make_placement, process_zero_text
 from . import population
 from .population import evaluate_population
@@ -155,7 +155,7 @@ class Setup:
     **Fields:**
 
     - `build_state`: makes the step-0 TrainState (when resuming, the skeleton a checkpoint fills).
-    - `train_data`: a `DeviceLoader` or a `TorchLoader`.
+    - `train_data`: a `DeviceLoader`, a `TorchLoader` or a `GrainLoader`.
     - `eval_data`: a `DeviceLoader` or a torch `DataLoader` of numpy batches: the test set.
     - `val_data`: a validation set like `eval_data` (`None`: none), evaluated with it, as `val/...`.
     - `num_steps`: the total number of training steps.
@@ -167,7 +167,7 @@ class Setup:
     """
 
     build_state: Callable[[], TrainState]
-    train_data: DeviceLoader | TorchLoader
+    train_data: DeviceLoader | TorchLoader | GrainLoader
     eval_data: DeviceLoader | HostLoader
     num_steps: int
     loss_fn: LossFn = classification_loss
@@ -193,7 +193,7 @@ def initial_state(setup: Setup, config: Options) -> TrainState:
     return state
 
 
-def first_batch(data: DeviceLoader | TorchLoader) -> Batch:
+def first_batch(data: DeviceLoader | TorchLoader | GrainLoader) -> Batch:
     """The batch of training step 0, as the train loop would see it."""
     if isinstance(data, DeviceLoader):
         index = data.step_indices(0, 1)[0]
@@ -396,7 +396,7 @@ def _train(experiment: str, config: Options, setup: Setup, state: TrainState, pl
         checkpoint_every=config.checkpoint_every or None, keep_checkpoints=config.keep_checkpoints,
         checkpoint_seconds=60 * config.checkpoint_minutes or None, stop_signals=True,
         checkpoint_header={"experiment": experiment, "config": config.to_dict()},
-        resume_window=header.get("window"), skip_nonfinite=config.skip_nonfinite,
+        resume_window=header.get("window"), resume_data=header.get("data"), skip_nonfinite=config.skip_nonfinite,
         progress=config.progress and writer, tracker=trackers if trackers.trackers else None,
         debug_nans=config.debug_nans, profile=_profile(config, run, writer), **fit_kwargs,
     )

@@ -23,7 +23,7 @@ with install_import_hook("research", "beartype.beartype"):  # the same shape che
 
     from research.errors import Preempted
     from research.cli import ConfigError, TrainConfig, option, parse_config
-    from research.data import DeviceLoader, TorchLoader, XORDataset
+    from research.data import ArrayDataset, DeviceLoader, GrainLoader, TorchLoader, XORDataset, dataset_arrays
     from research.experiment import run_experiment
     from research.nn import MLP
     from research.parallel import batch_axis_name, exit_together, setup_devices
@@ -64,7 +64,7 @@ class Config(TrainConfig):
     model: Literal["mlp", "batchnorm", "dpsgd", "wide"] = option(
         "mlp", "mlp (stateless), batchnorm (BatchNorm + dropout), dpsgd (the mlp trained by DP-SGD with noise), or "
         "wide (an mlp with a 64x64 layer, which --parallel fsdp splits over the devices)")
-    loader: Literal["device", "torch"] = option("device", "device-resident batches or a torch DataLoader")
+    loader: Literal["device", "torch", "grain"] = option("device", "device-resident batches, torch or Grain")
     steps: int = option(20, "training steps", resumable=True)
     batch_size: int = option(32, "examples per step")
     lr: float = option(0.01, "Adam learning rate")
@@ -93,8 +93,10 @@ def main(config: Config) -> dict:
     train = XORDataset(256, seed=42)
     if config.loader == "device":
         train_data = DeviceLoader.from_dataset(train, config.batch_size, seed=config.seed)
-    else:
+    elif config.loader == "torch":
         train_data = TorchLoader(train, config.batch_size, seed=config.seed)
+    else:  # two reading threads: each process reads only its rows of every batch
+        train_data = GrainLoader(ArrayDataset(*dataset_arrays(train)), config.batch_size, seed=config.seed)
     test_data = DeviceLoader.from_dataset(XORDataset(100, seed=7), 50, shuffle=False)
     loss_fn = DPSGDLoss(1.0, 1.0, config.batch_size) if config.model == "dpsgd" else classification_loss
     return run_experiment("worker", config, build_state=lambda: build_state(config), train_data=train_data,

@@ -113,7 +113,7 @@ def test_a_path_of_no_known_format_lists_the_formats(tmp_path):
         if path.name == "a.txt":
             path.write_text("x")
         with pytest.raises(DataError, match="it takes an IDX directory .* a CIFAR-10 or CIFAR-100 binary directory .* "
-                                            "an image folder .* or a .npz"):
+                                            "an image folder .* a .npz .* or a directory of those four as .npy"):
             detect_format(path)
 
 

@@ -78,8 +78,9 @@ def assert_same_run(run: Path, reference: Path, model: str) -> None:
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=TOLERANCE)
 
 
-def group(model: str, parallel: str, devices: int, run_dir: Path, *extra: str) -> list[str]:
-    loader = "torch" if model in ("mlp", "wide") else "device"  # both data paths: host batches, device-resident data
+def group(model: str, parallel: str, devices: int, run_dir: Path, *extra: str,
+          loader: str | None = None) -> list[str]:
+    loader = loader or ("torch" if model in ("mlp", "wide") else "device")  # host batches and device-resident data
     return ["--model", model, "--loader", loader, "--parallel", parallel, "--devices", str(devices),
             "--run-dir", str(run_dir), "--no-progress", *extra]
 
@@ -140,6 +141,7 @@ def test_two_processes_give_the_same_numbers_and_stop_together_when_one_dies(one
     groups = [
         group("batchnorm", "sharded", 1, tmp_path / "batchnorm-sharded"),  # device-resident data
         group("mlp", "pmap", 2, tmp_path / "mlp-pmap"),  # host batches from a torch DataLoader
+        group("mlp", "sharded", 2, tmp_path / "mlp-grain", loader="grain"),  # host batches through Grain
         group("dpsgd", "pmap", 2, tmp_path / "dpsgd-pmap"),  # noise drawn once for the global batch
         group("wide", "fsdp", 2, tmp_path / "wide-fsdp", "--steps", "10"),
         group("wide", "fsdp", 2, tmp_path / "wide-fsdp", "--resume"),
@@ -169,11 +171,12 @@ def test_two_processes_give_the_same_numbers_and_stop_together_when_one_dies(one
 
     assert_same_run(tmp_path / "batchnorm-sharded", one_process_runs / "batchnorm-none", "batchnorm")
     assert_same_run(tmp_path / "mlp-pmap", one_process_runs / "mlp-none", "mlp")
+    assert_same_run(tmp_path / "mlp-grain", one_process_runs / "mlp-none", "mlp")  # the torch loader's batches
     assert_same_run(tmp_path / "dpsgd-pmap", one_process_runs / "dpsgd-none", "dpsgd")
     assert_same_run(tmp_path / "wide-fsdp", one_process_runs / "wide-none", "wide")
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "batchnorm-sharded", "dpsgd-pmap", "endless", "mlp-pmap", "wide-fsdp"]
-    assert out.count("test accuracy") == 5  # only process 0 reports
+        "batchnorm-sharded", "dpsgd-pmap", "endless", "mlp-grain", "mlp-pmap", "wide-fsdp"]
+    assert out.count("test accuracy") == 6  # only process 0 reports
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ device-resident loader."""
 from ._loaders import (
     ArrayDataset,
     Batch,
+    BatchOrder,
     DataError,
     Dataset,
     DeviceLoader,
@@ -17,8 +18,10 @@ from ._loaders import (
     numpy_collate,
     split_validation,
     train_and_eval_loaders,
+    validation_rows,
 )
 from ._augment import random_crop_flip
+from ._grain import GrainLoader
 from ._images import (
     FORMATS_HELP,
     ImageData,
@@ -29,6 +32,7 @@ from ._images import (
     read_idx_directory,
     read_image_data,
     read_image_folder,
+    read_npy_directory,
     read_npz,
 )
 from ._mnist1d import (
@@ -59,9 +63,11 @@ __all__ = [
     "MNIST1D_TRAIN_SPLIT",
     "ArrayDataset",
     "Batch",
+    "BatchOrder",
     "DataError",
     "Dataset",
     "DeviceLoader",
+    "GrainLoader",
     "HostLoader",
     "TorchLoader",
     "XORDataset",
@@ -83,10 +89,12 @@ __all__ = [
     "read_idx_directory",
     "read_image_data",
     "read_image_folder",
+    "read_npy_directory",
     "read_npz",
     "read_text_bytes",
     "reference_bits_per_byte",
     "split_held_out",
     "split_validation",
     "train_and_eval_loaders",
+    "validation_rows",
 ]

@@ -22,11 +22,12 @@ from ..errors import DataError
 from ..typing import typecheck
 from ._loaders import Batch
 
-Format = Literal["idx", "cifar", "folder", "npz"]
+Format = Literal["idx", "cifar", "folder", "npz", "npy"]
 FORMATS_HELP = ("an IDX directory (MNIST-style *-images-idx3-ubyte[.gz] and *-labels-idx1-ubyte[.gz]), a CIFAR-10 "
                 "or CIFAR-100 binary directory (data_batch_*.bin + test_batch.bin, or train.bin + test.bin), an image "
-                "folder (DIR/train/<class>/*.png|jpg, DIR/test/<class>/...), or a .npz with x_train, y_train, x_test, "
-                "y_test")
+                "folder (DIR/train/<class>/*.png|jpg, DIR/test/<class>/...), a .npz with x_train, y_train, x_test, "
+                "y_test, or a directory of those four as .npy files")
+NPY_FILES = ("x_train.npy", "y_train.npy", "x_test.npy", "y_test.npy")
 IDX_TYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: np.dtype(">i2"), 0x0C: np.dtype(">i4"), 0x0D: np.dtype(">f4"),
              0x0E: np.dtype(">f8")}
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp"}
@@ -91,6 +92,8 @@ def detect_format(path: str | Path) -> Format:
     names = {p.name for p in path.iterdir()}
     if any(_IDX_NAME.match(name) for name in names):
         return "idx"
+    if "x_train.npy" in names:
+        return "npy"
     if "test_batch.bin" in names or "test.bin" in names:
         return "cifar"
     if (path / "train").is_dir():
@@ -100,11 +103,14 @@ def detect_format(path: str | Path) -> Format:
 
 def read_image_data(path: str | Path, *, mmap: bool = False) -> ImageData:
     """The training and test images of `path`, in whichever format it is (`detect_format`); `mmap`:
-    memory-map uncompressed IDX files instead of reading them."""
+    memory-map uncompressed IDX files and .npy files instead of reading them (a data set larger than
+    memory streams from disk through `TorchLoader` or `GrainLoader`)."""
     path = Path(path)
     format = detect_format(path)
     if format == "idx":
         return read_idx_directory(path, mmap=mmap)
+    if format == "npy":
+        return read_npy_directory(path, mmap=mmap)
     if format == "cifar":
         return read_cifar(path)
     if format == "folder":
@@ -296,6 +302,24 @@ def read_npz(path: str | Path) -> ImageData:
                             f"{list(labels.shape)}")
         parts[split] = Batch(images, labels.astype(np.int32))
     return ImageData(parts["train"], parts["test"], _numbered_classes(parts["train"].labels), "npz", path)
+
+
+def read_npy_directory(path: str | Path, *, mmap: bool = False) -> ImageData:
+    """A directory of `x_train.npy`, `y_train.npy`, `x_test.npy`, `y_test.npy` (as the .npz reader takes
+    them); with `mmap`, the images memory-mapped."""
+    path = Path(path)
+    missing = [name for name in NPY_FILES if not (path / name).is_file()]
+    if missing:
+        raise DataError(f"{path}: no {', '.join(missing)} (a directory of {', '.join(NPY_FILES)})")
+    arrays = {name[:-4]: read_array(path / name, mmap=mmap and name.startswith("x")) for name in NPY_FILES}
+    parts = {}
+    for split in ("train", "test"):
+        images, labels = arrays[f"x_{split}"], arrays[f"y_{split}"]
+        if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
+            raise DataError(f"{path / f'y_{split}.npy'}: must be one integer label an example, got {labels.dtype} "
+                            f"{list(labels.shape)}")
+        parts[split] = Batch(images[..., None] if images.ndim == 3 else images, np.asarray(labels, np.int32))
+    return ImageData(parts["train"], parts["test"], _numbered_classes(parts["train"].labels), "npy", path)
 
 
 def _numbered_classes(labels: np.ndarray) -> tuple[str, ...]:

@@ -35,7 +35,10 @@ HostLoader = Iterable
 
 
 def numpy_collate(samples: Sequence[Any]) -> Any:
-    """`collate_fn` for `torch.utils.data.DataLoader` that builds numpy arrays instead of tensors."""
+    """`collate_fn` for `torch.utils.data.DataLoader` that builds numpy arrays instead of tensors (a `Batch`
+    that a dataset's `__getitems__` read whole passes as it is)."""
+    if isinstance(samples, Batch):
+        return samples
     first = samples[0]
     if isinstance(first, np.ndarray):
         return np.stack(samples)
@@ -86,37 +89,85 @@ def make_dataloader(
     )
 
 
-class TorchLoader:
-    """Training batches from a torch DataLoader, positioned by global step so a run can resume.
+class BatchOrder:
+    """Which examples each training step takes: epoch `e` is `arange(size)` shuffled by
+    `default_rng(epoch_seed(seed, e))` (in order without `shuffle`), cut into steps of `batch_size`, the
+    last partial batch dropped so that every step has the same shape (one compilation). A pure function of
+    (seed, step): any step's batch is known without the ones before it, so a run resumes in O(1), and every
+    loader (`DeviceLoader`, `TorchLoader`, `GrainLoader`) trains on the same batches."""
 
-    Epoch `e` is shuffled by a generator seeded with `epoch_seed(seed, e)`; the last partial batch
-    is dropped so that every step has the same shape (one compilation).
-    """
+    def __init__(self, size: int, batch_size: int, *, seed: int = 0, shuffle: bool = True):
+        _check_batch_size(batch_size, size)
+        self.size, self.batch_size, self.seed, self.shuffle = size, batch_size, seed, shuffle
+        self.steps_per_epoch = size // batch_size
+        self._cache: tuple[int, np.ndarray] | None = None
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.size, dtype=np.int32)
+        if self._cache is None or self._cache[0] != epoch:
+            order = np.arange(self.size, dtype=np.int32)  # shuffled in place: the order `permutation(size)` gives
+            np.random.default_rng(epoch_seed(self.seed, epoch)).shuffle(order)
+            self._cache = (epoch, order)
+        return self._cache[1]
+
+    def step_indices(self, start_step: int, num_steps: int) -> np.ndarray:
+        """Indices `[num_steps, batch]` of the examples of global steps `start_step ..`."""
+        rows = np.empty((num_steps, self.batch_size), dtype=np.int32)
+        done = 0
+        while done < num_steps:  # a slice per epoch touched: host time per step is what a tiny model pays
+            epoch, offset = divmod(start_step + done, self.steps_per_epoch)
+            count = min(self.steps_per_epoch - offset, num_steps - done)
+            order = self.epoch_order(epoch)[offset * self.batch_size:(offset + count) * self.batch_size]
+            rows[done:done + count] = order.reshape(count, self.batch_size)
+            done += count
+        return rows
+
+    def process_rows(self, step: int) -> np.ndarray:
+        """This process's share of step `step`'s indices: the contiguous rows its devices train on (all of
+        them with one process), which are all a multi-process run reads on this process."""
+        indices = self.step_indices(step, 1)[0]
+        return indices.reshape(jax.process_count(), -1)[jax.process_index()]
+
+
+class TorchLoader:
+    """Training batches through a torch DataLoader (`num_workers` worker processes), positioned by global
+    step: a run resumed at step `s` reads step `s`'s batch first and nothing before it (the order is a
+    `BatchOrder`: the device loader's). With several processes each reads only its rows of every batch.
+    A dataset with `__getitems__` (`ArrayDataset`: a memory-mapped file, say) reads a batch in one go."""
 
     def __init__(self, dataset: Dataset, batch_size: int, *, seed: int, num_workers: int = 0):
-        _check_batch_size(batch_size, len(dataset))
         self.dataset = dataset
-        self.batch_size = batch_size
-        self.seed = seed
-        self.num_workers = num_workers
-        self.steps_per_epoch = len(dataset) // batch_size
+        self.order = BatchOrder(len(dataset), batch_size, seed=seed)
+        self.batch_size, self.seed, self.num_workers = batch_size, seed, num_workers
+        self.steps_per_epoch = self.order.steps_per_epoch
 
-    def batches(self, start_step: int) -> Iterator[Batch]:
-        """Yield host batches forever, starting at global step `start_step`."""
-        epoch, offset = divmod(start_step, self.steps_per_epoch)
+    def batches(self, start_step: int, state: Any = None) -> Iterator[Batch]:
+        """Yield this process's rows of the batches of steps `start_step`, `start_step + 1`, ... forever."""
+        import torch.utils.data
+
+        steps = _StepRows(self.order, start_step)
+        loader = torch.utils.data.DataLoader(self.dataset, batch_sampler=steps, collate_fn=numpy_collate,
+                                             num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
+        for inputs, labels in loader:
+            yield Batch(inputs, labels)
+
+    def state(self) -> Any:
+        """Nothing beyond the step: the position of a `BatchOrder` is the step."""
+        return None
+
+
+class _StepRows:
+    """A torch batch sampler: this process's indices of each step from `start` on."""
+
+    def __init__(self, order: BatchOrder, start: int):
+        self.order, self.start = order, start
+
+    def __iter__(self) -> Iterator[list[int]]:
+        step = self.start
         while True:
-            loader = make_dataloader(
-                self.dataset,
-                self.batch_size,
-                shuffle=True,
-                seed=epoch_seed(self.seed, epoch),
-                drop_last=True,
-                num_workers=self.num_workers,
-            )
-            for i, (inputs, labels) in enumerate(loader):
-                if i >= offset:
-                    yield Batch(inputs, labels)
-            epoch, offset = epoch + 1, 0
+            yield self.order.process_rows(step).tolist()
+            step += 1
 
 
 class DeviceLoader:
@@ -137,16 +188,15 @@ class DeviceLoader:
                  shuffle: bool = True):
         if len(inputs) != len(labels):
             raise DataError(f"inputs and labels differ in length: {len(inputs)} vs {len(labels)}")
-        _check_batch_size(batch_size, len(labels))
+        self.order = BatchOrder(len(labels), batch_size, seed=seed, shuffle=shuffle)
         self.host = Batch(np.asarray(inputs), np.asarray(labels))
         self.arrays = Batch(jax.device_put(self.host.inputs), jax.device_put(self.host.labels))
         self.size = len(labels)
         self.batch_size = batch_size
         self.seed = seed
         self.shuffle = shuffle
-        self.steps_per_epoch = self.size // batch_size
+        self.steps_per_epoch = self.order.steps_per_epoch
         self.members: tuple[DeviceLoader, ...] | None = None
-        self._order_cache: tuple[int, np.ndarray] | None = None
 
     @classmethod
     def from_dataset(cls, dataset: Dataset, batch_size: int, **kwargs: Any) -> "DeviceLoader":
@@ -176,27 +226,13 @@ class DeviceLoader:
         return (self.batch_size,) if self.members is None else (len(self.members), self.batch_size)
 
     def epoch_order(self, epoch: int) -> np.ndarray:
-        if not self.shuffle:
-            return np.arange(self.size, dtype=np.int32)
-        if self._order_cache is None or self._order_cache[0] != epoch:
-            order = np.arange(self.size, dtype=np.int32)  # shuffled in place: the order `permutation(size)` gives
-            np.random.default_rng(epoch_seed(self.seed, epoch)).shuffle(order)
-            self._order_cache = (epoch, order)
-        return self._order_cache[1]
+        return self.order.epoch_order(epoch)
 
     def step_indices(self, start_step: int, num_steps: int) -> np.ndarray:
         """Indices of the examples of global steps `start_step .. start_step + num_steps - 1`."""
         if self.members is not None:
             return np.stack([m.step_indices(start_step, num_steps) for m in self.members], axis=1)
-        rows = np.empty((num_steps, self.batch_size), dtype=np.int32)
-        done = 0
-        while done < num_steps:  # a slice per epoch touched: host time per step is what a tiny model pays
-            epoch, offset = divmod(start_step + done, self.steps_per_epoch)
-            count = min(self.steps_per_epoch - offset, num_steps - done)
-            order = self.epoch_order(epoch)[offset * self.batch_size:(offset + count) * self.batch_size]
-            rows[done:done + count] = order.reshape(count, self.batch_size)
-            done += count
-        return rows
+        return self.order.step_indices(start_step, num_steps)
 
     def padded_batches(self) -> Iterator[tuple[Batch, np.ndarray]]:
         """Every example once, in order, as full-size batches; the last one padded, with a 0/1 mask."""
@@ -208,31 +244,56 @@ class DeviceLoader:
 
 
 class ArrayDataset:
-    """In-memory examples `(inputs[i], labels[i])` as a map-style dataset for a torch DataLoader
-    (`dataset_arrays` reads the arrays whole)."""
+    """Examples `(inputs[i], labels[i])` of two arrays (in memory, or memory-mapped: a data set larger than
+    memory) as a map-style dataset for a torch DataLoader; `rows`: only those rows of the arrays, in that
+    order (a training set less its validation rows, without copying a memory-mapped file). A batch is read
+    in one indexing (`__getitems__`); `dataset_arrays` reads the arrays whole."""
 
-    def __init__(self, inputs: np.ndarray, labels: np.ndarray):
+    def __init__(self, inputs: np.ndarray, labels: np.ndarray, rows: np.ndarray | None = None):
         if len(inputs) != len(labels):
             raise DataError(f"inputs and labels differ in length: {len(inputs)} vs {len(labels)}")
-        self.inputs = inputs
-        self.labels = labels
+        self.rows = rows
+        self._inputs, self._labels = inputs, labels
+
+    @property
+    def inputs(self) -> np.ndarray:
+        return self._inputs if self.rows is None else self._inputs[self.rows]
+
+    @property
+    def labels(self) -> np.ndarray:
+        return self._labels if self.rows is None else self._labels[self.rows]
 
     def __len__(self) -> int:
-        return len(self.labels)
+        return len(self._labels) if self.rows is None else len(self.rows)
 
     def __getitem__(self, index: int) -> tuple[np.ndarray, Any]:
-        return self.inputs[index], self.labels[index]
+        row = index if self.rows is None else self.rows[index]
+        return self._inputs[row], self._labels[row]
+
+    def __getitems__(self, indices: list[int]) -> Batch:
+        rows = np.asarray(indices) if self.rows is None else self.rows[indices]
+        ordered = np.argsort(rows)  # a memory-mapped file reads fastest front to back
+        inputs = np.empty((len(rows), *self._inputs.shape[1:]), self._inputs.dtype)
+        inputs[ordered] = self._inputs[rows[ordered]]
+        return Batch(inputs, np.asarray(self._labels[rows]))
+
+
+def validation_rows(count: int, size: int, *, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """`(kept, held_out)` row indices of `count` training examples, `size` of them held out as a validation
+    set, picked by `seed` alone, so that every run (whatever its own seed) holds out the same ones; both in
+    their original order."""
+    if not 0 <= size < count:
+        raise DataError(f"a validation set of {size} examples out of {count} training examples")
+    held_out = np.zeros(count, bool)
+    held_out[np.random.default_rng(seed).permutation(count)[:size]] = True
+    return np.flatnonzero(~held_out), np.flatnonzero(held_out)
 
 
 def split_validation(train: Batch, size: int, *, seed: int = 0) -> tuple[Batch, Batch]:
-    """`(train, validation)`: `size` examples of `train` held out, picked by `seed` alone, so that
-    every run (whatever its own seed) holds out the same ones; the rest keep their order."""
-    if not 0 <= size < len(train.labels):
-        raise DataError(f"a validation set of {size} examples out of {len(train.labels)} training examples")
-    held_out = np.zeros(len(train.labels), bool)
-    held_out[np.random.default_rng(seed).permutation(len(train.labels))[:size]] = True
-    kept = Batch(train.inputs[~held_out], train.labels[~held_out])
-    return kept, Batch(train.inputs[held_out], train.labels[held_out])
+    """`(train, validation)`: `size` examples of `train` held out (`validation_rows`); the rest keep their
+    order."""
+    kept, held_out = validation_rows(len(train.labels), size, seed=seed)
+    return Batch(train.inputs[kept], train.labels[kept]), Batch(train.inputs[held_out], train.labels[held_out])
 
 
 def eval_loader(data: Batch, batch_size: int, kind: Literal["device", "torch"] = "device") -> DeviceLoader | HostLoader:

@@ -110,8 +110,8 @@ class Pmap(Placement):
         return jax.device_put(np.broadcast_to(host, (self.devices, *host.shape)), self._stacked)
 
     def _per_device(self, x) -> np.ndarray:
-        """`[global batch, ...]` -> this process's rows as `[devices, per_device_batch, ...]`."""
-        rows = process_rows(np.asarray(x))
+        """This process's rows of a batch -> `[devices, per_device_batch, ...]`."""
+        rows = np.asarray(x)
         return rows.reshape(self.devices, -1, *rows.shape[1:])
 
     def place(self, leaves: Leaves) -> Leaves:
@@ -219,8 +219,12 @@ class Sharded(Placement):
         return jax.tree.map(self._replicate, stats)
 
     def put_batch(self, batch: Batch) -> Batch:
-        return jax.tree.map(
-            lambda x: jax.make_array_from_process_local_data(self._batch, process_rows(np.asarray(x)), x.shape), batch)
+        def put(rows: Any) -> jax.Array:  # this process's rows of the global batch
+            rows = np.asarray(rows)
+            return jax.make_array_from_process_local_data(self._batch, rows, (len(rows) * jax.process_count(),
+                                                                              *rows.shape[1:]))
+
+        return jax.tree.map(put, batch)
 
     def put_data(self, host: Batch, device: Batch) -> Batch:
         return jax.tree.map(self._replicate, host)

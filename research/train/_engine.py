@@ -22,7 +22,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jaxtyping import TypeCheckError
 
-from ..data import Batch, DeviceLoader, TorchLoader
+from ..data import Batch, DeviceLoader, GrainLoader, TorchLoader
 from ..debug import describe_nan_error
 from ..errors import DataError, NonFiniteError, Preempted
 from ..provenance import CompileTimer
@@ -48,6 +48,7 @@ class StepInfo:
       checkpoint (built on first use; every process asks for it at the same stops).
     - `first_bad_step()`: `(step, quantity)` of the first non-finite step since the last fetch.
     - `window()`: the running metrics not yet logged, as a checkpoint header stores them.
+    - `data_state()`: the host loader's own state at this step (a Grain iterator's), or None.
     """
 
     step: int
@@ -57,6 +58,7 @@ class StepInfo:
     leaves: Leaves
     checked: StepStats  # the statistics of the steps up to here, before a fetch restarted them
     running: StepStats  # the statistics the next steps add to
+    data_state: Callable[[], Any] = lambda: None
 
     @property
     def final(self) -> bool:
@@ -134,10 +136,11 @@ class Engine:
             self.preemption_hooks.append(hook)
         return self
 
-    def fit(self, state: TrainState, train_data: DeviceLoader | TorchLoader, num_steps: int, *,
-            resume_window: dict[str, Any] | None = None) -> FitResult:
+    def fit(self, state: TrainState, train_data: DeviceLoader | TorchLoader | GrainLoader, num_steps: int, *,
+            resume_window: dict[str, Any] | None = None, resume_data: Any = None) -> FitResult:
         """Train `state` (left untouched) until its step is `num_steps`; `resume_window` is the
-        `window` of the checkpoint it came from, so a resumed run logs what an uninterrupted one would."""
+        `window` of the checkpoint it came from, so a resumed run logs what an uninterrupted one would,
+        and `resume_data` its host loader's state (`StepInfo.data_state`)."""
         start_time = time.perf_counter()
         member_batches = getattr(train_data, "members", None) is not None
         if member_batches and not self.population:
@@ -148,7 +151,7 @@ class Engine:
         step = int(np.max(np.asarray(state.step)))
         leaves = trainer.place(state)  # fresh copies: the compiled steps donate them
         state_bytes = bytes_on_first_device(leaves)
-        feed = _Feed(trainer, train_data, step, self.steps_per_call, self.debug_nans)
+        feed = _Feed(trainer, train_data, step, self.steps_per_call, self.debug_nans, resume_data)
         fresh = lambda: feed.init_stats(leaves)  # noqa: E731
         stats = fresh() if resume_window is None else trainer.placement.put_stats(
             _window_from_header(resume_window, feed.stats_layout(leaves)))
@@ -161,12 +164,13 @@ class Engine:
                 leaves, stats, step = feed.advance(leaves, stats, step, until, signals if alone else None)
                 compiling.freeze()  # the first stop's calls compiled the step: later ones reuse it
                 if step < until:
-                    self._preempted(StepInfo(step, num_steps, {}, trainer, leaves, stats, stats), signals.received)
+                    self._preempted(StepInfo(step, num_steps, {}, trainer, leaves, stats, stats, feed.data_state),
+                                    signals.received)
                 checked, record = stats, {}
                 if step % self.log_every == 0 or step == num_steps:
                     record = clock.window_record(step, trainer.host(stats))
                     stats = fresh()
-                info = StepInfo(step, num_steps, record, trainer, leaves, checked, stats)
+                info = StepInfo(step, num_steps, record, trainer, leaves, checked, stats, feed.data_state)
                 with clock.paused():
                     self._run_hooks(info)
                     if signals is not None and not alone and step < num_steps:
@@ -221,10 +225,11 @@ MAX_CALLS_IN_FLIGHT = 16
 
 class _Feed:
     """Batches from the loader into compiled calls: device-resident data runs `steps_per_call` steps
-    a call; host batches (a torch DataLoader), and every step under `debug_nans`, one step a call."""
+    a call; host batches (a torch DataLoader, Grain: this process's rows of each global batch), and
+    every step under `debug_nans`, one step a call."""
 
-    def __init__(self, trainer: CompiledTrainer, data: DeviceLoader | TorchLoader, step: int,
-                 steps_per_call: int, debug_nans: bool):
+    def __init__(self, trainer: CompiledTrainer, data: DeviceLoader | TorchLoader | GrainLoader, step: int,
+                 steps_per_call: int, debug_nans: bool, data_state: Any = None):
         self.trainer, self.data, self.debug_nans = trainer, data, debug_nans
         self.steps_per_call = 1 if debug_nans else steps_per_call
         self.calls = 0
@@ -235,8 +240,13 @@ class _Feed:
             self.device_data = trainer.placement.put_data(data.host, data.arrays)
             self.host_batches = None
         else:
-            self.host_batches = _peeked(data.batches(step))
+            self.host_batches = _peeked(data.batches(step, data_state))
             self.example = next(self.host_batches)
+
+    def data_state(self) -> Any:
+        """The host loader's state after the batches taken so far (a Grain iterator's), else None."""
+        state = getattr(self.data, "state", None)
+        return None if state is None else state()
 
     def stats_layout(self, leaves: Leaves) -> Layout:
         """The layout of the step statistics; every batch has the example's shapes, so it is worked

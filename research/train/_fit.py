@@ -6,7 +6,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..data import DeviceLoader, HostLoader, TorchLoader
+from ..data import DeviceLoader, GrainLoader, HostLoader, TorchLoader
 from ..progress import Progress
 from ._engine import Engine, FitResult
 from ._hooks import Checkpoint, Evaluate, Evaluator, NonFiniteGuard, Profile, ShowProgress, Track
@@ -19,7 +19,7 @@ from ._tracking import JsonlTracker, Tracker
 
 def fit(
     state: TrainState,
-    train_data: DeviceLoader | TorchLoader,
+    train_data: DeviceLoader | TorchLoader | GrainLoader,
     *,
     num_steps: int,
     loss_fn: LossFn = classification_loss,
@@ -35,6 +35,7 @@ def fit(
     checkpoint_header: dict[str, Any] | None = None,
     checkpoint_seconds: float | None = None,
     resume_window: dict[str, Any] | None = None,
+    resume_data: Any = None,
     skip_nonfinite: bool = False,
     progress: bool = True,
     tracker: Tracker | None = None,
@@ -48,11 +49,12 @@ def fit(
     """Train `state` until `state.step == num_steps`: an `Engine` with the standard hooks.
 
     **Arguments** (besides `Engine`'s `loss_fn`, `placement`, `log_every`, `steps_per_call`,
-    `skip_nonfinite`, `debug_nans`, `population`, and `Engine.fit`'s `resume_window`):
+    `skip_nonfinite`, `debug_nans`, `population`, and `Engine.fit`'s `resume_window`, `resume_data`):
 
     - `state`: the starting TrainState (step 0, or a restored checkpoint); left untouched.
     - `train_data`: a `DeviceLoader` (batches gathered on the device; `steps_per_call` steps run in
-      one compiled call) or a `TorchLoader` (host batches from a torch DataLoader, one call a step).
+      one compiled call), a `TorchLoader` (host batches from a torch DataLoader, one call a step) or a
+      `GrainLoader` (host batches through Grain).
       Batch order is a pure function of the seed and the step, so a resumed run sees the same data.
     - `num_steps`: the total number of steps (not the number still to take).
     - `eval_data`, `eval_every`, `evaluator`: evaluate every `eval_every` steps (`None`: only at the
@@ -94,7 +96,7 @@ def fit(
         engine.add_hook(profile, at=(profile.start, profile.stop))
         profile.begin_if_due(start)
     try:
-        return engine.fit(state, train_data, num_steps, resume_window=resume_window)
+        return engine.fit(state, train_data, num_steps, resume_window=resume_window, resume_data=resume_data)
     finally:
         bar.close()
         if profile is not None:

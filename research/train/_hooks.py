@@ -134,6 +134,9 @@ class Checkpoint:
             return
         header = {**self.header, "step": info.step, "window": info.window(),
                   "eval": {k: v for k, v in info.record.items() if k.startswith(("test/", "val/"))}}
+        data = info.data_state()
+        if data is not None:  # a host loader's own position (Grain's iterator state), to resume it from
+            header["data"] = data
         self._writer.save(self.run.checkpoint_path(info.step), info.saved_state, header)
         self._last, self._saved_step = time.monotonic(), info.step
 

@@ -38,7 +38,8 @@ class Placement(abc.ABC):
       every process hands to Orbax, one copy of a replicated value, a sharded value in its shards;
       `restore_sharding(shape)`: where an array of the state restored from a checkpoint goes.
     - `put_stats`, `put_batch`, `put_data`, `put_indices`, `put_count`: host values as the compiled
-      functions take them; `host(tree)`: one copy of values the steps keep on every device.
+      functions take them (`put_batch`: this process's rows of a host batch, all of it with one process:
+      a host loader reads only those); `host(tree)`: one copy of values the steps keep on every device.
     - `metric_shapes(fn, leaves, batch)`: the shapes of one device's `fn(leaves, batch)`, traced.
     - `check(model, rows)`: refuse, before any work, a model or a batch of `rows` rows that this
       placement cannot train correctly (BatchNorm statistics over the wrong axis, an uneven split).
