@@ -313,6 +313,26 @@ def test_process_group_comes_from_flags_or_the_environment(monkeypatch):
         process_group(process_id=4)
 
 
+def test_a_slurm_job_step_of_several_tasks_is_found_by_jaxs_own_slurm_detection(monkeypatch):
+    """Under `srun` (SLURM_STEP_NUM_TASKS > 1) with no flags or JAX variables, the processes join through
+    `jax.distributed.initialize()`'s detection; a batch script (one process) stays one."""
+    from jax._src.clusters import ClusterEnv
+
+    for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_STEP_NUM_TASKS"):
+        monkeypatch.delenv(name, raising=False)
+    slurm = {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_LOCALID": "0",
+             "SLURM_STEP_NODELIST": "gpu[017-018]", "SLURM_STEP_NUM_NODES": "2"}
+    for name, value in slurm.items():
+        monkeypatch.setenv(name, value)
+    assert process_group() is None  # the batch script itself
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "2")
+    group = process_group()
+    assert (group.coordinator_address, group.num_processes, group.process_id) == ("", 2, 1)
+    address, processes, index, _ = ClusterEnv.auto_detect_unset_distributed_params(None, None, None, None, None, 60)
+    assert (address.split(":")[0], processes, index) == ("gpu017", 2, 1)  # what initialize() then uses
+    assert process_group(num_processes=1) is None  # flags still win
+
+
 def test_process_rows_split_a_batch_into_contiguous_shares():
     batch = np.arange(12).reshape(6, 2)
     np.testing.assert_array_equal(process_rows(batch), batch)  # one process: everything

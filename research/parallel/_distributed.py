@@ -2,7 +2,10 @@
 
 Every process runs the same script with the same flags, plus its own `--process-id` (or the
 environment variables `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`, which is how
-`scripts/launch` starts them). Process 0 hosts the coordination service. A process that dies stops
+`scripts/launch` starts them). Started by `srun` as a job step of several tasks on a SLURM cluster
+(`SLURM_STEP_NUM_TASKS` > 1), with none of those, the processes find each other through JAX's own
+SLURM detection (`jax.distributed.initialize()`: the step's first node coordinates). Process 0 hosts
+the coordination service. A process that dies stops
 sending heartbeats; after `--distributed-timeout` seconds the service tells the others, which then
 exit with an error instead of waiting forever in a collective.
 """
@@ -54,6 +57,8 @@ def process_group(
                 given[name] = value if name == "coordinator_address" else int(value)
             except ValueError:
                 raise ConfigError(f"${variable} must be an integer (got {value!r})") from None
+    if all(value is None for value in given.values()):
+        return _slurm_step()
     if (given["num_processes"] or 1) == 1:
         return None
     missing = [f"--{name.replace('_', '-')} (or ${ENVIRONMENT[name]})" for name, v in given.items() if v is None]
@@ -64,6 +69,15 @@ def process_group(
     if ":" not in given["coordinator_address"]:
         raise ConfigError(f"the coordinator address must be host:port (got {given['coordinator_address']!r})")
     return ProcessGroup(**given)
+
+
+def _slurm_step() -> ProcessGroup | None:
+    """The processes of a SLURM job step `srun` started with several tasks, to be found by JAX's SLURM
+    detection (an empty coordinator address); `None` outside such a step (a batch script is one process)."""
+    tasks, rank = os.environ.get("SLURM_STEP_NUM_TASKS"), os.environ.get("SLURM_PROCID")
+    if not tasks or rank is None or not tasks.isdigit() or int(tasks) < 2:
+        return None
+    return ProcessGroup("", int(tasks), int(rank))
 
 
 def _is_loopback(address: str) -> bool:
@@ -80,10 +94,11 @@ def join(group: ProcessGroup, timeout_seconds: int) -> None:
     service listens on every interface and gloo on the address of the machine's host name."""
     loopback = _is_loopback(group.coordinator_address)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    found = {} if not group.coordinator_address else {  # "": a SLURM step, which JAX finds by itself
+        "coordinator_address": group.coordinator_address, "num_processes": group.num_processes,
+        "process_id": group.process_id}
     jax.distributed.initialize(
-        coordinator_address=group.coordinator_address,
-        num_processes=group.num_processes,
-        process_id=group.process_id,
+        **found,
         coordinator_bind_address=group.coordinator_address if loopback else None,
         initialization_timeout=timeout_seconds,
         heartbeat_timeout_seconds=timeout_seconds,

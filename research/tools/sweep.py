@@ -21,6 +21,11 @@ A search keeps its trials in `SWEEP_DIR/study.db` (Optuna, SQLite), so it resume
 its state, marked `option(vmappable=True)`) as one population in one compiled program (`_vmapped`)
 and writes the same run directories; a killed one resumes when rerun.
 
+`--executor slurm` submits each run (or the `--vmapped` population) as a SLURM job through submitit
+(`_jobs`; `--slurm-*` options), each running the same `--resume auto` command, so requeued and preempted
+jobs continue; the sweep waits and prints the table, or with `--no-wait` returns, and running it again
+collects the jobs. `--executor submitit-local` is the same through submitit's local executor.
+
 At the end the sweep prints the `compare_runs` table (with `--over seed` when a grid sweeps
 several seeds) and writes it to `SWEEP_DIR/results.md`, and plots the runs to `SWEEP_DIR/curves.png`.
 """
@@ -47,6 +52,7 @@ from ..train import RunDir
 from ._axes import SET_BY_SWEEP, Axis, check_passed_flags, flag_words, parse_axis, run_name, sweepable_fields
 from ._pool import INTERRUPTS, Outcome, Run, run_all
 from ._runs import Parser, UsageError, fail
+from ._jobs import EXECUTORS, submit_and_collect
 from ._vmapped import check_vmappable, sweep_vmapped
 from .compare_runs import compare_runs
 from .plot_runs import plot_runs
@@ -196,6 +202,43 @@ def sweep_grid(runs: Sequence[Run], configs: Sequence[Any], sweep_dir: Path, job
     return _failures(failed)
 
 
+def sweep_jobs(args: Any, runs: Sequence[Run], configs: Sequence[Any], title: str) -> int:
+    """The grid's runs as jobs of `--executor` (slurm, submitit-local): the finished ones skipped, the
+    others submitted, or collected when an earlier sweep submitted them; then, unless `--no-wait`, waited
+    for and reported like a grid of processes. `--vmapped`: the population is one job, this sweep."""
+    if args.vmapped:
+        command = (sys.executable, "-m", "research.tools.sweep", args.experiment, *args.axes, "--vmapped",
+                   "--sweep-dir", str(args.sweep_dir), "--metric", args.metric, "--", *args.flags)
+        jobs = [Run("population", (), args.sweep_dir, command)]
+    else:
+        jobs = [run for run, config in zip(runs, configs) if not finished_before(run, _as_saved(config))]
+    progress = Progress(len(runs), args.metric)
+    for run in runs:
+        if not args.vmapped and run not in jobs:
+            progress(Outcome(run, 0, 0.0, "", skipped=True))
+    failed: list[tuple[Outcome, str]] = []
+
+    def finished(outcome: Outcome) -> None:
+        if not args.vmapped:
+            progress(outcome)
+        if not outcome.ok:
+            failed.append((outcome, outcome.last_error))
+
+    if jobs:
+        try:
+            submit_and_collect(jobs, args.executor, args.sweep_dir, args, wait=not args.no_wait, finished=finished)
+        except KeyboardInterrupt:
+            print("sweep: interrupted; the jobs go on: run the same sweep again to collect them", file=sys.stderr)
+            return 130
+        if args.no_wait:
+            print("sweep: not waiting (--no-wait): run the same sweep again to collect the jobs and print the table",
+                  file=sys.stderr)
+            return 0
+    seeds = {dict(run.values).get("seed") for run in runs}
+    report(runs, args.sweep_dir, ["seed"] if len(seeds) > 1 else [], title)
+    return _failures(failed)
+
+
 def sweep_search(args: Any, axes: Sequence[Axis], make: Callable[[int, dict[str, str]], Run], title: str) -> int:
     """Run the trials of a random or TPE search; report them; the exit status."""
     from ._search import Search, open_study  # optuna is needed (and imported) only for a search
@@ -286,6 +329,12 @@ def sweep(args: Any) -> int:
 
     if args.vmapped and args.search != "grid":
         raise UsageError("--vmapped trains a grid's runs as one population; drop --search")
+    if args.executor != "processes" and args.search != "grid":
+        raise UsageError(f"--executor {args.executor} takes a grid (or --vmapped); a search runs its trials as "
+                         "processes here, each asking Optuna for the next")
+    if args.no_wait and args.executor != "slurm":
+        raise UsageError("--no-wait needs jobs that outlive the sweep: --executor slurm (submitit's local jobs are "
+                         "this process's children)")
     if args.search == "grid":
         runs = grid_runs(make, axes)
         configs = [_check(module.Config, run) for run in runs]
@@ -295,7 +344,11 @@ def sweep(args: Any) -> int:
             print("\n".join(_shown(run, args.experiment) for run in runs))
             if args.vmapped:
                 print(f"(as one vmapped population of {len(runs)} members, in this process)")
+            if args.executor != "processes":
+                print(f"(as {1 if args.vmapped else len(runs)} job(s) of --executor {args.executor})")
             return 0
+        if args.executor != "processes":
+            return sweep_jobs(args, runs, configs, title)
         if args.vmapped:
             return sweep_population(args.experiment, module, runs, configs, args.sweep_dir, args.metric, title)
         with _sigterm_interrupts():
@@ -339,6 +392,22 @@ def _parser() -> Parser:
                         help="train the grid as ONE vmapped population in this process (one compiled program; the "
                              "swept options must be vmappable: the seed, hyperparameters kept in the optimizer's "
                              "state), then write each run's directory as its own run would")
+    parser.add_argument("--executor", choices=EXECUTORS, default="processes",
+                        help="processes: each run a process here, --jobs at a time (the default); slurm: each run a "
+                             "SLURM job (submitit), --jobs at a time; submitit-local: the same jobs on this machine")
+    parser.add_argument("--no-wait", action="store_true",
+                        help="slurm: return once the jobs are submitted; the same sweep run again collects them "
+                             "(waits for those still queued or running) and prints the table")
+    parser.add_argument("--slurm-partition", default=None, help="slurm: the partition (default: the cluster's)")
+    parser.add_argument("--slurm-time", type=int, default=60,
+                        help="slurm, submitit-local: minutes a job may run before it is stopped at a checkpoint and "
+                             "requeued (default: 60)")
+    parser.add_argument("--slurm-gpus", type=int, default=0, help="slurm: GPUs a job (default: 0)")
+    parser.add_argument("--slurm-cpus", type=int, default=2, help="slurm: CPUs a job (default: 2)")
+    parser.add_argument("--slurm-mem", type=int, default=None, help="slurm: memory a job, in GB (default: the "
+                                                                      "cluster's)")
+    parser.add_argument("--slurm-extra", action="append", default=[], metavar="KEY=VALUE",
+                        help="slurm: another sbatch option, say --slurm-extra account=myproject (repeatable)")
     parser.add_argument("--dry-run", action="store_true",
                         help="check every run and print the grid's commands (a search's space); start nothing")
     return parser
@@ -350,8 +419,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = _parser()
     args = parser.parse_intermixed_args(own)
     args.flags = flags
-    if args.jobs < 1 or args.trials < 1:
-        parser.error("--jobs and --trials must be positive")
+    if args.jobs < 1 or args.trials < 1 or args.slurm_time < 1:
+        parser.error("--jobs, --trials and --slurm-time must be positive")
+    if any("=" not in word for word in args.slurm_extra):
+        parser.error("--slurm-extra takes KEY=VALUE (say account=myproject)")
     try:
         status = sweep(args)
     except UsageError as e:
