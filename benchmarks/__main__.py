@@ -8,7 +8,8 @@ import sys
 import time
 from pathlib import Path
 
-CASES = {"a": "xor", "b": "mlp", "c": "cnn", "d": "per_example", "e": "dp_sgd", "f": "population", "g": "fsdp"}
+CASES = {"a": "xor", "b": "mlp", "c": "cnn", "d": "per_example", "e": "dp_sgd", "f": "population", "g": "fsdp",
+         "h": "loaders"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,10 +26,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or ("runs/bench-quick" if args.quick else "docs"))
     out.mkdir(parents=True, exist_ok=True)
 
-    from . import _cnn, _dp_sgd, _frameworks, _fsdp, _mlp, _per_example, _population, _report, _xor
+    from . import _cnn, _dp_sgd, _frameworks, _fsdp, _loaders, _mlp, _per_example, _population, _report, _xor
 
     modules = {"xor": _xor, "mlp": _mlp, "cnn": _cnn, "per_example": _per_example, "dp_sgd": _dp_sgd,
-               "population": _population, "fsdp": _fsdp}
+               "population": _population, "fsdp": _fsdp, "loaders": _loaders}
     start = time.perf_counter()
     info = _report.machine()
     info["load_before"] = " / ".join(f"{x:.1f}" for x in os.getloadavg())
@@ -39,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     skipped = {}
     for case in cases:
         name = CASES[case]
-        if name in ("cnn", "per_example", "population") and not _frameworks.have_mnist1d():
+        if name in ("cnn", "per_example", "population", "loaders") and not _frameworks.have_mnist1d():
             skipped[case] = "skipped: the mnist1d package is not installed (run scripts/setup)"
             print(f"case ({case}) {name}: {skipped[case]}", file=sys.stderr)
             continue

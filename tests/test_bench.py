@@ -12,7 +12,7 @@ from benchmarks.__main__ import main
 def test_quick_benchmark_run_writes_the_report_with_every_case(tmp_path, capsys):
     with jax.numpy_rank_promotion("allow"):  # the other frameworks' idioms broadcast (x @ w + b)
         # (g) starts three processes with simulated devices (a minute); tests/test_fsdp.py covers FSDP.
-        assert main(["--quick", "--cases", "a,b,c,d,e,f", "--out", str(tmp_path)]) == 0
+        assert main(["--quick", "--cases", "a,b,c,d,e,f,h", "--out", str(tmp_path)]) == 0
     report = (tmp_path / "benchmarks.md").read_text()
     results = json.loads((tmp_path / "benchmarks.json").read_text())
     for heading in ["## Targets (issue 6)", "## (a) XOR MLP", "## (b) Compute-bound MLP"]:
@@ -30,5 +30,9 @@ def test_quick_benchmark_run_writes_the_report_with_every_case(tmp_path, capsys)
         grids = results["results"]["population"]["grids"]
         assert all(row["median"] > 0 for rows in grids.values() for row in rows)
         assert "## (f) Populations" in report
+        assert "## (h) Host loaders: streaming from disk, resuming in O(1)" in report
+        loaders = results["results"]["loaders"]
+        assert all(row["median"] > 0 for key in ("training", "reading", "resume") for row in loaders[key])
+        assert len(loaders["resume"]) == 6 and loaders["size"] == 6_000
     else:
         assert "skipped: the mnist1d package is not installed" in report
