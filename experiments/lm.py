@@ -3,7 +3,8 @@
 By default it reads the first `--text-bytes` of this Python's standard library source (`*.py`, in
 sorted order), holds out the last `--held-out` of the bytes, and learns to predict each next byte
 of non-overlapping `--context`-byte windows. It reports held-out bits per byte beside two yardsticks
-on the same bytes (byte frequencies, zlib -9) and the training throughput in bytes/s.
+on the same bytes (byte frequencies, zlib -9) and the training throughput in bytes/s, then prints what
+the trained model writes after the start of the held-out text (`research.nn.generate`).
 """
 
 import dataclasses
@@ -16,8 +17,10 @@ from research.cli import (EMA, Checkpointing, ConfigError, Devices, Tracking, Tr
                           non_negative, positive)
 from research.data import DeviceLoader, next_byte_windows, read_text_bytes, reference_bits_per_byte, split_held_out
 from research.experiment import Setup, run_experiment
-from research.nn import build_model
-from research.train import NextTokenLoss, TrainState, evaluate_language_model
+from research.nn import LanguageModel, build_model
+from research.tools.sample import sample_bytes
+from research.train import FitResult, NextTokenLoss, TrainState, evaluate_language_model
+from research.typing import PRNGKeyArray
 
 
 def _fraction(value: float) -> str | None:
@@ -81,7 +84,12 @@ def setup(config: Config) -> Setup:
 
 def main(config: Config) -> dict:
     bytes_per_step = config.batch_size * config.context
-    throughput = lambda result: {"bytes_per_s": (result.steps_per_s or 0.0) * bytes_per_step}  # noqa: E731
+    trained: dict[str, LanguageModel] = {}  # the final model (the EMA's with --ema-decay), to sample from
+
+    def throughput(result: FitResult) -> dict:
+        trained["model"] = result.state.model if result.state.ema is None else result.state.ema.average[0]
+        return {"bytes_per_s": (result.steps_per_s or 0.0) * bytes_per_step}
+
     summary = run_experiment("lm", config, setup(config), summary_extra=throughput)
     if jax.process_index() == 0:
         train, held_out = split_held_out(read_text_bytes(config.text, max_bytes=config.text_bytes), config.held_out)
@@ -89,7 +97,17 @@ def main(config: Config) -> dict:
         print(f"lm: held-out {summary['test_bits_per_byte']:.3f} bits/byte (same bytes: byte frequencies "
               f"{reference['unigram']:.3f}, zlib -9 {reference['zlib']:.3f}); {summary['bytes_per_s']:,.0f} "
               f"bytes/s trained ({bytes_per_step} a step)")
+        if "model" in trained:  # not when a finished run is only reported (scripts/sample reads its checkpoint)
+            print_sample(trained["model"], bytes(held_out[:32]), jax.random.fold_in(jax.random.key(config.seed), 1))
     return summary
+
+
+def print_sample(model: LanguageModel, prompt: bytes, key: PRNGKeyArray, length: int = 200) -> None:
+    """One line: what `model` writes after `prompt` (temperature 0.8, top-k 40), newlines shown as \\n."""
+    sample = sample_bytes(model, prompt, length, key=key, temperature=0.8, top_k=40)
+    shown = lambda text: repr(text.decode("utf-8", errors="replace"))  # noqa: E731
+    print(f"lm: sample: {shown(sample.prompt)} + {shown(sample.text)} ({length} bytes at temperature 0.8, top-k 40: "
+          f"{sample.bytes_per_s:,.0f} bytes/s with the key-value cache)")
 
 
 if __name__ == "__main__":

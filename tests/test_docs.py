@@ -28,14 +28,15 @@ import pytest
 from research import run
 from research.cli import main_entry, parse_config
 from research.experiment import load_experiment
-from research.tools import compare_runs, export, plot_runs, show_jaxpr, sweep
+from research.tools import compare_runs, export, plot_runs, sample, show_jaxpr, sweep
 
 ROOT = Path(__file__).parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"^```(\w*)([^\n]*)\n(.*?)^```\s*$", re.MULTILINE | re.DOTALL)
 RUN_BY_CI = {"./scripts/test", "./scripts/setup"}
 TOOLS = {"./scripts/plot_runs": plot_runs.main, "./scripts/compare_runs": compare_runs.main,
-         "./scripts/show_jaxpr": show_jaxpr.main, "./scripts/sweep": sweep.main, "./scripts/export": export.main}
+         "./scripts/show_jaxpr": show_jaxpr.main, "./scripts/sweep": sweep.main, "./scripts/export": export.main,
+         "./scripts/sample": sample.main}
 
 
 def blocks(doc: Path) -> list[tuple[str, str, str]]:
@@ -145,9 +146,9 @@ def test_the_documented_experiment_is_under_60_lines():
 
 
 def test_the_script_wrappers_run_their_tools():
-    """scripts/plot_runs, compare_runs, show_jaxpr, sweep and export are the same thin bash wrapper around
-    `python -m research.tools.NAME`; check all five, and run one for real (each costs a JAX import)."""
-    for name in ("plot_runs", "compare_runs", "show_jaxpr", "sweep", "export"):
+    """scripts/plot_runs, compare_runs, show_jaxpr, sweep, export and sample are the same thin bash wrapper
+    around `python -m research.tools.NAME`; check all six, and run one for real (each costs a JAX import)."""
+    for name in ("plot_runs", "compare_runs", "show_jaxpr", "sweep", "export", "sample"):
         script = ROOT / "scripts" / name
         assert os.access(script, os.X_OK) and f"-m research.tools.{name} " in script.read_text(), name
     result = subprocess.run(["scripts/show_jaxpr", "xor", "--hidden", "2"], cwd=ROOT, capture_output=True,

@@ -3,10 +3,12 @@
 Registered names (`build_model(name, key=..., **hparams)`): `logistic`, `mlp`, `cnn`, `gru`,
 `resnet` (stateful: built with its `eqx.nn.State`), `transformer`, `lm` (a byte-level decoder-only
 language model), `image_resnet` (a ResNet for 28-32 px images, stateful), and `linear_sigmoid`.
+`generate(model, prompt, length, key=...)` samples from an `lm` with a key-value cache.
 """
 
 from ._cnn import CNN1d
 from ._conv import conv1d_as_matmul, conv2d_as_matmul
+from ._generate import generate
 from ._gru import GRUClassifier
 from ._image_resnet import ImageBlock, ImageResNet
 from ._lm import DecoderBlock, LanguageModel, LastTokenClassifier, cast_floating
@@ -42,6 +44,7 @@ __all__ = [
     "cast_floating",
     "conv1d_as_matmul",
     "conv2d_as_matmul",
+    "generate",
     "load_weights",
     "model_names",
     "named_arrays",
