@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 CASES = {"a": "xor", "b": "mlp", "c": "cnn", "d": "per_example", "e": "dp_sgd", "f": "population", "g": "fsdp",
-         "h": "loaders"}
+         "h": "loaders", "i": "gpt"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,10 +26,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or ("runs/bench-quick" if args.quick else "docs"))
     out.mkdir(parents=True, exist_ok=True)
 
-    from . import _cnn, _dp_sgd, _frameworks, _fsdp, _loaders, _mlp, _per_example, _population, _report, _xor
+    from . import _cnn, _dp_sgd, _frameworks, _fsdp, _gpt, _loaders, _mlp, _per_example, _population, _report, _xor
 
     modules = {"xor": _xor, "mlp": _mlp, "cnn": _cnn, "per_example": _per_example, "dp_sgd": _dp_sgd,
-               "population": _population, "fsdp": _fsdp, "loaders": _loaders}
+               "population": _population, "fsdp": _fsdp, "loaders": _loaders, "gpt": _gpt}
     start = time.perf_counter()
     info = _report.machine()
     info["load_before"] = " / ".join(f"{x:.1f}" for x in os.getloadavg())

@@ -12,7 +12,7 @@ from benchmarks.__main__ import main
 def test_quick_benchmark_run_writes_the_report_with_every_case(tmp_path, capsys):
     with jax.numpy_rank_promotion("allow"):  # the other frameworks' idioms broadcast (x @ w + b)
         # (g) starts three processes with simulated devices (a minute); tests/test_fsdp.py covers FSDP.
-        assert main(["--quick", "--cases", "a,b,c,d,e,f,h", "--out", str(tmp_path)]) == 0
+        assert main(["--quick", "--cases", "a,b,c,d,e,f,h,i", "--out", str(tmp_path)]) == 0
     report = (tmp_path / "benchmarks.md").read_text()
     results = json.loads((tmp_path / "benchmarks.json").read_text())
     for heading in ["## Targets (issue 6)", "## (a) XOR MLP", "## (b) Compute-bound MLP"]:
@@ -22,6 +22,12 @@ def test_quick_benchmark_run_writes_the_report_with_every_case(tmp_path, capsys)
     assert {"ours: CompiledTrainer.step", "pure JAX (jit, donated)", "eqx.filter_jit", "PyTorch eager"} <= names
     assert all(row["median"] > 0 and row["repeats"] >= 2 for row in xor["step"] + xor["fit"])
     assert all(0.4 <= row["accuracy"] <= 1 for row in xor["fit"])  # 2 epochs: learning has started
+    gpt = results["results"]["gpt"]  # (i): the same architecture in both frameworks, both timed
+    assert "## (i) The language model against a PyTorch GPT of the same shape" in report and len(gpt) == 2
+    for shape in gpt.values():
+        assert shape["parameters"]["ours"] == shape["parameters"]["pytorch"]
+        assert [row["name"].split(" ")[0] for row in shape["step"]] == ["ours", "PyTorch"]
+        assert all(row["median"] > 0 and row["gflops"] > 0 for row in shape["step"])
     mlp = results["results"]["mlp"]
     assert mlp["peak_gflops"] > 0 and all(row["gflops"] > 0 for row in mlp["step"])
     if "cnn" in results["results"]:
