@@ -11,6 +11,7 @@ import dataclasses
 from typing import Literal
 
 import jax
+import numpy as np
 import optax
 
 from research.cli import (EMA, Checkpointing, ConfigError, Devices, Tracking, Training, main_entry, option,
@@ -31,9 +32,9 @@ def _fraction(value: float) -> str | None:
 class Config(Training, Checkpointing, Devices, EMA, Tracking):
     """Train a GPT-style byte-level language model (AdamW, warmup + cosine decay, gradient clipping at 1)."""
 
-    steps: int = option(600, "training steps", check=positive, resumable=True)
+    steps: int = option(3400, "training steps", check=positive, resumable=True)
     batch_size: int = option(32, "windows per optimizer step (split over --grad-accum micro-batches)", check=positive)
-    lr: float = option(2e-3, "peak learning rate (linear warmup over the first 5% of steps, cosine to 10%)",
+    lr: float = option(3e-3, "peak learning rate (linear warmup over the first 5% of steps, cosine to 10%)",
                        check=positive)
     weight_decay: float = option(0.0, "decoupled weight decay (AdamW)", check=non_negative)
     context: int = option(128, "bytes per window (learned positions)", check=positive)
@@ -43,8 +44,11 @@ class Config(Training, Checkpointing, Devices, EMA, Tracking):
     untied: bool = option(False, "give the output head its own weights instead of the token embedding's")
     text: str | None = option(None, "a file or a folder (all its files, sorted) to learn; default: the Python "
                                     "standard library's *.py source")
-    text_bytes: int = option(4_000_000, "read at most this many bytes of the text", check=positive)
+    text_bytes: int = option(16_000_000, "read at most this many bytes of the text", check=positive)
     held_out: float = option(0.05, "fraction of the bytes (the last ones) held out for evaluation", check=_fraction)
+    val_fraction: float = option(0.0, "fraction of the training bytes (the last ones, before the held-out bytes) "
+                                      "kept out of training as a validation set, evaluated as val/... (0: none)",
+                                 check=lambda value: None if value == 0 else _fraction(value))
     grad_accum: int = option(1, "micro-batches per optimizer step (lax.scan; the same step as the whole batch)",
                              check=positive)
     remat: bool = option(False, "rematerialise each block in the backward pass (less memory, more compute)")
@@ -75,11 +79,16 @@ def setup(config: Config) -> Setup:
         raise ConfigError(f"--heads {config.heads} must divide --dim {config.dim}, and --grad-accum {config.grad_accum}"
                           f" x --devices {config.devices} must divide --batch-size {config.batch_size}")
     train, held_out = split_held_out(read_text_bytes(config.text, max_bytes=config.text_bytes), config.held_out)
+    train, val = split_held_out(train, config.val_fraction)
     train_data = DeviceLoader(*next_byte_windows(train, config.context), config.batch_size, seed=config.seed)
-    test = next_byte_windows(held_out, config.context)
-    eval_data = DeviceLoader(*test, min(256, len(test.labels)), shuffle=False)
-    return Setup(lambda: build_state(config), train_data, eval_data, config.steps, NextTokenLoss(config.grad_accum),
-                 learning_rate(config), evaluator=evaluate_language_model)
+    return Setup(lambda: build_state(config), train_data, _evaluation_windows(held_out, config.context), config.steps,
+                 NextTokenLoss(config.grad_accum), learning_rate(config), evaluator=evaluate_language_model,
+                 val_data=_evaluation_windows(val, config.context) if config.val_fraction else None)
+
+
+def _evaluation_windows(data: np.ndarray, context: int) -> DeviceLoader:
+    windows = next_byte_windows(data, context)
+    return DeviceLoader(*windows, min(256, len(windows.labels)), shuffle=False)
 
 
 def main(config: Config) -> dict:
