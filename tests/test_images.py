@@ -18,7 +18,7 @@ from research.train import RunDir, forward
 
 images = load_experiment("images")
 # Digits need no crops or flips; a small ResNet (8, 16, 32 channels, one block a stage) for 4 epochs.
-DIGITS = ["--epochs", "4", "--features", "8", "--blocks", "1", "--batch-size", "32", "--lr", "0.05",
+DIGITS = ["--epochs", "3", "--features", "8", "--blocks", "1", "--batch-size", "32", "--lr", "0.05",
           "--crop-padding", "0", "--no-progress"]
 
 
@@ -36,7 +36,7 @@ def run_images(argv):
 @pytest.mark.slow
 def test_digits_in_every_format_reach_97_percent_with_the_same_numbers(digits_formats, tmp_path, monkeypatch):
     """scikit-learn's digits written as IDX, CIFAR binary, an image folder and a .npz train to the same
-    numbers, bit for bit, above 97% test accuracy."""
+    numbers, bit for bit, above 97% test accuracy (3 epochs)."""
     monkeypatch.chdir(tmp_path)
     summaries, records = {}, {}
     for name, path in digits_formats.items():
@@ -46,7 +46,7 @@ def test_digits_in_every_format_reach_97_percent_with_the_same_numbers(digits_fo
                          for r in RunDir(tmp_path / name).read_metrics()]
     measured = {"wall_seconds", "compile_seconds", "peak_host_memory_bytes"}
     first = {k: v for k, v in summaries["npz"].items() if k not in measured}
-    assert first["test_accuracy"] >= 0.97 and first["step"] == 4 * (1437 // 32)
+    assert first["test_accuracy"] >= 0.97 and first["step"] == 3 * (1437 // 32)
     for name in summaries:
         assert {k: v for k, v in summaries[name].items() if k not in measured} == first, name
         assert records[name] == records["npz"], name
