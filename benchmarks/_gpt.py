@@ -11,16 +11,15 @@ same run."""
 
 import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
 
 from research.data import Batch
-from research.train import NextTokenLoss, compiled_trainer
+from research.train import NextTokenLoss
 
 from ._frameworks import at_best_thread_count
-from ._mlp import PEAK, matmul_candidate
+from ._mlp import PEAK, compiled_run, matmul_candidate
 from ._timing import interleave, timed
 
 VOCAB, LR = 256, 1e-3
@@ -53,19 +52,8 @@ def ours(steps: int, *, dim: int, depth: int, heads: int, context: int, batch: i
     import experiments.lm as lm
 
     config = lm.Config(dim=dim, depth=depth, heads=heads, context=context, batch_size=batch, lr=LR)
-    state = lm.build_state(config)
-    trainer = compiled_trainer(NextTokenLoss(), state)
-    data = Batch(*map(jnp.asarray, _windows(context, batch)))
-    indices = np.tile(np.arange(batch, dtype=np.int32), (steps, 1))
-    leaves = trainer.leaves(state)
-    carry = [leaves, trainer.init_stats(leaves, data)]
-
-    def run():
-        leaves, sums = trainer.run(*carry, data, indices, steps)
-        jax.block_until_ready(leaves)
-        carry[:] = leaves, sums
-
-    return run
+    return compiled_run(NextTokenLoss(), lm.build_state(config), Batch(*map(jnp.asarray, _windows(context, batch))),
+                        steps)
 
 
 class TorchBlock(torch.nn.Module):

@@ -66,9 +66,14 @@ def ours_run(steps):
     x, y = _data()
     model = MLP(SIZES[0], SIZES[-1], hidden=SIZES[1:-1], activation="relu", key=jax.random.key(0))
     state = TrainState.create(model, optax.adam(LR), key=jax.random.key(1))
-    trainer = compiled_trainer(classification_loss, state)
-    data = Batch(jnp.asarray(x), jnp.asarray(y))
-    indices = np.tile(np.arange(BATCH, dtype=np.int32), (steps, 1))
+    return compiled_run(classification_loss, state, Batch(jnp.asarray(x), jnp.asarray(y)), steps)
+
+
+def compiled_run(loss_fn, state: TrainState, data: Batch, steps: int):
+    """A call of `steps` training steps of `state` in one compiled call (the engine's `trainer.run`, a
+    fori_loop over index rows), every step on the whole of `data`; each call continues the last one."""
+    trainer = compiled_trainer(loss_fn, state)
+    indices = np.tile(np.arange(len(data.labels), dtype=np.int32), (steps, 1))
     leaves = trainer.leaves(state)
     carry = [leaves, trainer.init_stats(leaves, data)]
 

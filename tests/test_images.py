@@ -1,7 +1,6 @@
 """experiments/images.py on real images in every format, the ResNet for images, and its augmentation."""
 
 import json
-import sys
 
 import equinox as eqx
 import jax
@@ -10,27 +9,19 @@ import numpy as np
 import pytest
 from jaxtyping import TypeCheckError
 
-from research.cli import main_entry
 from research.data import random_crop_flip
-from research.experiment import load_experiment
 from research.nn import ImageResNet, build_model, conv2d_as_matmul
 from research.train import RunDir, forward
 
-images = load_experiment("images")
-# Digits need no crops or flips; a small ResNet (8, 16, 32 channels, one block a stage) for 4 epochs.
+from _entry import run_entry
+
+# Digits need no crops or flips; a small ResNet (8, 16, 32 channels, one block a stage) for 3 epochs.
 DIGITS = ["--epochs", "3", "--features", "8", "--blocks", "1", "--batch-size", "32", "--lr", "0.05",
           "--crop-padding", "0", "--no-progress"]
 
 
 def run_images(argv):
-    argv0, sys.argv[0] = sys.argv[0], "images.py"
-    try:
-        main_entry(images.main, images.Config, argv)
-    except SystemExit as e:
-        return e.code
-    finally:
-        sys.argv[0] = argv0
-    return 0
+    return run_entry(argv, "images")
 
 
 @pytest.mark.slow

@@ -11,31 +11,22 @@ from pathlib import Path
 import jax
 import pytest
 
-from research.cli import main_entry
-from research.experiment import load_experiment
 from research.nn import MLP
 from research.population import stack_states
 from research.provenance import git_state, parameter_counts
 from research.run import command
 from research.train import RunDir, TrainState
 
+from _entry import run_entry
+
 ROOT = Path(__file__).parent.parent
 QUICK = ["--no-progress", "--train-size", "256", "--test-size", "64", "--batch-size", "32", "--log-every", "4",
          "--steps-per-call", "4"]
-xor = load_experiment("xor")
 
 
 def run(argv, name="xor"):
     """The experiment's entry point in this process, named as its script; its exit status."""
-    module = xor if name == "xor" else load_experiment(name)
-    argv0, sys.argv[0] = sys.argv[0], f"{name}.py"
-    try:
-        main_entry(module.main, module.Config, argv)
-    except SystemExit as e:
-        return e.code
-    finally:
-        sys.argv[0] = argv0
-    return 0
+    return run_entry(argv, name)
 
 
 def git(cwd, *args):
