@@ -86,8 +86,9 @@ EXPERIMENTS = {  # state_passing is no training run
                            ("--num-members", "2", "--hidden", "8", "--epochs", "2", "--batch-size", "1000"),
                            data_dir=True),
     # no --devices or --ema-decay (one unrolled run a step: nothing to split, no weights to average): refused
-    "metalearn_lr": Experiment(("--steps", "2", "--inner-steps", "3", "--hidden", "4"),
-                               ("--steps", "3", "--inner-steps", "3", "--hidden", "4"), data_dir=True),
+    "metalearn_lr": Experiment(("--steps", "2", "--inner-steps", "3", "--hidden", "4", "--num-samples", "5000"),
+                               ("--steps", "3", "--inner-steps", "3", "--hidden", "4", "--num-samples", "5000"),
+                               data_dir=True),  # 5,000 signals: the data set tests/conftest.py generated
     # one engine run a pruning round, in its own directory; resuming with more --rounds continues the schedule.
     # No --devices or --ema-decay (which weights would prune?): refused
     "lottery_ticket": Experiment(
