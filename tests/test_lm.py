@@ -3,6 +3,9 @@ accumulation, remat, bf16), its evaluator, and the experiment end to end. Tiny m
 
 import json
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import equinox as eqx
 import jax
@@ -18,6 +21,8 @@ from research.data import (Batch, DeviceLoader, next_byte_windows, read_text_byt
 from research.experiment import load_experiment
 from research.nn import LanguageModel, build_model
 from research.train import NextTokenLoss, TrainState, evaluate_language_model, train_step
+
+ROOT = Path(__file__).resolve().parents[1]
 
 TINY = {"context": 16, "dim": 16, "depth": 2, "heads": 2}
 
@@ -145,6 +150,21 @@ def test_grad_accum_combines_over_a_device_axis(getkey):
     (mapped, _), grads = on_devices(per_device)
     np.testing.assert_allclose(mapped, jnp.stack([whole, whole]), rtol=1e-6)
     _assert_same_model(jax.tree.map(lambda g: g[0], grads), whole_grads, 1e-6)
+
+
+@pytest.mark.slow
+def test_fsdp_with_grad_accum_splits_micro_batches_where_the_rows_live(tmp_path):
+    """Four FSDP devices, two micro-batches: the micro-batch split keeps the batch's row sharding, so XLA
+    compiles it without resharding ("Involuntary full rematerialization ... replicate the tensor")."""
+    (tmp_path / "text.txt").write_bytes(b"sphinx of black quartz, judge my vow. " * 200)
+    flags = ["--text", "text.txt", "--steps", "2", "--context", "16", "--dim", "32", "--depth", "1", "--heads", "2",
+             "--batch-size", "8", "--grad-accum", "2", "--devices", "4", "--parallel", "fsdp", "--no-progress",
+             "--run-dir", "r"]
+    result = subprocess.run([sys.executable, str(ROOT / "experiments" / "lm.py"), *flags], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "rematerialization" not in result.stderr, result.stderr[-2000:]
+    assert "4 cpu devices" in result.stdout
 
 
 def test_remat_gives_the_same_loss_and_gradients_with_less_memory(getkey):

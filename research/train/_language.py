@@ -65,7 +65,11 @@ class NextTokenLoss:
         rows = batch.inputs.shape[0]
         if rows % self.grad_accum:
             raise ValueError(f"--grad-accum {self.grad_accum} must divide the batch of {rows} rows (per device)")
-        micro = jax.tree.map(lambda x: x.reshape(self.grad_accum, rows // self.grad_accum, *x.shape[1:]), batch)
+        # Micro-batch k takes rows k, k + grad_accum, ...: split as [rows / grad_accum, grad_accum] and
+        # moved to the front, the row axis stays sharded where the batch lives; a split as
+        # [grad_accum, rows / grad_accum] would reshard it (XLA's "involuntary full rematerialization").
+        micro = jax.tree.map(
+            lambda x: jnp.swapaxes(x.reshape(rows // self.grad_accum, self.grad_accum, *x.shape[1:]), 0, 1), batch)
 
         def accumulate(total: PyTree, micro_batch: Batch) -> tuple[PyTree, None]:
             (_, (metrics, _)), grads = grad_fn(model, model_state, Batch(*micro_batch), key)
