@@ -79,11 +79,16 @@ def first_step_at_or_above(records: Sequence[dict[str, Any]], metric: str, thres
 
 
 def grokking_steps(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """`memorization_step` (train accuracy >= 99%), `grokking_step` (test accuracy >= 99%) and
-    `best_test_accuracy` of a run's records."""
+    """`memorization_step` (train accuracy >= 99%), `grokking_step` (test accuracy >= 99%),
+    `best_test_accuracy` and `min_test_accuracy_after_grokking` (the lowest evaluation from the grokking
+    step to the end: whether it stayed grokked; None when it never grokked) of a run's records."""
+    tests = [(r["step"], r["test/accuracy"]) for r in records if "test/accuracy" in r]
+    grokked = first_step_at_or_above(records, "test/accuracy")
     return {"memorization_step": first_step_at_or_above(records, "train/accuracy"),
-            "grokking_step": first_step_at_or_above(records, "test/accuracy"),
-            "best_test_accuracy": max((r["test/accuracy"] for r in records if "test/accuracy" in r), default=None)}
+            "grokking_step": grokked,
+            "best_test_accuracy": max((accuracy for _, accuracy in tests), default=None),
+            "min_test_accuracy_after_grokking": None if grokked is None else
+            min(accuracy for step, accuracy in tests if step >= grokked)}
 
 
 def summarize(run: RunDir, summary: dict[str, Any]) -> dict[str, Any]:
@@ -126,7 +131,8 @@ def main(config: Config) -> dict:
         ours = f"train accuracy >= 99% at step {memorized}, " if memorized else "never memorized, "
         if grokked:
             later = f" ({grokked / memorized:.1f}x later)" if memorized else ""
-            ours += f"test accuracy >= 99% at step {grokked}{later}"
+            ours += (f"test accuracy >= 99% at step {grokked}{later}, and from there to the end >= "
+                     f"{100 * summary['min_test_accuracy_after_grokking']:.2f}%")
         else:
             best = summary["best_test_accuracy"]
             ours += f"test accuracy below 99% in all {config.steps} steps (best {100 * best:.1f}%)"

@@ -35,9 +35,10 @@ def test_steps_come_from_the_logged_metrics():
                {"step": 400, "train/accuracy": 1.0, "test/accuracy": 0.99},
                {"step": 500, "train/accuracy": 1.0, "test/accuracy": 0.97}]
     assert grokking.grokking_steps(records) == {"memorization_step": 200, "grokking_step": 400,
-                                                "best_test_accuracy": 0.99}
+                                                "best_test_accuracy": 0.99, "min_test_accuracy_after_grokking": 0.97}
     never = grokking.grokking_steps(records[:2])
     assert never["grokking_step"] is None and never["best_test_accuracy"] == 0.2
+    assert never["min_test_accuracy_after_grokking"] is None
 
 
 def test_a_tiny_run_records_its_steps_and_plot(tmp_path, capsys):
@@ -48,8 +49,7 @@ def test_a_tiny_run_records_its_steps_and_plot(tmp_path, capsys):
                                                 "--run-dir", str(run_dir), "--no-progress"])
     summary = json.loads((run_dir / "summary.json").read_text())
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert {k: summary[k] for k in ("memorization_step", "grokking_step", "best_test_accuracy")} == \
-        grokking.grokking_steps(records)
+    assert {k: summary[k] for k in grokking.grokking_steps(records)} == grokking.grokking_steps(records)
     assert summary["memorization_step"] is not None  # 25 pairs are memorized within 120 steps
     assert (run_dir / "grokking.png").stat().st_size > 0
     assert f"train accuracy >= 99% at step {summary['memorization_step']}" in capsys.readouterr().out
