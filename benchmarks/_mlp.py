@@ -24,7 +24,7 @@ PEAK = "float32 matmul (peak)"
 def train_flops() -> float:
     """Matmul FLOPs of one step: forward (2BMN a layer), weight gradients (2BMN a layer) and input
     gradients (2BMN a layer but the first, whose input needs no gradient). Elementwise work is ignored."""
-    layers = [2 * BATCH * m * n for m, n in zip(SIZES[:-1], SIZES[1:])]
+    layers = [2 * BATCH * m * n for m, n in zip(SIZES[:-1], SIZES[1:], strict=True)]
     return 3 * sum(layers) - layers[0]
 
 
@@ -88,7 +88,7 @@ def compiled_run(loss_fn, state: TrainState, data: Batch, steps: int):
 def init_params(key):
     keys = jax.random.split(key, len(SIZES) - 1)
     params = {}
-    for i, (k, m, n) in enumerate(zip(keys, SIZES[:-1], SIZES[1:])):
+    for i, (k, m, n) in enumerate(zip(keys, SIZES[:-1], SIZES[1:], strict=True)):
         kw, kb = jax.random.split(k)
         params[f"w{i}"] = jax.random.uniform(kw, (m, n), minval=-(m**-0.5), maxval=m**-0.5)
         params[f"b{i}"] = jax.random.uniform(kb, (n,), minval=-(m**-0.5), maxval=m**-0.5)
@@ -194,7 +194,7 @@ def nnx_step(steps):
 
     rngs = nnx.Rngs(0)
     layers = []
-    for m, n in zip(SIZES[:-2], SIZES[1:-1]):
+    for m, n in zip(SIZES[:-2], SIZES[1:-1], strict=True):
         layers += [nnx.Linear(m, n, rngs=rngs), nnx.relu]
     model = nnx.Sequential(*layers, nnx.Linear(SIZES[-2], SIZES[-1], rngs=rngs))
     optimizer = nnx.Optimizer(model, _optim, wrt=nnx.Param)
@@ -217,7 +217,7 @@ def nnx_step(steps):
 def torch_step(steps):
     torch.manual_seed(0)
     layers = []
-    for m, n in zip(SIZES[:-2], SIZES[1:-1]):
+    for m, n in zip(SIZES[:-2], SIZES[1:-1], strict=True):
         layers += [torch.nn.Linear(m, n), torch.nn.ReLU()]
     model = torch.nn.Sequential(*layers, torch.nn.Linear(SIZES[-2], SIZES[-1]))
     optimizer = torch.optim.Adam(model.parameters(), lr=LR, fused=True)

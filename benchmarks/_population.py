@@ -29,7 +29,7 @@ QUICK = {"xor": {"epochs": 2}, "mnist1d": {"steps": 200}}  # and two values an a
 def _runs(module, grid: dict, fixed: dict, root: Path) -> tuple[list[Run], list]:
     runs, configs = [], []
     for values in itertools.product(*grid.values()):
-        swept = dict(zip(grid, values))
+        swept = dict(zip(grid, values, strict=True))
         name = ",".join(f"{k}={v}" for k, v in swept.items())
         config = module.Config(**fixed, **swept, run_dir=str(root / name), progress=False)
         config = config.resolved() if hasattr(config, "resolved") else config

@@ -316,7 +316,7 @@ def write_chart(path: Path, results: dict) -> str | None:
     if not panels:
         return None
     fig, axes = plt.subplots(len(panels), 1, figsize=(8, 2.2 * len(panels) + 0.5), squeeze=False)
-    for ax, (case, key, title, scale) in zip(axes[:, 0], panels):
+    for ax, (case, key, title, scale) in zip(axes[:, 0], panels, strict=True):
         nested = {"dp_sgd": "models", "population": "grids"}
         timings = results[case][nested[case]][key] if case in nested else results[case][key]
         medians = [t.median * scale for t in timings]

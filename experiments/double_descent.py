@@ -128,7 +128,7 @@ def find_peak(widths: Sequence[int], test_error: Sequence[float], train_error: S
     start = min(classical, key=lambda i: test_error[i]) if classical else 0
     peak = max(range(start, len(widths)), key=lambda i: test_error[i])
     return {"peak_width": widths[peak], "peak_test_error": test_error[peak],
-            "interpolation_width": next((w for w, e in zip(widths, train_error) if e <= 1.0), None),
+            "interpolation_width": next((w for w, e in zip(widths, train_error, strict=True) if e <= 1.0), None),
             "last_width": widths[-1], "last_test_error": test_error[-1]}
 
 
@@ -137,10 +137,10 @@ PUBLISHED = find_peak(NOTEBOOK_WIDTHS, PUBLISHED_TEST_ERROR, PUBLISHED_TRAIN_ERR
 
 def curve_table(widths: Sequence[int], test_error: Sequence[float], train_error: Sequence[float]) -> str:
     """A markdown table of the curve, with the notebook's errors at the widths it has."""
-    published = dict(zip(NOTEBOOK_WIDTHS, zip(PUBLISHED_TEST_ERROR, PUBLISHED_TRAIN_ERROR)))
+    published = dict(zip(NOTEBOOK_WIDTHS, zip(PUBLISHED_TEST_ERROR, PUBLISHED_TRAIN_ERROR, strict=True), strict=True))
     lines = ["| width | test error | train error | notebook test error | notebook train error |",
              "| --- | --- | --- | --- | --- |"]
-    for width, test, train in zip(widths, test_error, train_error):
+    for width, test, train in zip(widths, test_error, train_error, strict=True):
         theirs = published.get(width)
         shown = f"{theirs[0]:.2f}% | {theirs[1]:.2f}%" if theirs else "– | –"
         lines.append(f"| {width} | {test:.2f}% | {train:.2f}% | {shown} |")

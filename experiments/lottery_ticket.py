@@ -95,7 +95,7 @@ def random_masks(model: MLP, sparsity: float, key: PRNGKeyArray) -> PyTree:
     """Masks pruning `int(sparsity * n)` entries of each layer at random: magnitude masks of random scores."""
     params, static = eqx.partition(model, eqx.is_inexact_array)
     leaves, treedef = jax.tree.flatten(params)
-    scores = [jax.random.uniform(k, w.shape) for k, w in zip(jax.random.split(key, len(leaves)), leaves)]
+    scores = [jax.random.uniform(k, w.shape) for k, w in zip(jax.random.split(key, len(leaves)), leaves, strict=True)]
     return magnitude_masks(eqx.combine(jax.tree.unflatten(treedef, scores), static), sparsity)
 
 
@@ -239,7 +239,7 @@ def plot_lottery(root: RunDir, summary: dict, curves: dict[str, list]) -> None:
                      "o-", color="C0", markersize=3, label="magnitude pruning, rewound")
     for k, (name, run) in enumerate(curves.items()):
         color, x = ("k", "C0", "C3", "C2")[k], 0 if name == "dense" else 100 * summary["sparsity"]
-        steps, accuracy = zip(*run)
+        steps, accuracy = zip(*run, strict=True)
         by_step.plot(steps, 100 * np.asarray(accuracy), color=color, label=LABELS[name])
         if name in ("random_pruning", "reinit_ticket"):
             by_sparsity.plot([x], [100 * summary[f"{name}_max_test_accuracy"]], "s", color=color, label=LABELS[name])

@@ -102,14 +102,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, list]:
 
     counts, returned = count(args.steps)
     print(f"1. counter, {args.steps} updates: (state, ()) -> (state + 1, state)")
-    for i, (c, r) in enumerate(zip(counts, returned), 1):
+    for i, (c, r) in enumerate(zip(counts, returned, strict=True), 1):
         print(f"   update {i}: count {c}, returned {r}")
     scanned = jax.lax.scan(Counter.update, Counter.init(), jnp.ones(args.steps, jnp.int32))[1]
     print(f"   as a lax.scan body: returned {scanned.tolist()}")
 
     means = running_means(args.values)
     print(f"2. running mean of {args.values}: (sum, count), value -> (sum + value, count + 1), mean")
-    for i, (v, m) in enumerate(zip(args.values, means), 1):
+    for i, (v, m) in enumerate(zip(args.values, means, strict=True), 1):
         print(f"   value {i}: {v:g} -> mean {m:g}")
     scanned = jax.lax.scan(RunningMean.update, RunningMean.init(0.0), jnp.asarray(args.values, jnp.float32))[1]
     print(f"   as a lax.scan body: means {scanned.tolist()}")

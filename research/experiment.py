@@ -231,17 +231,17 @@ def plot_curves(runs: Sequence[RunDir], labels: Sequence[str], out: str | Path, 
     figure.subplots_adjust(left=0.06, right=0.99, bottom=0.12, top=0.87, wspace=0.2)
     axes = figure.subplots(1, len(CURVE_PANELS))
     experiments = []
-    for i, (run, label) in enumerate(zip(runs, labels)):
+    for i, (run, label) in enumerate(zip(runs, labels, strict=True)):
         records = run.read_metrics()
         experiment = run.read_config().get("experiment")
         if experiment and experiment not in experiments:
             experiments.append(experiment)
-        for ax, (metric, _) in zip(axes, CURVE_PANELS):
+        for ax, (metric, _) in zip(axes, CURVE_PANELS, strict=True):
             steps, values = _curve(records, f"train/{metric}")
             ax.plot(steps, values, color=f"C{i}", linewidth=1.6, label=label)
             steps, values = _curve(records, f"test/{metric}")
             ax.plot(steps, values, color=f"C{i}", linestyle="--", marker="o", markersize=4, linewidth=1.2)
-    for ax, (metric, ylabel) in zip(axes, CURVE_PANELS):
+    for ax, (metric, ylabel) in zip(axes, CURVE_PANELS, strict=True):
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)
         ax.set_title(f"{metric} (solid: train, dashed: test)", fontsize=10, y=1.0)  # y: no auto-placement (slow)

@@ -56,7 +56,7 @@ def stack_members(states: Sequence[TrainState]) -> TrainState:
         if shapes != [(x.shape, x.dtype) for x in first]:
             raise ConfigError(f"member {k}'s state has other arrays than member 0's ({len(leaves)} vs {len(first)} "
                               "arrays, or other shapes): only members of one model structure train as a population")
-        for column, leaf in zip(columns, leaves):
+        for column, leaf in zip(columns, leaves, strict=True):
             column.append(leaf)
     return eqx.combine(jax.tree.unflatten(treedef, [jnp.stack(column) for column in columns]), static)
 
@@ -117,7 +117,7 @@ def evaluate_ensemble(
         _ensemble_eval_sums(models, model_states, Batch(jnp.asarray(b.inputs), jnp.asarray(b.labels)), jnp.asarray(mask))
         for b, mask in batches
     ]
-    member_loss, member_correct, loss, correct = (np.sum(np.stack(x), axis=0) for x in zip(*jax.device_get(totals)))
+    member_loss, member_correct, loss, correct = (np.sum(np.stack(x), axis=0) for x in zip(*jax.device_get(totals), strict=True))
     return {
         "member_loss": member_loss / size,
         "member_accuracy": member_correct / size,

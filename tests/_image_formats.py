@@ -52,7 +52,7 @@ def write_formats(root: Path, train: Batch, test: Batch) -> dict[str, Path]:
         for i, chunk in enumerate(chunks, 1):
             (paths["cifar"] / (f"data_batch_{i}.bin" if split == "train" else "test_batch.bin")).write_bytes(
                 chunk.tobytes())
-        for i, (image, label) in enumerate(zip(part.inputs, part.labels)):
+        for i, (image, label) in enumerate(zip(part.inputs, part.labels, strict=True)):
             folder = paths["folder"] / split / str(label)
             folder.mkdir(parents=True, exist_ok=True)
             Image.fromarray(image).save(folder / f"{i:05d}.png")

@@ -342,7 +342,7 @@ def compare(summary: dict, reference: dict) -> list[str]:
     differences = []
     for key in sorted(k for k in set(summary) | set(reference) if COMPARED.match(k)):
         a, b = summary.get(key), reference.get(key)
-        pairs = list(zip(a, b)) if isinstance(a, list) and isinstance(b, list) and len(a) == len(b) else [(a, b)]
+        pairs = list(zip(a, b, strict=True)) if isinstance(a, list) and isinstance(b, list) and len(a) == len(b) else [(a, b)]
         if not all(isinstance(x, (int, float)) and isinstance(y, (int, float)) and
                    math.isclose(x, y, rel_tol=TOLERANCE, abs_tol=TOLERANCE) for x, y in pairs):
             differences.append(f"{key} {_short(a)} vs {_short(b)}")

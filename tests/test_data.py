@@ -98,7 +98,7 @@ def test_torch_loader_resumes_at_any_step_with_the_same_batches():
     loader = TorchLoader(dataset, 8, seed=5)
     straight = [b.inputs for b in itertools.islice(loader.batches(0), 12)]
     resumed = [b.inputs for b in itertools.islice(loader.batches(7), 5)]
-    for a, b in zip(straight[7:], resumed):
+    for a, b in zip(straight[7:], resumed, strict=True):
         np.testing.assert_array_equal(a, b)
     assert not np.array_equal(straight[0], straight[5])  # epochs are shuffled differently
 

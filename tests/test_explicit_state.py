@@ -178,7 +178,7 @@ def test_ema_follows_training_without_changing_it_and_is_what_fit_evaluates(load
     assert_identical(state.model_state, trained.model_state)
 
     weights = decay ** np.arange(12)[::-1]  # debiased: the decay-weighted mean of the 12 models
-    expected = jax.tree.map(lambda *w: sum(c * np.asarray(x, np.float64) for c, x in zip(weights, w)) / weights.sum(),
+    expected = jax.tree.map(lambda *w: sum(c * np.asarray(x, np.float64) for c, x in zip(weights, w, strict=True)) / weights.sum(),
                             *models)
     averaged_model, averaged_state = state.averaged_model()
     for x, y in zip(jax.tree.leaves(eqx.filter(averaged_model, eqx.is_array)), jax.tree.leaves(expected), strict=True):
@@ -202,7 +202,7 @@ def test_each_step_draws_a_new_dropout_mask(getkey):
     for _ in range(6):
         leaves, _ = trainer.step(leaves, trainer.init_stats(leaves, batch), batch)
         weights.append(np.asarray(trainer.state(leaves).model.linear.weight))
-    masks = [tuple((after != before).any(axis=0)) for before, after in zip(weights[:-1], weights[1:])]
+    masks = [tuple((after != before).any(axis=0)) for before, after in zip(weights[:-1], weights[1:], strict=True)]
     assert len(set(masks)) == 6  # no two steps share a mask (a repeat has probability ~2^-32)
     assert all(4 <= sum(mask) <= 28 for mask in masks)  # about half the inputs kept, as p=0.5 says
 

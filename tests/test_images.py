@@ -83,7 +83,7 @@ def test_random_crop_flip_moves_each_image_by_its_own_key(getkey):
     keys = jax.random.split(getkey(), 2)
     out = random_crop_flip(batch, keys, padding=2, flip=True)
     assert out.shape == batch.shape and out.dtype == batch.dtype
-    for image, moved in zip(np.asarray(batch), np.asarray(out)):
+    for image, moved in zip(np.asarray(batch), np.asarray(out), strict=True):
         padded = np.pad(image, ((2, 2), (2, 2), (0, 0)))
         windows = [padded[i:i + 6, j:j + 6] for i in range(5) for j in range(5)]
         assert any(np.array_equal(moved, w) or np.array_equal(moved, w[:, ::-1]) for w in windows)

@@ -25,13 +25,13 @@ def test_sparsity_schedule_is_the_notebooks_linspace():
 def test_magnitude_masks_drop_the_smallest_of_each_layer_and_nest(getkey):
     model = lottery.initial_model(lottery.Config(hidden=8))
     first = lottery.magnitude_masks(model, 0.3)
-    for layer, (weight_mask, bias_mask) in zip(model.layers, layer_masks(first)):
+    for layer, (weight_mask, bias_mask) in zip(model.layers, layer_masks(first), strict=True):
         keep = np.concatenate([weight_mask.ravel(), bias_mask.ravel()])
         scores = np.abs(np.concatenate([np.ravel(layer.weight), np.ravel(layer.bias)]))
         assert np.sum(~keep) == int(0.3 * keep.size)  # weights and bias pruned together, layer by layer
         assert scores[~keep].max() <= scores[keep].min()
     second = lottery.magnitude_masks(Masked(model, first).masked_model(), 0.6)  # zeros of round 1 go first
-    for (w1, b1), (w2, b2) in zip(layer_masks(first), layer_masks(second)):
+    for (w1, b1), (w2, b2) in zip(layer_masks(first), layer_masks(second), strict=True):
         assert not np.any(w2 & ~w1) and not np.any(b2 & ~b1)
     assert lottery.sparsity_of(second) == pytest.approx(0.6, abs=0.01)
 
@@ -41,12 +41,12 @@ def test_rewinding_restores_the_initial_weights_bitwise():
     masks = lottery.magnitude_masks(lottery.initial_model(config), 0.5)
     initial = lottery.initial_model(config)
     rewound = lottery.build_state(config, masks).model
-    for layer, start, (weight_mask, bias_mask) in zip(rewound.model.layers, initial.layers, layer_masks(masks)):
+    for layer, start, (weight_mask, bias_mask) in zip(rewound.model.layers, initial.layers, layer_masks(masks), strict=True):
         assert np.array_equal(np.asarray(layer.weight), np.where(weight_mask, start.weight, 0.0))
         assert np.array_equal(np.asarray(layer.bias), np.where(bias_mask, start.bias, 0.0))
     reinit = lottery.build_state(config, masks, reinit=True).model
     assert not np.array_equal(reinit.model.layers[0].weight, rewound.model.layers[0].weight)
-    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(reinit.masks), jax.tree.leaves(masks)))
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(reinit.masks), jax.tree.leaves(masks), strict=True))
 
 
 def test_pruned_weights_stay_exactly_zero_through_training(mnist1d_dir):
@@ -55,7 +55,7 @@ def test_pruned_weights_stay_exactly_zero_through_training(mnist1d_dir):
     run = lottery.setup(config, masks)
     start = run.build_state()
     trained = fit(start, run.train_data, num_steps=12, steps_per_call=4, progress=False).state.model
-    for layer, before, (weight_mask, _) in zip(trained.model.layers, start.model.model.layers, layer_masks(masks)):
+    for layer, before, (weight_mask, _) in zip(trained.model.layers, start.model.model.layers, layer_masks(masks), strict=True):
         weight = np.asarray(layer.weight)
         assert np.all(weight[~weight_mask] == 0.0)  # no gradient reaches them: Adam leaves them at zero
         assert np.mean(weight[weight_mask] != np.asarray(before.weight)[weight_mask]) > 0.5  # the others train
@@ -74,11 +74,11 @@ def test_each_round_prunes_the_previous_rounds_trained_weights(mnist1d_dir, tmp_
     names = ("round_000", "round_001", "round_002", "reinit_002", "random_002")
     dense, first, second, reinit, random = (final_model(n) for n in names)
     expected = lottery.magnitude_masks(first.masked_model(), 0.5)  # round 2 from round 1's trained weights
-    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(second.masks), jax.tree.leaves(expected)))
-    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(reinit.masks), jax.tree.leaves(expected)))
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(second.masks), jax.tree.leaves(expected), strict=True))
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(reinit.masks), jax.tree.leaves(expected), strict=True))
     kept = [[np.sum(w) + np.sum(b) for w, b in layer_masks(m)] for m in (random.masks, expected)]
     assert kept[0] == kept[1]  # the random mask is as sparse as the ticket's, layer by layer
-    assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(random.masks), jax.tree.leaves(expected)))
+    assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(random.masks), jax.tree.leaves(expected), strict=True))
     assert lottery.sparsity_of(dense.masks) == 0.0
     assert summary["sparsity"] == pytest.approx(0.5, abs=0.01)
     assert summary["round_sparsity"][1] == pytest.approx(0.25, abs=0.01)

@@ -31,14 +31,14 @@ def test_inner_run_is_the_engines_sgd_step(getkey):
     def unrolled_and_stepped(mlp, inputs, labels, key):
         trained, losses = metalearn.LearnedLearningRate(jnp.float32(0.7), mlp).inner_run(inputs, labels)
         state, step_losses = TrainState.create(mlp, optax.sgd(0.7), key=key), []
-        for x, y in zip(inputs, labels):
+        for x, y in zip(inputs, labels, strict=True):
             state, metrics = train_step(state, Batch(x, y))
             step_losses.append(metrics["loss"])
         return trained, losses, state.model, jnp.stack(step_losses)
 
     trained, losses, stepped, step_losses = unrolled_and_stepped(mlp, inputs, labels, getkey())
     np.testing.assert_allclose(losses, step_losses, rtol=1e-5)  # each loss is taken before its update
-    for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(stepped)):
+    for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(stepped), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 

@@ -145,7 +145,7 @@ def test_cnn_equals_the_torch_reference_convbase(getkey):
              torch.nn.Conv1d(25, 25, 3, stride=2, padding=1)]
     linear = torch.nn.Linear(125, 10)
     with torch.no_grad():
-        for ours, theirs in zip(model.convs, convs):
+        for ours, theirs in zip(model.convs, convs, strict=True):
             theirs.weight.copy_(torch.from_numpy(np.array(ours.weight)))
             theirs.bias.copy_(torch.from_numpy(np.array(ours.bias)[:, 0]))
         linear.weight.copy_(torch.from_numpy(np.array(model.head.weight)))
@@ -179,7 +179,7 @@ def test_conv1d_as_matmul_refuses_what_it_does_not_compute(getkey):
 
 def test_cnn_initialisation_has_torch_bounds(getkey):
     model = CNN1d(key=getkey())
-    for layer, fan_in in zip([*model.convs, model.head], [5, 75, 75, 125]):
+    for layer, fan_in in zip([*model.convs, model.head], [5, 75, 75, 125], strict=True):
         bound = 1 / np.sqrt(fan_in)
         assert float(jnp.max(jnp.abs(layer.weight))) <= bound
         assert float(jnp.max(jnp.abs(layer.weight))) > 0.9 * bound  # uniform over the whole interval
@@ -211,7 +211,7 @@ def test_resnet_batch_statistics_update_the_state_and_inference_uses_them(getkey
     logits, trained = forward(model, state, inputs, key=None)
     before = jax.tree.leaves(state)
     after = jax.tree.leaves(trained)
-    assert any(not np.array_equal(a, b) for a, b in zip(before, after))
+    assert any(not np.array_equal(a, b) for a, b in zip(before, after, strict=True))
     counter = trained.get(model.stem_norm.batch_counter)
     assert int(counter) == 1
 
@@ -225,7 +225,7 @@ def test_resnet_batch_statistics_update_the_state_and_inference_uses_them(getkey
     b, _ = forward(frozen, trained, other, key=None)
     np.testing.assert_allclose(a[0], b[0], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(a[0], call_one(frozen, trained, inputs[0]), rtol=1e-5, atol=1e-6)
-    assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(state_a), after))
+    assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(state_a), after, strict=True))
 
 
 def test_resnet_reduces_batch_statistics_over_several_named_axes(getkey):

@@ -98,7 +98,7 @@ def test_norms_and_clipping(getkey):
     assert np.all(new_norms <= clip * (1 + 1e-6))  # <= C up to float32 rounding
     inside = np.asarray(norms) <= clip
     assert 0 < inside.sum() < 32
-    for g, c in zip(leaves(grads), leaves(clipped)):
+    for g, c in zip(leaves(grads), leaves(clipped), strict=True):
         np.testing.assert_array_equal(np.asarray(c)[inside], np.asarray(g)[inside])  # unclipped: unchanged
         scale = (clip / np.asarray(norms)[~inside]).reshape((-1,) + (1,) * (g.ndim - 1))
         np.testing.assert_allclose(np.asarray(c)[~inside], np.asarray(g)[~inside] * scale, rtol=1e-5)
@@ -148,7 +148,7 @@ def test_dp_gradient_is_the_clipped_mean_plus_noise_of_the_promised_scale(getkey
     assert float(metrics["clipped_fraction"]) == pytest.approx(float(jnp.mean(norms > clip)))
     assert float(metrics["batch_size"]) == 64
 
-    noise = np.concatenate([np.ravel(n - e) for n, e in zip(leaves(noisy), leaves(exact))])
+    noise = np.concatenate([np.ravel(n - e) for n, e in zip(leaves(noisy), leaves(exact), strict=True)])
     assert noise.size > 2000
     assert np.std(noise) == pytest.approx(sigma * clip / 64, rel=0.05)
     assert abs(np.mean(noise)) < 4 * sigma * clip / 64 / np.sqrt(noise.size)

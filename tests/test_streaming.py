@@ -54,7 +54,7 @@ def test_every_loader_serves_the_device_loaders_batches_across_epochs():
             np.testing.assert_array_equal(batch.inputs, inputs[rows], err_msg=name)
             np.testing.assert_array_equal(batch.labels, labels[rows], err_msg=name)
         resumed = list(itertools.islice(loader.batches(13), 4))
-        for a, b in zip(batches[13:17], resumed):
+        for a, b in zip(batches[13:17], resumed, strict=True):
             np.testing.assert_array_equal(a.inputs, b.inputs, err_msg=name)
 
 

@@ -54,11 +54,11 @@ def test_each_member_equals_its_run_trained_alone(swept, name):
     together, alone = swept / "v" / name, swept / "alone" / name
     logged, expected = metrics(together), metrics(alone)
     assert [sorted(r) for r in logged] == [sorted(r) for r in expected]
-    for got, want in zip(logged, expected):
+    for got, want in zip(logged, expected, strict=True):
         np.testing.assert_allclose([got[k] for k in sorted(got)], [want[k] for k in sorted(want)], rtol=1e-5)
     a, b = load_run(together), load_run(alone)
     assert a.step == b.step == 56
-    for x, y in zip(jax.tree.leaves(a.model), jax.tree.leaves(b.model)):
+    for x, y in zip(jax.tree.leaves(a.model), jax.tree.leaves(b.model), strict=True):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
     assert float(a.state.opt_state.hyperparams["learning_rate"]) == pytest.approx(float(name.split(",")[0][3:]))
     inputs = a.setup.eval_data.host.inputs
@@ -132,7 +132,7 @@ def test_stack_members_keeps_each_members_hyperparameters_and_refuses_another_sh
     stacked = stack_members(states)
     assert stacked.opt_state.hyperparams["learning_rate"].tolist() == pytest.approx([0.1, 0.3])
     for k in range(2):
-        for x, y in zip(jax.tree.leaves(member(stacked, k)), jax.tree.leaves(states[k])):
+        for x, y in zip(jax.tree.leaves(member(stacked, k)), jax.tree.leaves(states[k]), strict=True):
             np.testing.assert_array_equal(x, y)
     with pytest.raises(ConfigError, match="member 1's state has other arrays than member 0's"):
         stack_members([state(0.1, 4), state(0.1, 8)])

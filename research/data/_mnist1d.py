@@ -96,7 +96,7 @@ def load_mnist1d(data_dir: str | os.PathLike = "data", *, seed: int = MNIST1D_SE
     path = cache_path(data_dir, seed, num_samples, train_split)
     if not path.exists():
         train, test = generate_mnist1d(seed, num_samples=num_samples, train_split=train_split)
-        _write_npz(path, dict(zip(_ARRAYS, (*train, *test))))
+        _write_npz(path, dict(zip(_ARRAYS, (*train, *test), strict=True)))
     try:
         with np.load(path, allow_pickle=False) as archive:
             arrays = {name: archive[name] for name in archive.files}

@@ -38,7 +38,7 @@ class CNN1d(eqx.Module):
     def __init__(self, length: int = 40, classes: int = 10, channels: int = 25, *, key: PRNGKeyArray):
         keys = jax.random.split(key, len(_LAYERS) + 1)
         convs, in_channels, out_length = [], 1, length
-        for (kernel, stride, padding), k in zip(_LAYERS, keys[:-1]):
+        for (kernel, stride, padding), k in zip(_LAYERS, keys[:-1], strict=True):
             convs.append(eqx.nn.Conv1d(in_channels, channels, kernel, stride=stride, padding=padding, key=k))
             in_channels, out_length = channels, conv_output_length(out_length, kernel, stride, padding)
         if out_length < 1:

@@ -72,7 +72,7 @@ class GRUClassifier(eqx.Module):
     ) -> Float[Array, " {self.classes}"]:
         steps = x.reshape(self.length // self.chunk, self.chunk)
         features = []
-        for cell, reverse in zip(self.cells, (False, True)):
+        for cell, reverse in zip(self.cells, (False, True), strict=False):  # one cell, or a second reversed
             def step(hidden, inputs, cell=cell):
                 hidden = cell(inputs, hidden)
                 return hidden, hidden

@@ -96,7 +96,7 @@ class ImageResNet(eqx.Module):
         strides = [2 if stage and i == 0 else 1 for stage in range(3) for i in range(blocks)]
         ins = [features, *widths[:-1]]
         self.blocks = tuple(ImageBlock(i, o, s, axis_name, momentum, key=k)
-                            for i, o, s, k in zip(ins, widths, strides, keys[1:-1]))
+                            for i, o, s, k in zip(ins, widths, strides, keys[1:-1], strict=True))
         self.head = eqx.nn.Linear(widths[-1], classes, key=keys[-1])
         self.height, self.width, self.channels, self.classes = height, width, channels, classes
         self.mean = tuple(float(m) for m in (mean if mean is not None else (0.5,) * channels))

@@ -36,7 +36,7 @@ class Masked(eqx.Module):
         params = eqx.filter(self.model, eqx.is_inexact_array)
         if jax.tree.structure(params) != jax.tree.structure(self.masks):
             raise ValueError("Masked: the masks must have the structure of the model's floating-point arrays")
-        for w, m in zip(jax.tree.leaves(params), jax.tree.leaves(self.masks)):
+        for w, m in zip(jax.tree.leaves(params), jax.tree.leaves(self.masks), strict=True):
             if m.shape != w.shape or m.dtype != jnp.bool_:
                 raise ValueError(f"Masked: a mask must be a bool array of its weight's shape {w.shape}, "
                                  f"got {m.dtype}{list(m.shape)}")

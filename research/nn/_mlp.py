@@ -54,7 +54,7 @@ class MLP(eqx.Module):
         activation_by_name(activation)  # fail early on a typo
         sizes = (in_size, *hidden, out_size)
         keys = jax.random.split(key, len(sizes) - 1)
-        self.layers = tuple(eqx.nn.Linear(a, b, key=k) for a, b, k in zip(sizes[:-1], sizes[1:], keys))
+        self.layers = tuple(eqx.nn.Linear(a, b, key=k) for a, b, k in zip(sizes[:-1], sizes[1:], keys, strict=True))
         self.activation = activation
         self.residual = residual
 

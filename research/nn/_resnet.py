@@ -100,7 +100,7 @@ class ResNet1d(eqx.Module):
         ins = (widths[0], *widths[:-1])
         self.blocks = tuple(
             ResidualBlock(i, o, 1 if n == 0 else 2, axis_name, momentum, key=k)
-            for n, (i, o, k) in enumerate(zip(ins, widths, keys[1:-1]))
+            for n, (i, o, k) in enumerate(zip(ins, widths, keys[1:-1], strict=True))
         )
         self.head = eqx.nn.Linear(widths[-1], classes, key=keys[-1])
         self.length, self.classes, self.widths = length, classes, widths

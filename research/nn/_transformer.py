@@ -113,7 +113,7 @@ class TransformerClassifier(eqx.Module):
         embed_key, *block_keys = _split(key, len(self.blocks) + 1)
         tokens = jax.vmap(self.embed)(x.reshape(self.length // self.patch, self.patch)) + self.positions
         tokens = self.embed_dropout(tokens, key=embed_key)
-        for block, block_key in zip(self.blocks, block_keys):
+        for block, block_key in zip(self.blocks, block_keys, strict=True):
             tokens = block(tokens, key=block_key)
         pooled = jnp.mean(jax.vmap(self.norm)(tokens), axis=0)
         return self.head(pooled)

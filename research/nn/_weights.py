@@ -40,7 +40,7 @@ def array_names(tree: Any) -> list[str]:
     for path, node in jax.tree_util.tree_flatten_with_path(arrays, is_leaf=is_state)[0]:
         if is_state(node):
             values, markers = node.tree_flatten()
-            for marker, value in zip(markers, values):
+            for marker, value in zip(markers, values, strict=True):
                 owner = re.sub(r"\[(\w+)\]", r".\1", str(marker)).split(".")
                 names += [".".join(_dotted(path) + owner + _dotted(sub))
                           for sub, _ in jax.tree_util.tree_flatten_with_path(value)[0]]
@@ -109,7 +109,7 @@ def _fill(path: str | Path, tree: T, arrays: Mapping[str, np.ndarray], prefix: s
     dynamic, static = eqx.partition(tree, eqx.is_array)
     leaves, treedef = jax.tree.flatten(dynamic)
     filled = []
-    for name, leaf in zip(array_names(tree), leaves):
+    for name, leaf in zip(array_names(tree), leaves, strict=True):
         found = arrays.get(prefix + name)
         if found is None:
             raise CheckpointError(f"{path} has no {prefix + name} ({list(leaf.shape)} {leaf.dtype})")

@@ -42,9 +42,11 @@ def add_gaussian_noise(tree: PyTree, key: PRNGKeyArray, std: float | Float[Array
     # (benchmarks/findings.md, case (e)). Both branches draw the same noise: the predicate, which
     # XLA cannot fold, changes nothing. (Under vmap with a batched key the conditional becomes a select
     # of two equal values, which XLA folds back: the draw is then fused as before.)
-    draw = lambda keys: [random_normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]  # noqa: E731
+    def draw(keys: Array) -> list[Array]:  # not strict: a tree without leaves still has a key (for the predicate)
+        return [random_normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys, strict=False)]
+
     noise = jax.lax.cond(jax.random.key_data(keys[0])[0] > 0, draw, draw, keys)
-    noisy = [x + std * n for x, n in zip(leaves, noise)]
+    noisy = [x + std * n for x, n in zip(leaves, noise, strict=True)]
     return jax.tree.unflatten(treedef, noisy)
 
 

@@ -62,7 +62,7 @@ def _population_setup(experiment: str, configs: Sequence[Options], setups: Seque
     if len({setup.num_steps for setup in setups}) > 1 or any(s.loss_fn != first.loss_fn for s in setups):
         raise UsageError("--vmapped: the members train for different numbers of steps or with different losses")
     return Setup(
-        build_state=lambda: stack_members([initial_state(s, c) for s, c in zip(setups, configs)]),
+        build_state=lambda: stack_members([initial_state(s, c) for s, c in zip(setups, configs, strict=True)]),
         train_data=DeviceLoader.for_members(loaders), eval_data=first.eval_data, val_data=first.val_data,
         num_steps=first.num_steps,
         loss_fn=first.loss_fn, population=True)
@@ -113,7 +113,7 @@ def sweep_vmapped(experiment: str, module: Any, runs: Sequence[Run], configs: Se
     records = population_run.read_metrics()
     written, writer = [], CheckpointWriter()
     try:
-        for k, (run, config, setup) in enumerate(zip(runs, configs, setups)):
+        for k, (run, config, setup) in enumerate(zip(runs, configs, setups, strict=True)):
             if write is None or run.name in write:
                 _write_member(experiment, run, config, setup, state, records, summary, k, writer)
                 written.append(run)

@@ -114,7 +114,7 @@ def compare_runs(run_dirs: Sequence[str | Path], over: Sequence[str] = ()) -> st
         return "\n".join(lines)
     header = ["run", *differing, *metrics]
     lines = [_row(header), "|" + "|".join(" --- " for _ in header) + "|"]
-    for label, setting, (numbers, finished) in zip(labels, settings, finals):
+    for label, setting, (numbers, finished) in zip(labels, settings, finals, strict=True):
         cells = [label + ("" if finished else " (unfinished)")]
         cells += [_format(k, setting.get(k)) for k in differing]
         cells += [_format(k, numbers.get(k)) for k in metrics]

@@ -118,7 +118,7 @@ def grid_runs(make: Callable[[dict[str, str]], Run], axes: Sequence[Axis]) -> li
         if axis.range is not None:
             raise UsageError(f"{axis.key}: a range is for --search random or tpe; a grid takes a list "
                              f"({axis.key}=a,b,c)")
-    return [make(dict(zip([a.key for a in axes], combo))) for combo in itertools.product(*(a.values for a in axes))]
+    return [make(dict(zip([a.key for a in axes], combo, strict=True))) for combo in itertools.product(*(a.values for a in axes))]
 
 
 def _check_points(config_class: type, make: Callable[[dict[str, str]], Run], axes: Sequence[Axis]) -> None:
@@ -190,7 +190,7 @@ def sweep_grid(runs: Sequence[Run], configs: Sequence[Any], sweep_dir: Path, job
             failed.append((outcome, outcome.last_error))
 
     pending = []
-    for run, config in zip(runs, configs):
+    for run, config in zip(runs, configs, strict=True):
         if finished_before(run, _as_saved(config)):
             finished(Outcome(run, 0, 0.0, "", skipped=True))
         else:
@@ -211,7 +211,7 @@ def sweep_jobs(args: Any, runs: Sequence[Run], configs: Sequence[Any], title: st
                    "--sweep-dir", str(args.sweep_dir), "--metric", args.metric, "--", *args.flags)
         jobs = [Run("population", (), args.sweep_dir, command)]
     else:
-        jobs = [run for run, config in zip(runs, configs) if not finished_before(run, _as_saved(config))]
+        jobs = [run for run, config in zip(runs, configs, strict=True) if not finished_before(run, _as_saved(config))]
     progress = Progress(len(runs), args.metric)
     for run in runs:
         if not args.vmapped and run not in jobs:
@@ -273,7 +273,7 @@ def sweep_population(experiment: str, module: types.ModuleType, runs: Sequence[R
     runs that did not; report them all."""
     progress = Progress(len(runs), metric)
     pending = []
-    for run, config in zip(runs, configs):
+    for run, config in zip(runs, configs, strict=True):
         if finished_before(run, _as_saved(config)):
             progress(Outcome(run, 0, 0.0, "", skipped=True))
         else:
