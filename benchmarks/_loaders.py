@@ -13,8 +13,17 @@ import jax
 import numpy as np
 import optax
 
-from research.data import (ArrayDataset, Batch, DeviceLoader, GrainLoader, TorchLoader, epoch_seed, load_mnist1d,
-                           make_dataloader, read_array)
+from research.data import (
+    ArrayDataset,
+    Batch,
+    DeviceLoader,
+    GrainLoader,
+    TorchLoader,
+    epoch_seed,
+    load_mnist1d,
+    make_dataloader,
+    read_array,
+)
 from research.nn import MLP
 from research.train import TrainState, fit
 

@@ -27,7 +27,7 @@ def machine() -> dict:
         except importlib.metadata.PackageNotFoundError:
             versions[name] = "not installed"
     return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "versions": versions,
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+            "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")}
 
 
 def _fmt_seconds(s: float) -> str:

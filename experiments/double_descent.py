@@ -24,8 +24,20 @@ from typing import Any
 import jax
 import optax
 
-from research.cli import (EMA, Checkpointing, ConfigError, Devices, Tracking, Training, flag_name, main_entry,
-                          open_unit_interval, option, positive, unit_interval)
+from research.cli import (
+    EMA,
+    Checkpointing,
+    ConfigError,
+    Devices,
+    Tracking,
+    Training,
+    flag_name,
+    main_entry,
+    open_unit_interval,
+    option,
+    positive,
+    unit_interval,
+)
 from research.data import MNIST1D_CLASSES, MNIST1D_LENGTH, DeviceLoader, corrupt_labels, load_mnist1d
 from research.experiment import RUNS_ROOT, Setup, run_experiment
 from research.nn import build_model

@@ -14,8 +14,18 @@ from typing import Literal
 import jax
 import optax
 
-from research.cli import (EMA, Checkpointing, Devices, Tracking, Training, main_entry, non_negative,
-                          open_unit_interval, option, positive)
+from research.cli import (
+    EMA,
+    Checkpointing,
+    Devices,
+    Tracking,
+    Training,
+    main_entry,
+    non_negative,
+    open_unit_interval,
+    option,
+    positive,
+)
 from research.data import DeviceLoader, load_mnist1d
 from research.experiment import Setup, run_experiment
 from research.nn import build_model

@@ -16,8 +16,19 @@ from typing import Any
 import jax
 import optax
 
-from research.cli import (EMA, Checkpointing, ConfigError, Devices, Tracking, Training, main_entry, non_negative,
-                          open_unit_interval, option, positive)
+from research.cli import (
+    EMA,
+    Checkpointing,
+    ConfigError,
+    Devices,
+    Tracking,
+    Training,
+    main_entry,
+    non_negative,
+    open_unit_interval,
+    option,
+    positive,
+)
 from research.data import DeviceLoader, modular_addition
 from research.experiment import Setup, run_experiment
 from research.nn import LastTokenClassifier

@@ -14,10 +14,33 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from research.cli import (EMA, Checkpointing, ConfigError, Devices, Tracking, Training, main_entry, non_negative,
-                          option, positive, unit_interval)
-from research.data import (FORMATS_HELP, ArrayDataset, Batch, GrainLoader, ImageData, TorchLoader, eval_loader,
-                           make_dataloader, random_crop_flip, read_image_data, train_and_eval_loaders, validation_rows)
+from research.cli import (
+    EMA,
+    Checkpointing,
+    ConfigError,
+    Devices,
+    Tracking,
+    Training,
+    main_entry,
+    non_negative,
+    option,
+    positive,
+    unit_interval,
+)
+from research.data import (
+    FORMATS_HELP,
+    ArrayDataset,
+    Batch,
+    GrainLoader,
+    ImageData,
+    TorchLoader,
+    eval_loader,
+    make_dataloader,
+    random_crop_flip,
+    read_image_data,
+    train_and_eval_loaders,
+    validation_rows,
+)
 from research.experiment import Setup, run_experiment
 from research.nn import build_model
 from research.parallel import batch_axis_name

@@ -14,8 +14,18 @@ import jax
 import numpy as np
 import optax
 
-from research.cli import (EMA, Checkpointing, ConfigError, Devices, Tracking, Training, main_entry, option,
-                          non_negative, positive)
+from research.cli import (
+    EMA,
+    Checkpointing,
+    ConfigError,
+    Devices,
+    Tracking,
+    Training,
+    main_entry,
+    non_negative,
+    option,
+    positive,
+)
 from research.data import DeviceLoader, next_byte_windows, read_text_bytes, reference_bits_per_byte, split_held_out
 from research.experiment import Setup, run_experiment
 from research.nn import LanguageModel, build_model

@@ -17,10 +17,16 @@ from typing import Any, Literal
 import jax
 import optax
 
-from research.cli import (EMA, Checkpointing, Devices, Tracking, Training, main_entry, non_negative, option,
-                          positive)
-from research.data import (MNIST1D_CLASSES, MNIST1D_LENGTH, MNIST1D_TRAIN_SIZE, eval_loader, load_mnist1d,
-                           split_validation, train_and_eval_loaders)
+from research.cli import EMA, Checkpointing, Devices, Tracking, Training, main_entry, non_negative, option, positive
+from research.data import (
+    MNIST1D_CLASSES,
+    MNIST1D_LENGTH,
+    MNIST1D_TRAIN_SIZE,
+    eval_loader,
+    load_mnist1d,
+    split_validation,
+    train_and_eval_loaders,
+)
 from research.experiment import Setup, run_experiment
 from research.nn import build_model, model_names
 from research.train import TrainState

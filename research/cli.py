@@ -44,10 +44,9 @@ from .config import (
     Devices,
     Options,
     Resume,
+    Tracking,
     TrainConfig,
     Training,
-    Tracking,
-    strip_optional,
     check_combination,
     check_option,
     flag_name,
@@ -55,9 +54,10 @@ from .config import (
     open_unit_interval,
     option,
     positive,
+    strip_optional,
     unit_interval,
 )
-from .errors import Preempted, ConfigError, ResearchInputError
+from .errors import ConfigError, Preempted, ResearchInputError
 
 try:  # private but documented: tyro's parse-error hook, for one-line refusals
     from tyro import _errors as tyro_errors

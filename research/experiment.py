@@ -6,8 +6,8 @@ import importlib.util
 import json
 import math
 import sys
-import types
 import time
+import types
 import typing
 import warnings
 from collections.abc import Callable, Sequence
@@ -18,16 +18,30 @@ import equinox as eqx
 import jax
 import numpy as np
 
+from . import population
 from .config import ConfigError, Options, check_combination, profile_window, resumable_options, strip_optional
 from .data import Batch, DeviceLoader, GrainLoader, HostLoader, TorchLoader
+from .errors import CheckpointError, Preempted
 from .parallel import check_device_count, make_placement, process_zero_text
-from . import population
 from .population import evaluate_population
 from .provenance import describe_parameters, git_state, machine, parameter_counts, peak_memory, versions
-from .errors import CheckpointError, Preempted
 from .tracking import RunTrackers, open_trackers, run_files
-from .train import (Ending, Evaluator, FitResult, LossFn, Placement, Profile, RunDir, TrainState, bytes_on_first_device,
-                    classification_loss, evaluate_state, fit, load_checkpoint, read_header)
+from .train import (
+    Ending,
+    Evaluator,
+    FitResult,
+    LossFn,
+    Placement,
+    Profile,
+    RunDir,
+    TrainState,
+    bytes_on_first_device,
+    classification_loss,
+    evaluate_state,
+    fit,
+    load_checkpoint,
+    read_header,
+)
 
 RUNS_ROOT = Path("runs")
 

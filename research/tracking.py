@@ -15,6 +15,7 @@ from typing import Any
 from .errors import ConfigError
 from .train import TRACKERS, Ending, MlflowTracker, RunDir, RunTracker, TensorBoardTracker, WandbTracker, parse_trackers
 
+
 def trackers_of(config: Any) -> tuple[str, ...]:
     """The trackers a config asks for (`--tensorboard` spells `--tracker tensorboard`)."""
     names = set(parse_trackers(config.tracker)) | ({"tensorboard"} if config.tensorboard else set())

@@ -29,8 +29,9 @@ from jaxtyping import install_import_hook
 with install_import_hook("research", "beartype.beartype"):  # the same shape checks as the test suite
     import jax
 
-    import research.population
-    import research.per_example  # noqa: F401  the experiments' imports of research, checked too
+    # The experiments' imports of research, checked too (imported for the hook, not used here).
+    import research.per_example  # noqa: F401
+    import research.population  # noqa: F401
     from research.cli import main_entry
     from research.experiment import load_experiment
 

@@ -21,9 +21,9 @@ with install_import_hook("research", "beartype.beartype"):  # the same shape che
     import jax.numpy as jnp
     import optax
 
-    from research.errors import Preempted
     from research.cli import ConfigError, TrainConfig, option, parse_config
     from research.data import ArrayDataset, DeviceLoader, GrainLoader, TorchLoader, XORDataset, dataset_arrays
+    from research.errors import Preempted
     from research.experiment import run_experiment
     from research.nn import MLP
     from research.parallel import batch_axis_name, exit_together, setup_devices

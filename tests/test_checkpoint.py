@@ -13,8 +13,17 @@ import pytest
 from research.cli import main_entry
 from research.experiment import load_experiment
 from research.nn import MLP
-from research.train import (CheckpointError, CheckpointWriter, RunDir, TrainState, checkpoint_digest, load_checkpoint,
-                            read_header, save_checkpoint, tree_digest)
+from research.train import (
+    CheckpointError,
+    CheckpointWriter,
+    RunDir,
+    TrainState,
+    checkpoint_digest,
+    load_checkpoint,
+    read_header,
+    save_checkpoint,
+    tree_digest,
+)
 
 
 def make_state(seed=0, hidden=8):

@@ -30,9 +30,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_tracking import assert_same_history, jsonl_history, mlflow_history, tensorboard_history, wandb_history
 
 from research.train import RunDir, read_wandb_runs
-from test_tracking import assert_same_history, jsonl_history, mlflow_history, tensorboard_history, wandb_history
 
 # -- the grid ------------------------------------------------------------------------------------------
 # Flags and spellings change as the CLI evolves: everything the runs pass is in this block.

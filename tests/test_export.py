@@ -15,9 +15,9 @@ from research import load_run
 from research.cli import main_entry
 from research.experiment import load_experiment
 from research.nn import MLP, array_names, build_model, load_weights, named_arrays, read_weights, save_weights
+from research.tools import export
 from research.train import RunDir, TrainState, checkpoint_digest, load_checkpoint, save_checkpoint, tree_digest
 from research.train._checkpoint import COMMIT_FILE, _file_digests, write_atomic
-from research.tools import export
 
 xor = load_experiment("xor")
 QUICK = ["--epochs", "2", "--train-size", "256", "--test-size", "64", "--batch-size", "32", "--no-progress"]
@@ -85,8 +85,8 @@ def test_export_writes_the_models_arrays_under_their_names_with_the_config(train
     run = load_run(trained / "xor")
     model = run.ema_model if ema else run.model
     if format == "safetensors":
-        from safetensors.numpy import load_file
         from safetensors import safe_open
+        from safetensors.numpy import load_file
 
         arrays = load_file(str(out))  # the safetensors library alone
         with safe_open(str(out), framework="numpy") as f:

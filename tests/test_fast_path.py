@@ -14,9 +14,9 @@ from research.nn import MLP
 from research.state import RunningMean
 from research.train import CompiledTrainer, TrainState, classification_loss, compiled_trainer, train_step
 from research.train._compiled import NONFINITE_GRADIENT, NONFINITE_LOSS, StepStats, host_means, layout_of
-from research.train._packing import PACK_LIMIT, Packing
 from research.train._engine import _window_from_header, window_to_header
 from research.train._keys import split_key_data
+from research.train._packing import PACK_LIMIT, Packing
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2**31 - 1])

@@ -6,10 +6,10 @@ import shutil
 
 import numpy as np
 import pytest
-
-from research.data import (ImageData, detect_format, read_array, read_idx, read_image_data)
-from research.errors import DataError
 from _image_formats import digits, write_formats, write_idx
+
+from research.data import ImageData, detect_format, read_array, read_idx, read_image_data
+from research.errors import DataError
 
 
 @pytest.fixture(scope="module")

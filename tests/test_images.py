@@ -7,13 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _entry import run_entry
 from jaxtyping import TypeCheckError
 
 from research.data import random_crop_flip
 from research.nn import ImageResNet, build_model, conv2d_as_matmul
 from research.train import RunDir, forward
-
-from _entry import run_entry
 
 # Digits need no crops or flips; a small ResNet (8, 16, 32 channels, one block a stage) for 3 epochs.
 DIGITS = ["--epochs", "3", "--features", "8", "--blocks", "1", "--batch-size", "32", "--lr", "0.05",

@@ -8,11 +8,11 @@ import time
 from pathlib import Path
 
 import pytest
+from test_sweep import TINY, run_sweep
 
 from research.tools import sweep
 from research.tools._jobs import submit_and_collect
 from research.train import RunDir
-from test_sweep import TINY, run_sweep
 
 submitit = pytest.importorskip("submitit")
 

@@ -16,8 +16,14 @@ import pytest
 from jaxtyping import TypeCheckError
 
 from research.cli import main_entry
-from research.data import (Batch, DeviceLoader, next_byte_windows, read_text_bytes, reference_bits_per_byte,
-                           split_held_out)
+from research.data import (
+    Batch,
+    DeviceLoader,
+    next_byte_windows,
+    read_text_bytes,
+    reference_bits_per_byte,
+    split_held_out,
+)
 from research.experiment import load_experiment
 from research.nn import LanguageModel, build_model
 from research.train import NextTokenLoss, TrainState, evaluate_language_model, train_step

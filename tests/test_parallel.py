@@ -19,14 +19,15 @@ import equinox as eqx
 import jax
 import numpy as np
 import pytest
+from test_tracking import assert_same_history, jsonl_history, mlflow_history, mlflow_runs, wandb_history
 
 from research.cli import ConfigError
 from research.data import DeviceLoader, XORDataset
 from research.parallel import (
     DeviceError,
+    OneDevice,
     Pmap,
     Sharded,
-    OneDevice,
     batch_axis_name,
     check_split,
     make_placement,
@@ -36,7 +37,6 @@ from research.parallel import (
 )
 from research.tools.launch import launch
 from research.train import RunDir, checkpoint_digest, fit, load_checkpoint, read_wandb_runs
-from test_tracking import assert_same_history, jsonl_history, mlflow_history, mlflow_runs, wandb_history
 
 ROOT = Path(__file__).parent.parent
 WORKER = Path(__file__).parent / "_parallel_worker.py"

@@ -16,10 +16,19 @@ import pytest
 
 from research.cli import main_entry
 from research.data import DeviceLoader, XORDataset
-from research.nn import MLP
 from research.errors import Preempted
-from research.train import (CheckpointWriter, NonFiniteError, RunDir, TrainState, checkpoint_digest, evaluate_state,
-                            fit, load_checkpoint, tree_digest)
+from research.nn import MLP
+from research.train import (
+    CheckpointWriter,
+    NonFiniteError,
+    RunDir,
+    TrainState,
+    checkpoint_digest,
+    evaluate_state,
+    fit,
+    load_checkpoint,
+    tree_digest,
+)
 
 ROOT = Path(__file__).parent.parent
 spec = importlib.util.spec_from_file_location("xor_experiment", ROOT / "experiments" / "xor.py")

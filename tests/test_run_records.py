@@ -10,14 +10,13 @@ from pathlib import Path
 
 import jax
 import pytest
+from _entry import run_entry
 
 from research.nn import MLP
 from research.population import stack_states
 from research.provenance import git_state, parameter_counts
 from research.run import command
 from research.train import RunDir, TrainState
-
-from _entry import run_entry
 
 ROOT = Path(__file__).parent.parent
 QUICK = ["--no-progress", "--train-size", "256", "--test-size", "64", "--batch-size", "32", "--log-every", "4",

@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from test_sweep import run_sweep
+from test_tracking import assert_same_history, jsonl_history, mlflow_history, mlflow_runs, wandb_history
 
 from research import load_run
 from research.data import Batch, DeviceLoader, split_validation
@@ -19,8 +21,6 @@ from research.population import member, stack_members
 from research.tools import sweep
 from research.tools._vmapped import member_values
 from research.train import RunDir, TrainState, read_wandb_runs
-from test_sweep import run_sweep
-from test_tracking import assert_same_history, jsonl_history, mlflow_history, mlflow_runs, wandb_history
 
 # 8 steps an epoch: 56 steps, evaluated at the end.
 NAMES = ["lr=0.1,seed=0", "lr=0.1,seed=1", "lr=0.5,seed=0", "lr=0.5,seed=1"]

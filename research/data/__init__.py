@@ -2,6 +2,21 @@
 (IDX, CIFAR binary, an image folder, .npz), label noise, numpy collation, a torch DataLoader builder and a
 device-resident loader."""
 
+from ._augment import random_crop_flip
+from ._grain import GrainLoader
+from ._images import (
+    FORMATS_HELP,
+    ImageData,
+    detect_format,
+    read_array,
+    read_cifar,
+    read_idx,
+    read_idx_directory,
+    read_image_data,
+    read_image_folder,
+    read_npy_directory,
+    read_npz,
+)
 from ._loaders import (
     ArrayDataset,
     Batch,
@@ -19,21 +34,6 @@ from ._loaders import (
     split_validation,
     train_and_eval_loaders,
     validation_rows,
-)
-from ._augment import random_crop_flip
-from ._grain import GrainLoader
-from ._images import (
-    FORMATS_HELP,
-    ImageData,
-    detect_format,
-    read_array,
-    read_cifar,
-    read_idx,
-    read_idx_directory,
-    read_image_data,
-    read_image_folder,
-    read_npy_directory,
-    read_npz,
 )
 from ._mnist1d import (
     MNIST1D_CLASSES,

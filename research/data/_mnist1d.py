@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..typing import Float, Int, typecheck
 from ..errors import DataError
+from ..typing import Float, Int, typecheck
 from ._loaders import Batch
 
 MNIST1D_LENGTH = 40

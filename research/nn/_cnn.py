@@ -2,8 +2,8 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from ._conv import conv1d_as_matmul
 from ..typing import Array, Float, PRNGKeyArray, typecheck
+from ._conv import conv1d_as_matmul
 
 # (kernel, stride, padding) of the three convolutions of MNIST-1D's reference `ConvBase`.
 _LAYERS = ((5, 2, 1), (3, 2, 1), (3, 2, 1))

@@ -7,8 +7,7 @@ several processes, `--coordinator-address --num-processes --process-id` (or `scr
 
 from ..train import OneDevice, Placement
 from ._devices import DeviceError, check_device_count, simulate_cpu_devices
-from ._distributed import (LOST_PEER_STATUS, ProcessGroup, exit_together, process_group, process_zero_text,
-                           setup_devices)
+from ._distributed import LOST_PEER_STATUS, ProcessGroup, exit_together, process_group, process_zero_text, setup_devices
 from ._placements import (
     DATA_AXIS,
     DEVICE_AXIS,

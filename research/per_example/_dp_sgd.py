@@ -21,8 +21,14 @@ import jax.numpy as jnp
 from ..data import Batch
 from ..train import Metrics, random_normal
 from ..typing import Array, Float, PRNGKeyArray, PyTree, typecheck
-from ._grads import (CLIPPING_METHODS, ClippingMethod, ExampleLossFn, classification_example_loss,
-                     clipped_gradient_sum, per_example_losses)
+from ._grads import (
+    CLIPPING_METHODS,
+    ClippingMethod,
+    ExampleLossFn,
+    classification_example_loss,
+    clipped_gradient_sum,
+    per_example_losses,
+)
 
 PADDING_LABEL = -1
 

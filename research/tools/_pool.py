@@ -9,8 +9,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from .launch import stop
 from ..train import RunDir
+from .launch import stop
 
 # What `run_experiment` prints when `--resume auto` finds the run finished (it then exits 0, touching nothing).
 ALREADY_FINISHED = ": nothing to train"

@@ -50,9 +50,9 @@ from ..experiment import RUNS_ROOT, load_experiment
 from ..progress import format_duration
 from ..train import RunDir
 from ._axes import SET_BY_SWEEP, Axis, check_passed_flags, flag_words, parse_axis, run_name, sweepable_fields
+from ._jobs import EXECUTORS, submit_and_collect
 from ._pool import INTERRUPTS, Outcome, Run, run_all
 from ._runs import Parser, UsageError, fail
-from ._jobs import EXECUTORS, submit_and_collect
 from ._vmapped import check_vmappable, sweep_vmapped
 from .compare_runs import compare_runs
 from .plot_runs import plot_runs

@@ -1,35 +1,27 @@
 """TrainState, the pure train step and its compiled fast path, evaluation, fit, checkpoints (Orbax), run
 dirs, trackers."""
 
+from ..errors import CheckpointError, DataError, NonFiniteError
 from ._checkpoint import CheckpointWriter, checkpoint_digest, load_checkpoint, read_header, save_checkpoint, tree_digest
 from ._compiled import CompiledTrainer, compiled_trainer
-from ._evaluate import evaluate, evaluate_state, padded_batches
-from ._placement import (Leaves, OneDevice, Placement, batch_norm_layers, bytes_on_first_device, check_batch_norm_axis,
-                         copy_leaves, first_device)
-from ..errors import CheckpointError, DataError, NonFiniteError
 from ._engine import Engine, FitResult, StepInfo
+from ._evaluate import evaluate, evaluate_state, padded_batches
 from ._fit import fit
-from ._language import NextTokenLoss, evaluate_language_model, next_token_sums
 from ._hooks import Checkpoint, Evaluate, Evaluator, NonFiniteGuard, Profile, ShowProgress, Track
-from ._rundir import RunDir
-from ._tracking import (
-    TRACKERS,
-    Ending,
-    JsonlTracker,
-    MultiTracker,
-    RunTracker,
-    TensorBoardTracker,
-    Tracker,
-    read_tensorboard_scalars,
-    scalars,
-    tensorboard_problem,
-    parse_trackers,
-    tracker_problem,
-    trackers_problem,
-)
-from ._mlflow import MlflowTracker
-from ._wandb import WandbTracker, read_wandb_runs
 from ._keys import random_normal
+from ._language import NextTokenLoss, evaluate_language_model, next_token_sums
+from ._mlflow import MlflowTracker
+from ._placement import (
+    Leaves,
+    OneDevice,
+    Placement,
+    batch_norm_layers,
+    bytes_on_first_device,
+    check_batch_norm_axis,
+    copy_leaves,
+    first_device,
+)
+from ._rundir import RunDir
 from ._state import (
     LossFn,
     Metrics,
@@ -41,6 +33,22 @@ from ._state import (
     loss_value_and_grad,
     train_step,
 )
+from ._tracking import (
+    TRACKERS,
+    Ending,
+    JsonlTracker,
+    MultiTracker,
+    RunTracker,
+    TensorBoardTracker,
+    Tracker,
+    parse_trackers,
+    read_tensorboard_scalars,
+    scalars,
+    tensorboard_problem,
+    tracker_problem,
+    trackers_problem,
+)
+from ._wandb import WandbTracker, read_wandb_runs
 
 __all__ = [
     "TRACKERS",

@@ -9,8 +9,8 @@ import numpy as np
 from ..data import DeviceLoader, GrainLoader, HostLoader, TorchLoader
 from ..progress import Progress
 from ._engine import Engine, FitResult
-from ._hooks import Checkpoint, Evaluate, Evaluator, NonFiniteGuard, Profile, ShowProgress, Track
 from ._evaluate import evaluate_state
+from ._hooks import Checkpoint, Evaluate, Evaluator, NonFiniteGuard, Profile, ShowProgress, Track
 from ._placement import OneDevice, Placement
 from ._rundir import RunDir
 from ._state import LossFn, TrainState, classification_loss

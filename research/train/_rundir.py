@@ -36,7 +36,7 @@ class RunDir:
     @staticmethod
     def new_path(root: str | Path, experiment: str) -> Path:
         """`root/experiment/<UTC timestamp>`, with a suffix if that name is taken."""
-        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+        stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
         path = Path(root) / experiment / stamp
         n = 1
         while path.exists():
