@@ -17,7 +17,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a smoke run of a few seconds a case (not a measurement)")
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {','.join(CASES)} "
                         "(default: all)")
-    parser.add_argument("--out", default=None, help="output directory (default: docs, or runs/bench-quick with --quick)")
+    parser.add_argument("--out", default=None,
+                        help="output directory (default: docs, or runs/bench-quick with --quick)")
     args = parser.parse_args(argv)
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     unknown = [c for c in cases if c not in CASES]

@@ -11,16 +11,14 @@ import numpy as np
 import optax
 import torch
 
-from research.data import DeviceLoader
+from research.data import DeviceLoader, generate_mnist1d
+from research.nn import CNN1d
 from research.train import TrainState, fit
 
 from ._frameworks import at_best_thread_count
 from ._timing import Timing
 
 BATCH, LR, STEPS = 100, 1e-2, 8000
-
-from research.data import generate_mnist1d
-from research.nn import CNN1d
 
 SOURCE = "research.nn.CNN1d (convolutions as patches @ weight), research.data.generate_mnist1d"
 

@@ -23,8 +23,8 @@ OPACUS_MISSING = "skipped: opacus is not installed (install the `bench` extra: p
 
 def at_best_thread_count(name: str, run: Callable[..., object], *args: object) -> tuple[str, Callable[..., object]]:
     """A PyTorch candidate at whichever of its default thread count and one thread is faster for IT here
-    (timing `run(*args)`): `(name with the count, run with that count)`. Measured per case (one warm call each way), since
-    the answer differs by workload: a compute-bound MLP wants every core, while a small CNN's ops
+    (timing `run(*args)`): `(name with the count, run with that count)`. Measured per case (one warm call each
+    way), since the answer differs by workload: a compute-bound MLP wants every core, while a small CNN's ops
     are too short for OpenMP threads to pay for their synchronisation, and on a loaded machine two
     threads can be ten times slower than one."""
     import time

@@ -23,8 +23,9 @@ PLACEMENTS = {"one device": [], "data parallel, 4 devices (sharded)": ["--device
 
 
 def _run(flags: list[str], steps: int, run_dir: Path) -> dict:
-    command = [sys.executable, str(ROOT / "experiments" / "lm.py"), "--steps", str(steps), "--log-every", str(steps // 2),
-               "--steps-per-call", str(steps // 4), "--text-bytes", "400000", "--dim", "128", "--no-progress",
+    command = [sys.executable, str(ROOT / "experiments" / "lm.py"), "--steps", str(steps),
+               "--log-every", str(steps // 2), "--steps-per-call", str(steps // 4), "--text-bytes", "400000",
+               "--dim", "128", "--no-progress",
                "--no-compilation-cache", "--run-dir", str(run_dir), *flags]
     result = subprocess.run(command, capture_output=True, text=True, timeout=900)
     if result.returncode:

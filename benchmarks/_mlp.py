@@ -202,7 +202,8 @@ def nnx_step(steps):
 
     @nnx.jit
     def train_step(model, optimizer, x, y):
-        loss, grads = nnx.value_and_grad(lambda m: optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean())(model)
+        loss, grads = nnx.value_and_grad(
+            lambda m: optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean())(model)
         optimizer.update(model, grads)
         return loss
 

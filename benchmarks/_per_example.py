@@ -126,8 +126,9 @@ def check_equal() -> float:
 
 def run(quick: bool) -> dict:
     calls, repeats = (2, 2) if quick else (20, 9)
-    makers = {"ours: jit(vmap(grad)) on partitioned params": ours, "eqx.filter_jit(filter_vmap(filter_grad))": ours_filter,
-              "torch.func.vmap(grad)": torch_func, "PyTorch per-example loop": torch_loop}
+    makers = {"ours: jit(vmap(grad)) on partitioned params": ours,
+              "eqx.filter_jit(filter_vmap(filter_grad))": ours_filter, "torch.func.vmap(grad)": torch_func,
+              "PyTorch per-example loop": torch_loop}
     candidates = {}
     for name, make in makers.items():
         n = max(calls // 10, 1) if "loop" in name else calls

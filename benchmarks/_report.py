@@ -203,7 +203,8 @@ def write_markdown(path: Path, results: dict, info: dict, quick: bool, seconds: 
                   "XLA's to plan, so not given. Memory: the "
                   "temporary bytes XLA plans for the gradient computation of the step (`memory_analysis()`, "
                   "deterministic; for DP-SGD including its parameter-sized Gaussian noise), and for the clipped sum "
-                  "alone (`clipped_gradient_sum`, no noise); parameters, batch and gradient outputs come on top and are the same for all three.", ""]
+                  "alone (`clipped_gradient_sum`, no noise); parameters, batch and gradient outputs come on top and "
+                  "are the same for all three.", ""]
         lines += ["| model | candidate | median per step | IQR | x ordinary | gradient temp memory | x ordinary "
                   "| clipped sum alone |", "|" + " --- |" * 8]
         for model, timings in results["dp_sgd"]["models"].items():

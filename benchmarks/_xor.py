@@ -48,7 +48,10 @@ def ours_step(train, steps):
 def init_params(key):
     """The MLP's initialisation (uniform +-1/sqrt(fan_in), as eqx.nn.Linear)."""
     k1, k2, k3, k4 = jax.random.split(key, 4)
-    u = lambda k, shape, fan_in: jax.random.uniform(k, shape, minval=-fan_in**-0.5, maxval=fan_in**-0.5)
+
+    def u(k, shape, fan_in):
+        return jax.random.uniform(k, shape, minval=-(fan_in**-0.5), maxval=fan_in**-0.5)
+
     return {"w1": u(k1, (2, 8), 2), "b1": u(k2, (8,), 2), "w2": u(k3, (8, 1), 8), "b2": u(k4, (1,), 8)}
 
 
@@ -369,8 +372,9 @@ def run(quick: bool) -> dict:
     step_timings = interleave(candidates, repeats)
 
     epochs = 2 if quick else EPOCHS
-    run_makers = {"ours: fit": ours_fit, "pure JAX (one jit)": pure_jax_fit, "tutorial (DataLoader + linen)": tutorial_fit,
-                  "eqx.filter_jit loop": eqx_fit, "PyTorch eager": torch_fit}
+    run_makers = {"ours: fit": ours_fit, "pure JAX (one jit)": pure_jax_fit,
+                  "tutorial (DataLoader + linen)": tutorial_fit, "eqx.filter_jit loop": eqx_fit,
+                  "PyTorch eager": torch_fit}
     outs, run_candidates = {}, {}
     for name, make in run_makers.items():
         if name.startswith("tutorial") and not flax:

@@ -206,7 +206,8 @@ def main(config: Config) -> dict:
 
     summary = run_experiment("metalearn_lr", config, setup(config), summary_extra=learned,
                              summarize_run=plot_learning_rates)
-    rates = ", ".join(f"{lr:.4f} (from {start:g})" for start, lr in zip(summary["start_lr"], summary["learned_lr"], strict=True))
+    rates = ", ".join(f"{lr:.4f} (from {start:g})"
+                      for start, lr in zip(summary["start_lr"], summary["learned_lr"], strict=True))
     print(f"metalearn_lr: learned learning rate {rates} after {summary['step']} outer steps; published: about "
           f"{PUBLISHED_LR} from both 1.5 and 0.15 (Greydanus 2020, 8,000 training examples; here "
           f"{int(config.num_samples * MNIST1D_TRAIN_SPLIT):,})")

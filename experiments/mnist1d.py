@@ -167,7 +167,8 @@ def main(config: Config) -> dict:
     if config.model in PUBLISHED and jax.process_index() == 0:
         published, reached = PUBLISHED[config.model], summary["test_accuracy"]
         verdict = "at or above" if reached >= published else "BELOW"
-        print(f"{config.model}: {100 * reached:.2f}% is {verdict} the published {100 * published:.0f}% (Greydanus 2020)")
+        print(f"{config.model}: {100 * reached:.2f}% is {verdict} the published {100 * published:.0f}% "
+              "(Greydanus 2020)")
     return summary
 
 

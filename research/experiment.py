@@ -128,7 +128,8 @@ def resolve_run_dir(
     # A new run's default name is the time: every process takes process 0's (they save into one directory).
     path = Path(config.run_dir or process_zero_text(str(RunDir.new_path(RUNS_ROOT, experiment))))
     if writer and (path / "config.json").exists():
-        raise ConfigError(f"--run-dir {path} already holds a run; pass --resume to continue it, or pick a new directory")
+        raise ConfigError(f"--run-dir {path} already holds a run; pass --resume to continue it, or pick a new "
+                          "directory")
     return RunDir(path), None
 
 

@@ -114,10 +114,12 @@ def evaluate_ensemble(
     models = eqx.nn.inference_mode(models)
     batches, size = padded_batches(data)
     totals = [
-        _ensemble_eval_sums(models, model_states, Batch(jnp.asarray(b.inputs), jnp.asarray(b.labels)), jnp.asarray(mask))
+        _ensemble_eval_sums(models, model_states, Batch(jnp.asarray(b.inputs), jnp.asarray(b.labels)),
+                            jnp.asarray(mask))
         for b, mask in batches
     ]
-    member_loss, member_correct, loss, correct = (np.sum(np.stack(x), axis=0) for x in zip(*jax.device_get(totals), strict=True))
+    sums = zip(*jax.device_get(totals), strict=True)  # each of the four over the batches
+    member_loss, member_correct, loss, correct = (np.sum(np.stack(x), axis=0) for x in sums)
     return {
         "member_loss": member_loss / size,
         "member_accuracy": member_correct / size,

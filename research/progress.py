@@ -92,7 +92,8 @@ class Progress:
             text = format_metrics(metrics)
             print(
                 f"[{self.desc}] {self.unit} {step}/{self.total}{percent} {text}{' | ' if text else ''}"
-                f"{format_rate(rate)} {self.unit}s/s, ETA {format_duration(eta)}, elapsed {format_duration(now - self._start)}",
+                f"{format_rate(rate)} {self.unit}s/s, ETA {format_duration(eta)}, "
+                f"elapsed {format_duration(now - self._start)}",
                 file=sys.stderr, flush=True,
             )
 

@@ -7,6 +7,7 @@ resumed first gets the records logged before (from metrics.jsonl), and so does e
 written after the fact (`track_finished_run`: the members of `scripts/sweep --vmapped`).
 """
 
+import functools
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -78,12 +79,12 @@ def open_trackers(experiment: str, config: Any, run: RunDir, *, runs_root: Path,
                 known = next(run.path.glob("events.out.tfevents.*"), None)  # its points up to the resume stay
                 trackers[tracker] = TensorBoardTracker(run.path, purge_step=start_step + 1 if start_step else None)
             elif tracker == "wandb":
-                trackers[tracker] = _opened(tracker, lambda: WandbTracker(
-                    run.path, project=experiment, name=name, run_id=known, group=group, config=options))
+                trackers[tracker] = _opened(tracker, functools.partial(
+                    WandbTracker, run.path, project=experiment, name=name, run_id=known, group=group, config=options))
             elif tracker == "mlflow":
                 uri = previous.get(tracker, {}).get("uri") if known else mlflow_uri(config, runs_root)
-                trackers[tracker] = _opened(tracker, lambda: MlflowTracker(
-                    uri, experiment=experiment, name=name, run_id=known, group=group, params=options,
+                trackers[tracker] = _opened(tracker, functools.partial(
+                    MlflowTracker, uri, experiment=experiment, name=name, run_id=known, group=group, params=options,
                     tags={"run_dir": str(run.path.resolve())}))
             if start_step and not known:
                 RunTrackers({tracker: trackers[tracker]}).replay(run.read_metrics())

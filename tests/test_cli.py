@@ -75,7 +75,7 @@ def test_help_lists_every_option_once_with_one_default():
     flags = ["--" + field.name.replace("_", "-") for field in dataclasses.fields(Config)]
     assert sorted(starts) == sorted(flags)  # every option, and each once (a second entry would show as an extra)
     assert len([line for line in lines if option_line.match(line)]) == len(flags)
-    for flag, start in starts.items():
+    for start in starts.values():
         end = min([i for i in starts.values() if i > start] + [len(lines)])
         entry = " ".join(lines[start:end])
         assert entry.count("default:") == 1, entry
@@ -98,7 +98,7 @@ def test_options_of_groups_not_taken_read_as_their_defaults():
     assert (config.devices, config.parallel, config.ema_decay, config.tensorboard) == (1, "auto", 0.0, False)
     assert "devices" not in config.to_dict()
     with pytest.raises(AttributeError):
-        config.no_such_option
+        _ = config.no_such_option
 
 
 @pytest.mark.parametrize(

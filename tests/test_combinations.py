@@ -323,26 +323,30 @@ def tracker_problems(run_dir: Path) -> list[str]:
     for run in runs:
         expected, saved = jsonl_history(run), run.read_config()["trackers"]
         where = f"{run.path.relative_to(run_dir)}: " if run.path != run_dir else ""
-        checks = {
-            "tensorboard": lambda: assert_same_history(tensorboard_history(run), expected),
-            "wandb": lambda: assert_same_history(wandb_history(read_wandb_runs(run.path)), expected),
-            "mlflow": lambda: assert_same_history(
-                {s: {k: v for k, v in h.items() if k in expected.get(s, {})}
-                 for s, h in mlflow_history(saved["mlflow"]["uri"], saved["mlflow"]["run_id"]).items()}, expected),
-        }
-        for tracker, check in checks.items():
+        for tracker in ("tensorboard", "wandb", "mlflow"):
             try:
-                check()
+                assert_same_history(tracker_history(tracker, run, expected, saved), expected)
             except (AssertionError, KeyError, OSError) as e:
                 found.append(f"{where}{tracker} differs from metrics.jsonl: {' '.join(str(e).split())[:300]}")
     return found or ([] if runs else ["no run directory names its trackers in config.json"])
+
+
+def tracker_history(tracker: str, run: RunDir, expected: dict, saved: dict) -> dict:
+    """What `tracker` recorded of `run` (of MLflow's, only the metrics that metrics.jsonl has too)."""
+    if tracker == "tensorboard":
+        return tensorboard_history(run)
+    if tracker == "wandb":
+        return wandb_history(read_wandb_runs(run.path))
+    history = mlflow_history(saved["mlflow"]["uri"], saved["mlflow"]["run_id"])
+    return {s: {k: v for k, v in h.items() if k in expected.get(s, {})} for s, h in history.items()}
 
 
 def compare(summary: dict, reference: dict) -> list[str]:
     differences = []
     for key in sorted(k for k in set(summary) | set(reference) if COMPARED.match(k)):
         a, b = summary.get(key), reference.get(key)
-        pairs = list(zip(a, b, strict=True)) if isinstance(a, list) and isinstance(b, list) and len(a) == len(b) else [(a, b)]
+        same_length_lists = isinstance(a, list) and isinstance(b, list) and len(a) == len(b)
+        pairs = list(zip(a, b, strict=True)) if same_length_lists else [(a, b)]
         if not all(isinstance(x, (int, float)) and isinstance(y, (int, float)) and
                    math.isclose(x, y, rel_tol=TOLERANCE, abs_tol=TOLERANCE) for x, y in pairs):
             differences.append(f"{key} {_short(a)} vs {_short(b)}")

@@ -64,7 +64,8 @@ def test_explain_retraces_decorates_any_jitted_function_and_sees_static_values(c
         scale(jnp.ones(3), 3)  # a new static value retraces
         scale(jnp.ones(4), 3)  # so does a new shape, but only the first retrace is logged
     assert len(log.signatures["scale"]) == 3
-    assert log.explanations["scale"] == "scale traced again (trace 2), which recompiles; changed: factor: static 2 -> static 3"
+    assert log.explanations["scale"] == ("scale traced again (trace 2), which recompiles; "
+                                         "changed: factor: static 2 -> static 3")
     assert [r.getMessage() for r in caplog.records if r.name == "research"] == [log.explanations["scale"]]
 
 

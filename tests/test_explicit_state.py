@@ -178,8 +178,8 @@ def test_ema_follows_training_without_changing_it_and_is_what_fit_evaluates(load
     assert_identical(state.model_state, trained.model_state)
 
     weights = decay ** np.arange(12)[::-1]  # debiased: the decay-weighted mean of the 12 models
-    expected = jax.tree.map(lambda *w: sum(c * np.asarray(x, np.float64) for c, x in zip(weights, w, strict=True)) / weights.sum(),
-                            *models)
+    expected = jax.tree.map(
+        lambda *w: sum(c * np.asarray(x, np.float64) for c, x in zip(weights, w, strict=True)) / weights.sum(), *models)
     averaged_model, averaged_state = state.averaged_model()
     for x, y in zip(jax.tree.leaves(eqx.filter(averaged_model, eqx.is_array)), jax.tree.leaves(expected), strict=True):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
@@ -247,12 +247,14 @@ def test_an_experiment_with_ema_reports_both_models_and_resumes_bitwise(tmp_path
     assert a == b  # identical states: EMA included
 
     last = json.loads((tmp_path / "straight/metrics.jsonl").read_text().splitlines()[-1])
-    assert last["test/accuracy"] == summary["test_accuracy"] and last["test_raw/accuracy"] == summary["test_raw_accuracy"]
+    assert last["test/accuracy"] == summary["test_accuracy"]
+    assert last["test_raw/accuracy"] == summary["test_raw_accuracy"]
     config = xor.Config(epochs=4, **options)
     restored, _ = load_checkpoint(tmp_path / "straight/checkpoints/step_000000076",
                                   xor.build_state(config).with_ema(config.ema_decay))
     test = DeviceLoader.from_dataset(xor.XORDataset(500, seed=123), 128, shuffle=False)
-    assert evaluate(*restored.averaged_model(), test) == {"loss": summary["test_loss"], "accuracy": summary["test_accuracy"]}
+    assert evaluate(*restored.averaged_model(), test) == {"loss": summary["test_loss"],
+                                                          "accuracy": summary["test_accuracy"]}
     assert evaluate(restored.model, None, test) == {"loss": summary["test_raw_loss"],
                                                     "accuracy": summary["test_raw_accuracy"]}
     assert int(restored.ema.count) == 76

@@ -132,7 +132,8 @@ def test_a_packed_trainer_runs_bitwise_like_an_unpacked_one():
 def test_a_packed_trainer_names_the_leaf_whose_shape_or_dtype_does_not_fit():
     state = xor_state()
     trainer = compiled_trainer(classification_loss, state)
-    with pytest.raises(ValueError, match=r"differ from the ones the trainer packs: state\.step: int32\[\] -> float32\[\]"):
+    packs = r"differ from the ones the trainer packs: state\.step: int32\[\] -> float32\[\]"
+    with pytest.raises(ValueError, match=packs):
         trainer.leaves(eqx.tree_at(lambda s: s.step, state, jnp.float32(0)))
 
     def grow(_, opt_state, params=None):  # an optimizer whose state changes shape: a broken step

@@ -96,7 +96,8 @@ def test_keys_temperature_and_top_k(model):
     assert generate(model, PROMPT, LENGTH, key=jax.random.key(8), top_k=1).tolist() == greedy.tolist()
     tokens, logits = generate_with_logits(model, PROMPT, LENGTH, key=key, temperature=2.0, top_k=3)
     top3 = np.argsort(np.asarray(logits), axis=-1)[:, -3:]
-    assert all(token in row for token, row in zip(np.asarray(tokens), top3, strict=True))  # only ever one of the 3 likeliest
+    # only ever one of the 3 likeliest
+    assert all(token in row for token, row in zip(np.asarray(tokens), top3, strict=True))
     assert generate(model, PROMPT, LENGTH, key=key, temperature=2.0, top_k=3).tolist() == tokens.tolist()
     assert first.dtype == jnp.int32 and first.shape == (LENGTH,)
 

@@ -57,7 +57,7 @@ def test_conv2d_as_matmul_is_conv2d_in_values_and_gradients(getkey):
     for kernel, stride, padding in ((3, 1, 1), (3, 2, 1), (1, 2, 0), (2, 1, 0)):
         conv = eqx.nn.Conv2d(3, 5, kernel, stride=stride, padding=padding, key=getkey())
         np.testing.assert_allclose(conv2d_as_matmul(conv, x), conv(x), atol=1e-5)
-        grads = [eqx.filter_grad(lambda c: jnp.sum(jnp.sin(f(c, x))))(conv)
+        grads = [eqx.filter_grad(lambda c, f=f: jnp.sum(jnp.sin(f(c, x))))(conv)
                  for f in (conv2d_as_matmul, lambda c, x: c(x))]
         np.testing.assert_allclose(grads[0].weight, grads[1].weight, atol=1e-4)
 

@@ -125,7 +125,8 @@ def value_and_grad(loss: NextTokenLoss, model: LanguageModel, batch: Batch, key,
 
 
 def _assert_same_model(a, b, tolerance: float) -> None:
-    for x, y in zip(jax.tree.leaves(eqx.filter(a, eqx.is_array)), jax.tree.leaves(eqx.filter(b, eqx.is_array)), strict=True):
+    for x, y in zip(jax.tree.leaves(eqx.filter(a, eqx.is_array)), jax.tree.leaves(eqx.filter(b, eqx.is_array)),
+                    strict=True):
         np.testing.assert_allclose(x, y, atol=tolerance, rtol=tolerance)
 
 

@@ -17,6 +17,10 @@ def layer_masks(masks):
     return [(np.asarray(layer.weight), np.asarray(layer.bias)) for layer in masks.layers]
 
 
+def same_masks(a, b) -> bool:
+    return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
+
 def test_sparsity_schedule_is_the_notebooks_linspace():
     assert lottery.sparsity_schedule(lottery.Config()) == pytest.approx(list(np.linspace(0, 1, 100)[:91]))
     assert lottery.sparsity_schedule(lottery.Config(rounds=5, schedule_length=4))[-2:] == [1.0, 1.0]
@@ -41,12 +45,13 @@ def test_rewinding_restores_the_initial_weights_bitwise():
     masks = lottery.magnitude_masks(lottery.initial_model(config), 0.5)
     initial = lottery.initial_model(config)
     rewound = lottery.build_state(config, masks).model
-    for layer, start, (weight_mask, bias_mask) in zip(rewound.model.layers, initial.layers, layer_masks(masks), strict=True):
+    for layer, start, (weight_mask, bias_mask) in zip(rewound.model.layers, initial.layers, layer_masks(masks),
+                                                      strict=True):
         assert np.array_equal(np.asarray(layer.weight), np.where(weight_mask, start.weight, 0.0))
         assert np.array_equal(np.asarray(layer.bias), np.where(bias_mask, start.bias, 0.0))
     reinit = lottery.build_state(config, masks, reinit=True).model
     assert not np.array_equal(reinit.model.layers[0].weight, rewound.model.layers[0].weight)
-    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(reinit.masks), jax.tree.leaves(masks), strict=True))
+    assert same_masks(reinit.masks, masks)
 
 
 def test_pruned_weights_stay_exactly_zero_through_training(mnist1d_dir):
@@ -55,7 +60,8 @@ def test_pruned_weights_stay_exactly_zero_through_training(mnist1d_dir):
     run = lottery.setup(config, masks)
     start = run.build_state()
     trained = fit(start, run.train_data, num_steps=12, steps_per_call=4, progress=False).state.model
-    for layer, before, (weight_mask, _) in zip(trained.model.layers, start.model.model.layers, layer_masks(masks), strict=True):
+    for layer, before, (weight_mask, _) in zip(trained.model.layers, start.model.model.layers, layer_masks(masks),
+                                               strict=True):
         weight = np.asarray(layer.weight)
         assert np.all(weight[~weight_mask] == 0.0)  # no gradient reaches them: Adam leaves them at zero
         assert np.mean(weight[weight_mask] != np.asarray(before.weight)[weight_mask]) > 0.5  # the others train
@@ -74,11 +80,11 @@ def test_each_round_prunes_the_previous_rounds_trained_weights(mnist1d_dir, tmp_
     names = ("round_000", "round_001", "round_002", "reinit_002", "random_002")
     dense, first, second, reinit, random = (final_model(n) for n in names)
     expected = lottery.magnitude_masks(first.masked_model(), 0.5)  # round 2 from round 1's trained weights
-    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(second.masks), jax.tree.leaves(expected), strict=True))
-    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(reinit.masks), jax.tree.leaves(expected), strict=True))
+    assert same_masks(second.masks, expected)
+    assert same_masks(reinit.masks, expected)
     kept = [[np.sum(w) + np.sum(b) for w, b in layer_masks(m)] for m in (random.masks, expected)]
     assert kept[0] == kept[1]  # the random mask is as sparse as the ticket's, layer by layer
-    assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(random.masks), jax.tree.leaves(expected), strict=True))
+    assert not same_masks(random.masks, expected)
     assert lottery.sparsity_of(dense.masks) == 0.0
     assert summary["sparsity"] == pytest.approx(0.5, abs=0.01)
     assert summary["round_sparsity"][1] == pytest.approx(0.25, abs=0.01)

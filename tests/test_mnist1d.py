@@ -166,7 +166,8 @@ def test_the_script_generates_the_data_trains_the_cnn_and_prints_the_summary(dat
     summary = json.loads((tmp_path / "r/summary.json").read_text())
     assert f"mnist1d: test accuracy {100 * summary['test_accuracy']:.2f}%" in result.stdout
     verdict = "at or above" if summary["test_accuracy"] >= 0.94 else "BELOW"
-    assert f"cnn: {100 * summary['test_accuracy']:.2f}% is {verdict} the published 94% (Greydanus 2020)" in result.stdout
+    reported = f"cnn: {100 * summary['test_accuracy']:.2f}% is {verdict} the published 94% (Greydanus 2020)"
+    assert reported in result.stdout
     assert summary["step"] == 400 and summary["test_accuracy"] > 0.45  # measured 0.564
     text = help_text(mnist1d.Config)
     assert "{logistic,mlp,cnn,gru,resnet,transformer}" in text and "default: per model" in text

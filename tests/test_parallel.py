@@ -74,7 +74,8 @@ def assert_same_run(run: Path, reference: Path, model: str) -> None:
     np.testing.assert_allclose(losses(run), losses(reference), rtol=0, atol=TOLERANCE)
     a, b = final_state(run, model), final_state(reference, model)
     assert int(a.step) == int(b.step) == 20
-    for x, y in zip(jax.tree.leaves(eqx.filter(a, eqx.is_array)), jax.tree.leaves(eqx.filter(b, eqx.is_array)), strict=True):
+    for x, y in zip(jax.tree.leaves(eqx.filter(a, eqx.is_array)), jax.tree.leaves(eqx.filter(b, eqx.is_array)),
+                    strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=TOLERANCE)
 
 
@@ -245,7 +246,7 @@ def test_each_strategy_on_one_device_matches_the_plain_fast_path():
         config = worker.Config(model="batchnorm", parallel=name)
         results[name] = fit(worker.build_state(config), DeviceLoader.from_dataset(train, 32, seed=0), num_steps=4,
                             log_every=2, steps_per_call=2, progress=False, placement=placement)
-    for name, result in results.items():
+    for result in results.values():
         assert result.train_metrics == pytest.approx(results["none"].train_metrics, abs=1e-6)
         assert int(result.state.step) == 4
         for x, y in zip(jax.tree.leaves(eqx.filter(result.state, eqx.is_array)),

@@ -127,7 +127,8 @@ def test_progress_iter_yields_everything_and_reports_every_n_items_off_a_termina
     monkeypatch.setenv("CI", "true")
     assert list(progress_iter(range(10), total=10, desc="generate", unit="example", report_every=4)) == list(range(10))
     lines = capsys.readouterr().err.splitlines()
-    assert [line.split(") ")[0] + ")" for line in lines] == ["[generate] example 4/10 (40%)", "[generate] example 8/10 (80%)"]
+    assert [line.split(") ")[0] + ")" for line in lines] == ["[generate] example 4/10 (40%)",
+                                                             "[generate] example 8/10 (80%)"]
     assert all("examples/s, ETA " in line for line in lines)
 
 

@@ -59,8 +59,8 @@ def test_resuming_gives_the_same_model_as_an_uninterrupted_run(tmp_path, monkeyp
 
 def test_resume_without_a_run_and_reuse_of_a_run_dir_are_refused(tmp_path):
     def run(*args):
-        return subprocess.run([sys.executable, str(ROOT / "experiments/xor.py"), "--no-progress", "--epochs", "1", *args],
-                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        command = [sys.executable, str(ROOT / "experiments/xor.py"), "--no-progress", "--epochs", "1", *args]
+        return subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
 
     result = run("--resume")
     assert result.returncode == 2 and "no run to resume" in result.stderr

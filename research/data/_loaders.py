@@ -213,7 +213,8 @@ class DeviceLoader:
             if other.batch_size != first.batch_size or other.shuffle != first.shuffle:
                 raise DataError(f"member {k} takes batches of {other.batch_size}, member 0 of {first.batch_size}: "
                                 "the members of one population step through their data together")
-            if not all(a.shape == b.shape and np.array_equal(a, b) for a, b in zip(other.host, first.host, strict=True)):
+            same = zip(other.host, first.host, strict=True)  # the inputs and the labels
+            if not all(a.shape == b.shape and np.array_equal(a, b) for a, b in same):
                 raise DataError(f"member {k} trains on other examples than member 0: one population trains on "
                                 "one data set (only the order may differ)")
         loader = copy.copy(first)

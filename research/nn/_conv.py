@@ -15,7 +15,9 @@ from ._taps import observed_linear_map
 
 
 @typecheck
-def conv1d_as_matmul(conv: eqx.nn.Conv1d, x: Float[Array, "channels length"]) -> Float[Array, "out_channels out_length"]:
+def conv1d_as_matmul(
+    conv: eqx.nn.Conv1d, x: Float[Array, "channels length"]
+) -> Float[Array, "out_channels out_length"]:
     """`conv(x)` for a 1-D `eqx.nn.Conv1d` with zero padding, no dilation and one group, computed
     as `einsum(weight, patches)`."""
     if conv.groups != 1 or conv.dilation != (1,) or conv.padding_mode != "ZEROS":

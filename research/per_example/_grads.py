@@ -64,7 +64,7 @@ def _uses_batch_statistics(module: object) -> bool:
     is_batch_norm = isinstance(module, eqx.nn.BatchNorm) or (
         isinstance(module, eqx.Module) and hasattr(module, "axis_name") and hasattr(module, "inference")
     )
-    return is_batch_norm and not getattr(module, "inference")
+    return is_batch_norm and not getattr(module, "inference")  # noqa: B009 (`module` is typed `object`)
 
 
 def check_per_example_model(model: eqx.Module) -> None:
@@ -98,7 +98,8 @@ def _examples(batch: Batch, key: PRNGKeyArray | None) -> tuple[int, tuple[Array,
 def _value_and_grad_of_one(loss_fn: ExampleLossFn, model: eqx.Module, model_state: eqx.nn.State | None):
     def one(example: tuple[Array, Array, PRNGKeyArray | None]) -> tuple[PyTree, ExampleMetrics]:
         inputs, label, key = example
-        (loss, metrics), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(model, model_state, inputs, label, key)
+        value_and_grad = eqx.filter_value_and_grad(loss_fn, has_aux=True)
+        (loss, metrics), grads = value_and_grad(model, model_state, inputs, label, key)
         return grads, {**metrics, "loss": loss}
 
     return one
@@ -114,7 +115,7 @@ def _map_examples(fn, examples, chunk_size: int | None):
 
 
 @typecheck
-def _check_batch(inputs: Shaped[Array, "batch *example"], labels: Shaped[Array, " batch"]) -> int:
+def _check_batch(inputs: Shaped[Array, " batch *example"], labels: Shaped[Array, " batch"]) -> int:
     return inputs.shape[0]
 
 
@@ -316,17 +317,17 @@ def clipped_gradient_sum(
     num_chunks = -(-batch_size // chunk_size)
     index = jnp.arange(num_chunks * chunk_size)
     padded_weights = jnp.where(index < batch_size, jnp.pad(weights, (0, num_chunks * chunk_size - batch_size)), 0.0)
-    chunked = jax.tree.map(lambda x: x[jnp.where(index < batch_size, index, 0)].reshape(num_chunks, chunk_size, *x.shape[1:]),
-                           examples)
+    rows = jnp.where(index < batch_size, index, 0)
+    chunked = jax.tree.map(lambda x: x[rows].reshape(num_chunks, chunk_size, *x.shape[1:]), examples)
     chunk_weights = padded_weights.reshape(num_chunks, chunk_size)
-    summed_like, norms_like, metrics_like = jax.eval_shape(chunk_sum, jax.tree.map(lambda x: x[0], chunked), chunk_weights[0])
+    summed_like, norms_like, metrics_like = jax.eval_shape(
+        chunk_sum, jax.tree.map(lambda x: x[0], chunked), chunk_weights[0])
     zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)  # noqa: E731
 
     def body(total, chunk_and_weights):
         chunk, w = chunk_and_weights
-        summed, norms, metrics = jax.lax.cond(
-            jnp.any(w != 0), chunk_sum, lambda *_: (zeros(summed_like), zeros(norms_like), zeros(metrics_like)), chunk, w
-        )
+        nothing = lambda *_: (zeros(summed_like), zeros(norms_like), zeros(metrics_like))  # noqa: E731
+        summed, norms, metrics = jax.lax.cond(jnp.any(w != 0), chunk_sum, nothing, chunk, w)
         return jax.tree.map(jnp.add, total, summed), (norms, metrics)
 
     summed, (norms, metrics) = jax.lax.scan(body, zeros(summed_like), (chunked, chunk_weights))

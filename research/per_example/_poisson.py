@@ -48,7 +48,8 @@ class PoissonLoader(DeviceLoader):
                  max_batch_size: int | None = None, multiple_of: int = 1):
         size = len(labels)
         if not 0 < expected_batch_size <= size:
-            raise ValueError(f"expected batch size must be in (0, {size}] (the data set size), got {expected_batch_size}")
+            raise ValueError(f"expected batch size must be in (0, {size}] (the data set size), "
+                             f"got {expected_batch_size}")
         if np.any(np.asarray(labels) < 0):
             raise ValueError(f"labels must be >= 0: {PADDING_LABEL} marks padding in Poisson batches")
         max_batch_size = max_batch_size or default_max_batch_size(size, expected_batch_size, multiple_of)

@@ -118,7 +118,8 @@ def grid_runs(make: Callable[[dict[str, str]], Run], axes: Sequence[Axis]) -> li
         if axis.range is not None:
             raise UsageError(f"{axis.key}: a range is for --search random or tpe; a grid takes a list "
                              f"({axis.key}=a,b,c)")
-    return [make(dict(zip([a.key for a in axes], combo, strict=True))) for combo in itertools.product(*(a.values for a in axes))]
+    keys = [a.key for a in axes]
+    return [make(dict(zip(keys, combo, strict=True))) for combo in itertools.product(*(a.values for a in axes))]
 
 
 def _check_points(config_class: type, make: Callable[[dict[str, str]], Run], axes: Sequence[Axis]) -> None:

@@ -300,7 +300,7 @@ class CompiledTrainer:
         signature = str(jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)), batch))
         layout = self._layouts.get(signature)
         if layout is None:
-            one_step = lambda l, b: self._one(self.unpack(l), b)[1]  # noqa: E731
+            one_step = lambda packed, b: self._one(self.unpack(packed), b)[1]  # noqa: E731
             layout = self._layouts[signature] = layout_of(self.placement.metric_shapes(one_step, leaves, batch))
         return layout
 

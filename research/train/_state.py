@@ -121,7 +121,7 @@ def _example_keys(key: PRNGKeyArray, count: int) -> Key[Array, " {count}"]:
 def forward(
     model: eqx.Module,
     model_state: eqx.nn.State | None,
-    inputs: Float[Array, "batch *example"] | Integer[Array, "batch *example"],
+    inputs: Float[Array, " batch *example"] | Integer[Array, " batch *example"],
     *,
     key: PRNGKeyArray | None,
     axis_name: str = "batch",
