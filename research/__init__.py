@@ -1,10 +1,15 @@
 """`research`: typed Equinox models, explicit state, and a fast, resumable training loop for JAX."""
 
+from typing import TYPE_CHECKING
+
 from . import data, errors, nn, state, train, typing
 from .data import DeviceLoader, TorchLoader, XORDataset, make_dataloader, numpy_collate
 from .nn import MLP, LinearSigmoid, build_model
 from .train import RunDir, TrainState, evaluate, fit, load_checkpoint, save_checkpoint, train_step
 from .typing import typecheck
+
+if TYPE_CHECKING:  # what `__getattr__` below loads on first use
+    from .experiment import LoadedRun, load_run
 
 
 def __getattr__(name: str):

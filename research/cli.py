@@ -123,7 +123,7 @@ def _config_rule(info: StructTypeInfo) -> StructConstructorSpec | None:
         help, hint = field.metadata.get("help", ""), hints[field.name]
         extras: list[Any] = [_RESUME] if hint == Resume else []
         extras.append(tyro.conf.arg(metavar=_metavar(hint), help_behavior_hint="" if "default:" in help else None))
-        tp = Annotated[(hint, *extras)]
+        tp: Any = Annotated[(hint, *extras)]  # a type built at run time
         default = field.default if field.default is not dataclasses.MISSING else tyro.MISSING_NONPROP
         if isinstance(info.default, info.type):  # defaults from --config FILE
             default = getattr(info.default, field.name)
@@ -151,6 +151,7 @@ def _flag(argument: Any) -> str:
 
 def _refuse(event: Any) -> None:
     """tyro's parse-error hook: turn each refusal into one argparse-style line."""
+    assert tyro_errors is not None  # the hook is installed only when tyro has the module
     if isinstance(event, tyro_errors.UnrecognizedArgs):
         message = "unrecognized arguments: " + " ".join(event.tokens)
     elif isinstance(event, tyro_errors.InvalidChoice):
@@ -178,7 +179,8 @@ def parse_config(config_class: type[C], argv: Sequence[str] | None = None, prog:
     value print one line and exit with 2."""
     prog = prog or Path(sys.argv[0]).name
     args = _resume_shim(list(sys.argv[1:] if argv is None else argv), config_class)
-    description = inspect.cleandoc(config_class.__doc__) if "__doc__" in vars(config_class) else ""
+    doc = vars(config_class).get("__doc__")  # its own, not its base's
+    description = inspect.cleandoc(doc) if doc else ""
     description += ("\n\n--config FILE: take the options' defaults from a YAML file or a run's config.json; the "
                     "other flags override them")
     try:
@@ -311,7 +313,9 @@ def use_compilation_cache(enabled: bool = True) -> Path | None:
 
     path = None
     if enabled and os.environ.get(CACHE_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no"):
-        path = jax.config.jax_compilation_cache_dir  # given to JAX already (maybe a bucket): JAX's business
+        # Given to JAX already (maybe a bucket): JAX's business. (jax.config's options are attributes made
+        # at run time, which pyright cannot see.)
+        path = jax.config.jax_compilation_cache_dir  # pyright: ignore[reportAttributeAccessIssue]
         if not path:
             path = str(compilation_cache_dir())
             try:

@@ -75,6 +75,9 @@ def flag_name(field_name: str) -> str:
 class Options:
     """The base of every option group and config: checks each field and then `check_combination`."""
 
+    if typing.TYPE_CHECKING:  # each subclass is a dataclass (`dataclasses.fields`, `replace` take it)
+        __dataclass_fields__: typing.ClassVar[dict[str, dataclasses.Field[Any]]]
+
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
         if "resume" in hints and self.resume in (True, False, "never"):  # from Python: resume=True is "must"

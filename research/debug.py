@@ -125,7 +125,7 @@ def explain_retraces(name: str | None = None, log: RetraceLog = retrace_log) -> 
 
 
 _REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # research/ lives here
-_JAX_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (jax, __import__("jaxlib")))
+_JAX_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (jax, __import__("jaxlib")) if m.__file__)
 
 
 def _short_path(filename: str) -> str:

@@ -72,6 +72,8 @@ def load_experiment(name: str) -> types.ModuleType:
     """Import an experiment script by name (`xor` is `experiments/xor.py`) or by path, without running it."""
     path = experiment_script(name)
     spec = importlib.util.spec_from_file_location(f"experiments.{path.stem}", path)
+    if spec is None or spec.loader is None:
+        raise ConfigError(f"experiment {name!r}: {path} is not a Python script (it should end in .py)")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -102,7 +104,7 @@ def resolve_run_dir(
         if path is None:  # every process resumes process 0's latest run
             latest = process_zero_text(str(RunDir.latest(RUNS_ROOT, experiment) or ""))
             path = Path(latest) if latest else None
-        if config.resume == "auto" and not RunDir(path).checkpoint_paths():
+        if config.resume == "auto" and path is not None and not RunDir(path).checkpoint_paths():
             run = RunDir(path)
             if (path / "config.json").exists():  # a run stopped before its first checkpoint: start it again
                 _check_same_config(run, config)
@@ -371,7 +373,8 @@ def _run_and_summarize(experiment: str, config: Options, setup: Setup, state: Tr
     summary.update(peak_memory())
     if placement.name != "none":  # how the state is spread: FSDP holds about 1/N of it a device
         summary["state_bytes_per_device"] = result.state_bytes_per_device
-    summary.update((summary_extra(result) if callable(summary_extra) else summary_extra) or {})
+    extra: Any = summary_extra(result) if callable(summary_extra) else summary_extra
+    summary.update(extra or {})
     if writer:
         summary.update((summarize_run(run, summary) if summarize_run is not None else None) or {})
         run.write_summary(summary)

@@ -132,10 +132,10 @@ def _population_metrics(scores: dict[str, np.ndarray | float]) -> dict[str, floa
     return {
         "loss": float(np.mean(scores["member_loss"])),
         "accuracy": float(np.mean(scores["member_accuracy"])),
-        "member_loss": [float(x) for x in scores["member_loss"]],
-        "member_accuracy": [float(x) for x in scores["member_accuracy"]],
-        "ensemble_loss": scores["loss"],
-        "ensemble_accuracy": scores["accuracy"],
+        "member_loss": [float(x) for x in np.asarray(scores["member_loss"])],
+        "member_accuracy": [float(x) for x in np.asarray(scores["member_accuracy"])],
+        "ensemble_loss": float(scores["loss"]),
+        "ensemble_accuracy": float(scores["accuracy"]),
     }
 
 

@@ -100,9 +100,9 @@ class CompileTimer:
         self.seconds = 0.0
         self._listening = False
 
-    def _listen(self, event: str, duration: float, **_: Any) -> None:
+    def _listen(self, event: str, duration_secs: float, **_: Any) -> None:
         if event in COMPILE_EVENTS:
-            self.seconds += duration
+            self.seconds += duration_secs
 
     def start(self) -> "CompileTimer":
         jax.monitoring.register_event_duration_secs_listener(self._listen)

@@ -36,7 +36,8 @@ class RunTrackers:
         self.trackers = dict(trackers)
 
     def identities(self) -> dict[str, Any]:
-        return {name: tracker.identity for name, tracker in self.trackers.items() if hasattr(tracker, "identity")}
+        identities = {name: getattr(tracker, "identity", None) for name, tracker in self.trackers.items()}
+        return {name: identity for name, identity in identities.items() if identity is not None}  # W&B's, MLflow's
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         for tracker in self.trackers.values():

@@ -49,8 +49,9 @@ def numpy_collate(samples: Sequence[Any]) -> Any:
 
 def dataset_arrays(dataset: Dataset) -> Batch:
     """The whole of an in-memory dataset as two numpy arrays (inputs, labels)."""
-    if hasattr(dataset, "inputs") and hasattr(dataset, "labels"):
-        return Batch(np.asarray(dataset.inputs), np.asarray(dataset.labels))
+    inputs, labels = getattr(dataset, "inputs", None), getattr(dataset, "labels", None)
+    if inputs is not None and labels is not None:  # an in-memory dataset's arrays, whole
+        return Batch(np.asarray(inputs), np.asarray(labels))
     inputs, labels = numpy_collate([dataset[i] for i in range(len(dataset))])
     return Batch(inputs, labels)
 
@@ -79,7 +80,7 @@ def make_dataloader(
 
     _check_batch_size(batch_size, len(dataset))
     return torch.utils.data.DataLoader(
-        dataset,
+        dataset,  # pyright: ignore[reportArgumentType]  (torch takes any map-style dataset, not only its class)
         batch_size=batch_size,
         shuffle=shuffle,
         drop_last=drop_last,
@@ -147,7 +148,8 @@ class TorchLoader:
         import torch.utils.data
 
         steps = _StepRows(self.order, start_step)
-        loader = torch.utils.data.DataLoader(self.dataset, batch_sampler=steps, collate_fn=numpy_collate,
+        dataset: Any = self.dataset  # torch takes any map-style dataset, its stub only its own class
+        loader = torch.utils.data.DataLoader(dataset, batch_sampler=steps, collate_fn=numpy_collate,
                                              num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
         for inputs, labels in loader:
             yield Batch(inputs, labels)

@@ -58,7 +58,8 @@ def generate_mnist1d(seed: int = MNIST1D_SEED, *, num_samples: int = MNIST1D_SAM
     """
     mnist1d_data = _import_mnist1d_data()  # imported here: it pulls in matplotlib and scipy
     args = mnist1d_data.get_dataset_args()
-    args.seed, args.num_samples, args.train_split = seed, num_samples, train_split
+    # mnist1d's ObjectView takes attributes; its annotation also says dict.
+    args.seed, args.num_samples, args.train_split = seed, num_samples, train_split  # pyright: ignore[reportAttributeAccessIssue]
     numpy_state, python_state = np.random.get_state(), random.getstate()
     try:
         data = mnist1d_data.make_dataset(args)

@@ -20,9 +20,10 @@ def conv1d_as_matmul(
 ) -> Float[Array, "out_channels out_length"]:
     """`conv(x)` for a 1-D `eqx.nn.Conv1d` with zero padding, no dilation and one group, computed
     as `einsum(weight, patches)`."""
-    if conv.groups != 1 or conv.dilation != (1,) or conv.padding_mode != "ZEROS":
-        raise ValueError("conv1d_as_matmul supports groups=1, dilation=1 and zero padding; "
-                         f"got groups={conv.groups}, dilation={conv.dilation}, padding_mode={conv.padding_mode}")
+    if conv.groups != 1 or conv.dilation != (1,) or conv.padding_mode != "ZEROS" or isinstance(conv.padding, str):
+        raise ValueError("conv1d_as_matmul supports groups=1, dilation=1 and zero padding given as numbers; "
+                         f"got groups={conv.groups}, dilation={conv.dilation}, padding={conv.padding!r}, "
+                         f"padding_mode={conv.padding_mode}")
     (kernel,), (stride,), ((left, right),) = conv.kernel_size, conv.stride, conv.padding
     x = jnp.pad(x, ((0, 0), (left, right)))
     out_length = (x.shape[1] - kernel) // stride + 1
@@ -43,9 +44,10 @@ def conv2d_as_matmul(
     """`conv(x)` for a 2-D `eqx.nn.Conv2d` with zero padding, no dilation and one group, computed as
     patches @ weight: one strided slice per kernel tap, then a matmul (XLA's CPU convolution of small
     images inside a compiled loop of train steps is 3-5x slower; measured in the issue-26 session)."""
-    if conv.groups != 1 or conv.dilation != (1, 1) or conv.padding_mode != "ZEROS":
-        raise ValueError("conv2d_as_matmul supports groups=1, dilation=1 and zero padding; "
-                         f"got groups={conv.groups}, dilation={conv.dilation}, padding_mode={conv.padding_mode}")
+    if conv.groups != 1 or conv.dilation != (1, 1) or conv.padding_mode != "ZEROS" or isinstance(conv.padding, str):
+        raise ValueError("conv2d_as_matmul supports groups=1, dilation=1 and zero padding given as numbers; "
+                         f"got groups={conv.groups}, dilation={conv.dilation}, padding={conv.padding!r}, "
+                         f"padding_mode={conv.padding_mode}")
     (kh, kw), (sh, sw), ((top, bottom), (left, right)) = conv.kernel_size, conv.stride, conv.padding
     x = jnp.pad(x, ((0, 0), (top, bottom), (left, right)))
     out_h, out_w = (x.shape[1] - kh) // sh + 1, (x.shape[2] - kw) // sw + 1

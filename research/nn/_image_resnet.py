@@ -42,7 +42,7 @@ class ImageBlock(eqx.Module):
         h, state = self.norm1(conv2d_as_matmul(self.conv1, x), state)
         h, state = self.norm2(conv2d_as_matmul(self.conv2, jax.nn.relu(h)), state)
         skip = x
-        if self.shortcut is not None:
+        if self.shortcut is not None and self.shortcut_norm is not None:  # both or neither
             skip, state = self.shortcut_norm(conv2d_as_matmul(self.shortcut, x), state)
         return jax.nn.relu(h + skip), state
 

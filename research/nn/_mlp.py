@@ -58,13 +58,14 @@ class MLP(eqx.Module):
         self.activation = activation
         self.residual = residual
 
+    # (eqx.nn.Linear's sizes may also be "scalar", which an MLP never builds: its sizes are ints.)
     @property
     def in_size(self) -> int:
-        return self.layers[0].in_features
+        return self.layers[0].in_features  # pyright: ignore[reportReturnType]
 
     @property
     def out_size(self) -> int:
-        return self.layers[-1].out_features
+        return self.layers[-1].out_features  # pyright: ignore[reportReturnType]
 
     @typecheck
     def __call__(

@@ -45,7 +45,7 @@ class ResidualBlock(eqx.Module):
         h, state = self.norm1(self.conv1(x), state)
         h, state = self.norm2(self.conv2(jax.nn.relu(h)), state)
         skip = x
-        if self.shortcut is not None:
+        if self.shortcut is not None and self.shortcut_norm is not None:  # both or neither
             skip, state = self.shortcut_norm(self.shortcut(x), state)
         return jax.nn.relu(h + skip), state
 

@@ -72,7 +72,8 @@ def save_weights(path: str | Path, model: Any, state: eqx.nn.State | None = None
         save_file(arrays, str(path), metadata=dict(metadata or {}))
     else:
         with open(path, "wb") as f:  # a file object: np.savez would add .npz to a name without it
-            np.savez(f, **arrays, __metadata__=np.array(json.dumps(dict(metadata or {}))))
+            # (numpy's stub reads **arrays as maybe holding `allow_pickle`; the names are dotted paths.)
+            np.savez(f, **arrays, __metadata__=np.array(json.dumps(dict(metadata or {}))))  # pyright: ignore[reportArgumentType]
     return path
 
 
@@ -96,13 +97,13 @@ def load_weights(path: str | Path, model: T, state: eqx.nn.State | None = None) 
     `state` are a skeleton of the same architecture (say `build_model` with the run's config); a missing
     array, one of another shape or dtype, or one the model does not have is a `CheckpointError`."""
     arrays, _ = read_weights(path)
-    loaded = [_fill(path, model, arrays, "")]
-    loaded.append(None if state is None else _fill(path, state, arrays, "state."))
+    loaded_model = _fill(path, model, arrays, "")
+    loaded_state = None if state is None else _fill(path, state, arrays, "state.")
     unused = sorted(set(arrays) - set(array_names(model)) - {f"state.{n}" for n in array_names(state)})
     if unused:
         raise CheckpointError(f"{path} holds {unused[0]}, which the model does not have"
                               + (f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""))
-    return loaded[0], loaded[1]
+    return loaded_model, loaded_state
 
 
 def _fill(path: str | Path, tree: T, arrays: Mapping[str, np.ndarray], prefix: str) -> T:

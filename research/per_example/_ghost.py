@@ -113,6 +113,7 @@ class GhostPlan:
             weight = g.T @ x
             weights.append(weight.reshape(layer.weight.shape).astype(layer.weight.dtype))
             if has_bias:
+                assert layer.bias is not None  # the plan's has_bias was read off these layers
                 biases.append(jnp.sum(g, axis=0).reshape(layer.bias.shape).astype(layer.bias.dtype))
 
         def where(tree):
@@ -142,7 +143,7 @@ def _weight_gradient_square(x: Float[Array, "positions a"], g: Float[Array, "pos
     return jnp.sum((x @ x.T) * (g @ g.T))
 
 
-def _covered_layers(model: eqx.Module) -> list[eqx.Module]:
+def _covered_layers(model: eqx.Module) -> list[eqx.nn.Linear | eqx.nn.Conv1d]:
     return [node for node in jax.tree.leaves(model, is_leaf=_is_covered_layer) if _is_covered_layer(node)]
 
 

@@ -42,7 +42,7 @@ class RunCommand:
         logs.mkdir(parents=True, exist_ok=True)
         with open(logs / f"{self.name}.out", "a") as out, open(logs / f"{self.name}.err", "a") as err:
             self._process = subprocess.Popen(self.command, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
-            status = self._wait()
+            status = self._wait(self._process)
         if status != 0:
             raise RuntimeError(f"{self.name} exited with status {status}: {last_line(logs / f'{self.name}.err')}")
         return status
@@ -54,15 +54,16 @@ class RunCommand:
 
         if self._process is not None and self._process.poll() is None:
             self._process.send_signal(signal.SIGTERM)
-            if self._wait(timeout=600) is None:
+            if self._wait(self._process, timeout=600) is None:
                 self._process.kill()
         return submitit.helpers.DelayedSubmission(RunCommand(self.name, self.command, self.log_dir))
 
-    def _wait(self, timeout: float = float("inf")) -> int | None:
+    @staticmethod
+    def _wait(process: subprocess.Popen, timeout: float = float("inf")) -> int | None:
         """The run's exit status (None: still running after `timeout` seconds), polled: `checkpoint` runs in
         a signal handler that may interrupt this wait, and `Popen.wait` would hold a lock it needs."""
         deadline = time.monotonic() + timeout
-        while (status := self._process.poll()) is None and time.monotonic() < deadline:
+        while (status := process.poll()) is None and time.monotonic() < deadline:
             time.sleep(0.1)
         return status
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from ..config import Options, vmappable_options
 from ..data import DeviceLoader
+from ..errors import CheckpointError
 from ..experiment import RUNS_ROOT, Setup, config_record, initial_state, plot_curves, run_experiment
 from ..population import member, stack_members
 from ..tracking import track_finished_run, trackers_of
@@ -53,8 +54,8 @@ def member_values(values: dict[str, Any], k: int) -> dict[str, Any]:
 
 def _population_setup(experiment: str, configs: Sequence[Options], setups: Sequence[Setup]) -> Setup:
     first = setups[0]
-    loaders = [setup.train_data for setup in setups]
-    if not all(isinstance(loader, DeviceLoader) for loader in loaders):
+    loaders = [setup.train_data for setup in setups if isinstance(setup.train_data, DeviceLoader)]
+    if len(loaders) != len(setups):
         raise UsageError(f"--vmapped: {experiment} does not train from a DeviceLoader with these options")
     if any(setup.population or setup.evaluator is not None for setup in setups):
         raise UsageError(f"--vmapped: {experiment} is a population or has its own evaluator already; "
@@ -109,6 +110,9 @@ def sweep_vmapped(experiment: str, module: Any, runs: Sequence[Run], configs: Se
     summary["population"] = path.name
     population_run = RunDir(path)
     checkpoint, _ = population_run.latest_valid_checkpoint()
+    if checkpoint is None:
+        raise CheckpointError(f"{path}: the population left no valid checkpoint to write its members from; "
+                              "rerun the sweep")
     state, _ = load_checkpoint(checkpoint, initial_state(population, population_config))
     records = population_run.read_metrics()
     written, writer = [], CheckpointWriter()

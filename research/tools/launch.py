@@ -88,7 +88,7 @@ def _watch(processes: list[subprocess.Popen], script: Path, command: list[str], 
             if failed and all(s in PREEMPTED for s in statuses):
                 print(f"launch: every process stopped on a signal (status {statuses[0]}); rerun with --resume auto "
                       "to continue", file=sys.stderr)
-                return max(statuses)
+                return max(s for s in statuses if s is not None)  # all of them: each stopped on a signal
             if failed and not all(s in PREEMPTED or s is None for s in statuses):
                 # A process that lost a peer is a consequence; report the cause when it is known.
                 index, status = min(failed, key=lambda f: f[1] == LOST_PEER_STATUS)

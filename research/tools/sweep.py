@@ -46,7 +46,7 @@ from typing import Any
 
 from ..cli import parse_config, use_compilation_cache
 from ..errors import ConfigError, Preempted, ResearchInputError
-from ..experiment import RUNS_ROOT, load_experiment
+from ..experiment import RUNS_ROOT, experiment_script, load_experiment
 from ..progress import format_duration
 from ..train import RunDir
 from ._axes import SET_BY_SWEEP, Axis, check_passed_flags, flag_words, parse_axis, run_name, sweepable_fields
@@ -68,7 +68,7 @@ def _experiment(name: str) -> tuple[types.ModuleType, Path]:
         raise UsageError(str(e)) from None
     if not hasattr(module, "Config"):
         raise UsageError(f"{name}: the experiment has no Config to sweep")
-    return module, Path(module.__file__)
+    return module, experiment_script(name)
 
 
 def _make_run(script: Path, sweep_dir: Path, flags: Sequence[str], axes: Sequence[Axis],

@@ -17,6 +17,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 
 from ..data import Batch
 from ..debug import RetraceLog
@@ -205,7 +206,8 @@ class CompiledTrainer:
     on the first retrace of a function, which argument changed (`traces.explanations`).
     """
 
-    def __init__(self, loss_fn: LossFn, static: TrainState, treedef: jax.tree_util.PyTreeDef,
+    # (jax.tree_util.PyTreeDef is an alias of a compiled class, which pyright reads as a variable.)
+    def __init__(self, loss_fn: LossFn, static: TrainState, treedef: jax.tree_util.PyTreeDef,  # pyright: ignore[reportInvalidTypeForm]
                  skip_nonfinite: bool = False, packing: Packing | None = None, *,
                  placement: Placement = OneDevice(), population: bool = False, member_batches: bool = False):
         if member_batches and not (population and isinstance(placement, OneDevice)):
@@ -262,7 +264,7 @@ class CompiledTrainer:
         return self._leaf_names
 
     def _record_trace(self, name: str, leaves: Leaves, **arguments) -> None:
-        if not isinstance(leaves[0], jax.core.Tracer):
+        if not isinstance(leaves[0], Tracer):
             return  # not a trace: jax_debug_nans re-running the step op by op on concrete arrays
         self.num_traces[name] += 1
         named_leaves = dict(zip(self.leaf_names(), leaves, strict=True))
@@ -336,7 +338,9 @@ class CompiledTrainer:
         step = self._combine(leaves).step
         step = step[0] if self.population else step  # members step together
         leaves, metrics = self._one(leaves, batch)
-        return leaves, StepStats(stats, layout_of(metrics)).record(step, metrics).words
+        words = StepStats(stats, layout_of(metrics)).record(step, metrics).words
+        assert isinstance(words, jax.Array)  # computed by JAX (only fresh statistics hold numpy words)
+        return leaves, words
 
     def _step_impl(self, leaves: Leaves, stats: jax.Array, batch: Batch) -> tuple[Leaves, jax.Array]:
         leaves = self.unpack(leaves)
@@ -353,7 +357,8 @@ class CompiledTrainer:
 
         def body(i, carry):
             index = indices[i]
-            return self._record(*carry, Batch(data.inputs[index], data.labels[index]))
+            leaves, stats = carry
+            return self._record(leaves, stats, Batch(data.inputs[index], data.labels[index]))
 
         if indices.shape[0] == 1:
             # One row: no loop. XLA CPU runs convolutions several times slower inside a while loop

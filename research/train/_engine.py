@@ -163,7 +163,8 @@ class Engine:
                 until = self._next_stop(step, num_steps)
                 leaves, stats, step = feed.advance(leaves, stats, step, until, signals if alone else None)
                 compiling.freeze()  # the first stop's calls compiled the step: later ones reuse it
-                if step < until:
+                if step < until:  # `advance` stops early only when a signal came
+                    assert signals is not None and signals.received is not None
                     self._preempted(StepInfo(step, num_steps, {}, trainer, leaves, stats, stats, feed.data_state),
                                     signals.received)
                 checked, record = stats, {}
@@ -267,7 +268,7 @@ class _Feed:
         """Steps `step .. until` in compiled calls; stops early (returning the step reached) after the
         call in flight when `signals` caught a stop signal."""
         stopped = lambda: signals is not None and signals.received is not None  # noqa: E731
-        if self.host_batches is None and not self.debug_nans:
+        if isinstance(self.data, DeviceLoader) and not self.debug_nans:  # (no host batches then)
             while step < until and not stopped():
                 n = min(self.steps_per_call, until - step)
                 indices = np.zeros((self.steps_per_call, *self.data.index_shape), np.int32)
@@ -289,10 +290,11 @@ class _Feed:
             jax.block_until_ready(stats)
 
     def _one_step(self, leaves: Leaves, stats: StepStats, position: int) -> tuple[Leaves, StepStats]:
-        if self.host_batches is None:
+        if isinstance(self.data, DeviceLoader):
             index = self.data.step_indices(position, 1)[0]
             batch = Batch(self.data.arrays.inputs[index], self.data.arrays.labels[index])
         else:
+            assert self.host_batches is not None  # made for every host loader
             batch = next(self.host_batches)
         before = self.trainer.placement.place(leaves) if self.debug_nans else None  # the step donates its inputs
         try:

@@ -38,7 +38,8 @@ def padded_batches(data: DeviceLoader | HostLoader) -> tuple[Iterable[tuple[Batc
     padded and its padding masked out by the 0/1 mask given with each batch), and the example count."""
     if isinstance(data, DeviceLoader):
         return data.padded_batches(), data.size
-    return _padded(data, data.batch_size), len(data.dataset)
+    # A HostLoader is a torch DataLoader, annotated as an Iterable so that this module need not import torch.
+    return _padded(data, data.batch_size), len(data.dataset)  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def evaluate(
@@ -56,8 +57,8 @@ def evaluate(
     """
     model = eqx.nn.inference_mode(model)
     batches, size = padded_batches(data)
-    bar = Progress(math.ceil(size / data.batch_size), desc="eval", unit="batch", enabled=progress, delay=1.0,
-                   leave=False)
+    batch_size = data.batch_size  # pyright: ignore[reportAttributeAccessIssue]  (a HostLoader's: DataLoader's)
+    bar = Progress(math.ceil(size / batch_size), desc="eval", unit="batch", enabled=progress, delay=1.0, leave=False)
     totals = []
     try:
         for b, mask in batches:

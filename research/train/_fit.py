@@ -83,7 +83,7 @@ def fit(
         if data is not None:
             engine.add_hook(Evaluate(data, progress, evaluator, name), every=eval_every or num_steps)
     writes = run is not None and jax.process_index() == 0  # every process checkpoints, process 0 logs
-    trackers = ([JsonlTracker(run)] if writes else []) + ([tracker] if tracker is not None else [])
+    trackers = ([JsonlTracker(run)] if run is not None and writes else []) + ([tracker] if tracker is not None else [])
     engine.add_hook(Track(trackers, lr_schedule))
     start = int(np.max(np.asarray(state.step)))  # a population steps its members together
     bar = Progress(num_steps, initial=start, enabled=progress)

@@ -34,7 +34,8 @@ def _threefry2x32(k1: jax.Array, k2: jax.Array, x1: jax.Array, x2: jax.Array) ->
 @typecheck
 def split_key_data(key: UInt32[Array, " 2"]) -> tuple[UInt32[Array, " 2"], UInt32[Array, " 2"]]:
     """The two halves of `jax.random.split(jax.random.wrap_key_data(key))`, as raw key data."""
-    if not jax.config.jax_threefry_partitionable:
+    # (jax.config's options are attributes made at run time, which pyright cannot see.)
+    if not jax.config.jax_threefry_partitionable:  # pyright: ignore[reportAttributeAccessIssue]
         first, second = jax.random.split(jax.random.wrap_key_data(key))
         return jax.random.key_data(first), jax.random.key_data(second)
     zeros = jnp.zeros((2,), jnp.uint32)
@@ -49,10 +50,10 @@ def random_normal(key: jax.Array, shape: tuple[int, ...], dtype=jnp.float32) -> 
     the unrolled hash on CPU. Any key other than a threefry key with `jax_threefry_partitionable`
     on, a dtype other than float32, or more than 2^32 values falls back to `jax.random.normal`."""
     size = int(np.prod(shape, dtype=np.int64))
-    threefry = (jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) and key.shape == ()
+    threefry = (jnp.issubdtype(key.dtype, jax.dtypes.prng_key) and key.shape == ()
                 and str(jax.random.key_impl(key)) == "threefry2x32")
-    if not (threefry and jax.config.jax_threefry_partitionable and jnp.dtype(dtype) == jnp.float32
-            and 0 < size < 2**32):
+    partitionable = jax.config.jax_threefry_partitionable  # pyright: ignore[reportAttributeAccessIssue]
+    if not (threefry and partitionable and jnp.dtype(dtype) == jnp.float32 and 0 < size < 2**32):
         return jax.random.normal(key, shape, dtype)
     data = jax.random.key_data(key)
     bits1, bits2 = _threefry2x32(data[0], data[1], jnp.zeros((size,), jnp.uint32), jnp.arange(size, dtype=jnp.uint32))

@@ -23,7 +23,8 @@ def next_token_sums(
 ) -> tuple[Float[Array, " batch"], Float[Array, " batch"]]:
     """Per-sequence mean cross-entropy (nats) and accuracy of the next-token predictions of `model`
     (ONE sequence in, `[tokens, vocab]` logits out), vmapped over the batch."""
-    logits = jax.vmap(model)(tokens)
+    # A concrete eqx.Module has a __call__; the base class, which pyright reads, does not declare one.
+    logits = jax.vmap(model)(tokens)  # pyright: ignore[reportArgumentType]
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
     correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
     return jnp.mean(losses, axis=1), jnp.mean(correct, axis=1)

@@ -67,7 +67,10 @@ class MlflowTracker:
         try:
             return self._client.create_experiment(name, artifact_location=location)
         except MlflowException:  # made by another process meanwhile
-            return self._client.get_experiment_by_name(name).experiment_id
+            found = self._client.get_experiment_by_name(name)
+            if found is None:
+                raise
+            return found.experiment_id
 
     def _last_logged_step(self) -> int:
         names = self._client.get_run(self.run_id).data.metrics

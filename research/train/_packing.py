@@ -69,10 +69,10 @@ class Packing:
 
     def _split(self, buffer, others: Leaves, leaf) -> Leaves:
         """Each leaf in order: `leaf(words, dtype)` of its `[shape]` slice of `buffer`, or the next of `others`."""
-        others, leaves, start = iter(others), [], 0
+        rest, leaves, start = iter(others), [], 0
         for shape, dtype in self.specs:
             if not _in_buffer(dtype):
-                leaves.append(next(others))
+                leaves.append(next(rest))
                 continue
             size = math.prod(shape)
             leaves.append(leaf(buffer[start:start + size].reshape(shape), dtype))

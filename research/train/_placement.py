@@ -24,6 +24,7 @@ Leaves = list[jax.Array]
 class Placement(abc.ABC):
     """Where a run's arrays live and how its compiled steps run.
 
+    - `name`: what `--parallel` calls it (`none`, `pmap`, `sharded`, `fsdp`).
     - `axis_name`: the named device axis a traced step sees its batch split over (`jax.pmap`), or
       `None` when the step sees the whole global batch (one device, or `jax.jit` over a mesh).
     - `packs`: whether a small state may travel packed into one buffer (`_packing.py`).
@@ -45,6 +46,7 @@ class Placement(abc.ABC):
       placement cannot train correctly (BatchNorm statistics over the wrong axis, an uneven split).
     """
 
+    name: str
     axis_name: Any
     packs: Any
 

@@ -7,7 +7,9 @@ call, and on a signal it stops there, lets its preemption hooks run (the checkpo
 
 import signal
 import threading
+from collections.abc import Callable
 from types import FrameType, TracebackType
+from typing import Any
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -17,7 +19,7 @@ class StopSignals:
 
     def __init__(self) -> None:
         self.received: int | None = None
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():

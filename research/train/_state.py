@@ -59,7 +59,7 @@ class TrainState(eqx.Module):
     ) -> "TrainState":
         """A fresh state at step 0; the optimizer is initialised on the model's floating-point arrays.
         `ema_decay > 0` also keeps a debiased EMA of the model (see `with_ema`)."""
-        if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
             key = jax.random.key_data(key)
         state = cls(
             step=jnp.zeros((), jnp.int32),
@@ -134,13 +134,15 @@ def forward(
     over `axis_name`.
     """
     keys = None if key is None else _example_keys(key, inputs.shape[0])
+    # (A concrete eqx.Module has a __call__; the base class, which pyright reads, does not declare one.)
     if model_state is None:
-        outputs = jax.vmap(lambda x, k: model(x, key=k))(inputs, keys)
+        outputs = jax.vmap(lambda x, k: model(x, key=k))(inputs, keys)  # pyright: ignore[reportCallIssue]
         return outputs, None
     # The state goes in as an argument (not closed over) so that the model works on a copy: an
     # `eqx.nn.State` invalidates itself once `set` is called on it, which would break the caller's.
     return jax.vmap(
-        lambda x, k, s: model(x, s, key=k), in_axes=(0, 0, None), out_axes=(0, None), axis_name=axis_name
+        lambda x, k, s: model(x, s, key=k),  # pyright: ignore[reportCallIssue]
+        in_axes=(0, 0, None), out_axes=(0, None), axis_name=axis_name
     )(inputs, keys, model_state)
 
 
@@ -175,7 +177,9 @@ def classification_loss(
 
 def _split(key_data: KeyData) -> tuple[KeyData, PRNGKeyArray]:
     """`jax.random.split` of the state's key: (next state key data, this step's key)."""
-    if key_data.shape == (2,) and jax.config.jax_default_prng_impl == "threefry2x32":
+    # (jax.config's options are attributes made at run time, which pyright cannot see.)
+    impl = jax.config.jax_default_prng_impl  # pyright: ignore[reportAttributeAccessIssue]
+    if key_data.shape == (2,) and impl == "threefry2x32":
         key, step_key = split_key_data(key_data)  # the same bits without XLA's CPU while loop
         return key, jax.random.wrap_key_data(step_key)
     key, step_key = jax.random.split(jax.random.wrap_key_data(key_data))

@@ -41,9 +41,10 @@ class WandbTracker:
         self._run = wandb.init(
             dir=str(Path(directory).resolve()),  # W&B's service may run in another working directory
             project=os.environ.get("WANDB_PROJECT", project), name=name, group=group, id=run_id, resume="allow",
-            mode=os.environ.get("WANDB_MODE") or "offline",  # read each time: W&B reads it once a process
+            # $WANDB_MODE read each time (W&B reads it once a process); W&B checks the values of both.
+            mode=os.environ.get("WANDB_MODE") or "offline",  # pyright: ignore[reportArgumentType]
             # The run's output is its own (progress bars, the summary line): W&B copies it only when asked to.
-            settings=wandb.Settings(console=os.environ.get("WANDB_CONSOLE", "off")),
+            settings=wandb.Settings(console=os.environ.get("WANDB_CONSOLE", "off")),  # pyright: ignore[reportArgumentType]
         )
         self._run.config.update(dict(config or {}), allow_val_change=True)  # a resumed run may change a few
         self.run_id = self._run.id
