@@ -213,8 +213,11 @@ def test_two_processes_stop_together_on_sigterm_and_resume_to_the_same_bits(one_
     resumed = subprocess.run([*launch_cmd, *tracked, "--resume", "auto"], cwd=tmp_path, capture_output=True,
                              text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    records = lambda run: [{k: v for k, v in json.loads(line).items() if k != "steps_per_s"}  # noqa: E731
-                           for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+    def records(run):
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+        return [{k: v for k, v in json.loads(line).items() if k != "steps_per_s"} for line in lines]
+
     assert records(tmp_path / "stopped") == records(straight_dir)
     final = "checkpoints/step_000000400"
     assert checkpoint_digest(tmp_path / "stopped" / final) == checkpoint_digest(straight_dir / final)

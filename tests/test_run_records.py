@@ -139,8 +139,10 @@ def test_from_a_run_reruns_it_into_a_new_directory_and_forks_it_with_flags(tmp_p
     script, flags = command(["--from", "first", "--run-dir", "again"])
     assert script.name == "xor.py" and flags == ["--config", "first/config.json", "--run-dir", "again"]
     assert run(flags) == 0
-    untimed = lambda path: [{k: v for k, v in r.items() if k != "steps_per_s"}  # noqa: E731
-                            for r in RunDir(tmp_path / path).read_metrics()]
+
+    def untimed(path):
+        return [{k: v for k, v in r.items() if k != "steps_per_s"} for r in RunDir(tmp_path / path).read_metrics()]
+
     assert untimed("again") == untimed("first")
     again = RunDir(tmp_path / "again").read_config()["config"]
     assert again == {**RunDir(tmp_path / "first").read_config()["config"], "run_dir": "again"}

@@ -100,8 +100,10 @@ def test_grain_keeps_its_iterator_state_in_the_checkpoint_and_resumes_from_it(di
         main_entry(images.main, images.Config, [*argv, "--run-dir", "cut", "--resume", "auto"])
     finally:
         sys.argv[0] = argv0
-    untimed = lambda path: [{k: v for k, v in r.items() if k != "steps_per_s"}  # noqa: E731
-                            for r in RunDir(tmp_path / path).read_metrics()]
+
+    def untimed(path):
+        return [{k: v for k, v in r.items() if k != "steps_per_s"} for r in RunDir(tmp_path / path).read_metrics()]
+
     assert untimed("cut") == untimed("straight")
     assert RunDir(tmp_path / "cut").read_summary()["test_accuracy"] == \
         RunDir(tmp_path / "straight").read_summary()["test_accuracy"]

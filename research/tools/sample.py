@@ -49,8 +49,10 @@ def sample_bytes(model: LanguageModel, prompt: bytes, length: int, *, key: PRNGK
     if model.vocab > 256:
         raise UsageError(f"the model has {model.vocab} tokens, not bytes: its tokens cannot be written as text")
     tokens = jnp.asarray(np.frombuffer(prompt, np.uint8).astype(np.int32))
-    run = lambda: np.asarray(generate(model, tokens, length, key=key, temperature=temperature,  # noqa: E731
-                                      top_k=top_k))
+
+    def run() -> np.ndarray:
+        return np.asarray(generate(model, tokens, length, key=key, temperature=temperature, top_k=top_k))
+
     start = time.perf_counter()
     run()
     first = time.perf_counter() - start

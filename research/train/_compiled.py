@@ -421,8 +421,11 @@ def compiled_trainer(loss_fn: LossFn, state: TrainState, *, skip_nonfinite: bool
     leaves, treedef = jax.tree.flatten(dynamic)
     packing = Packing.of(leaves) if placement.packs else None
     key = (loss_fn, treedef, *static_key(static), skip_nonfinite, packing, placement, population, member_batches)
-    build = lambda: CompiledTrainer(loss_fn, static, treedef, skip_nonfinite, packing,  # noqa: E731
-                                    placement=placement, population=population, member_batches=member_batches)
+
+    def build() -> CompiledTrainer:
+        return CompiledTrainer(loss_fn, static, treedef, skip_nonfinite, packing, placement=placement,
+                               population=population, member_batches=member_batches)
+
     with _cache_lock:
         try:
             return _cache[key]
