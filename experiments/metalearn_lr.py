@@ -22,8 +22,15 @@ import numpy as np
 import optax
 
 from research.cli import Checkpointing, Tracking, Training, main_entry, non_negative, option, positive
-from research.data import (MNIST1D_CLASSES, MNIST1D_LENGTH, MNIST1D_TRAIN_SPLIT, Batch, DeviceLoader, HostLoader,
-                           load_mnist1d)
+from research.data import (
+    MNIST1D_CLASSES,
+    MNIST1D_LENGTH,
+    MNIST1D_TRAIN_SPLIT,
+    Batch,
+    DeviceLoader,
+    HostLoader,
+    load_mnist1d,
+)
 from research.experiment import Setup, run_experiment
 from research.nn import MLP, build_model
 from research.population import member, num_members
