@@ -8,17 +8,28 @@ import sys
 import time
 from pathlib import Path
 
-CASES = {"a": "xor", "b": "mlp", "c": "cnn", "d": "per_example", "e": "dp_sgd", "f": "population", "g": "fsdp",
-         "h": "loaders", "i": "gpt"}
+CASES = {
+    "a": "xor",
+    "b": "mlp",
+    "c": "cnn",
+    "d": "per_example",
+    "e": "dp_sgd",
+    "f": "population",
+    "g": "fsdp",
+    "h": "loaders",
+    "i": "gpt",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="scripts/bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run of a few seconds a case (not a measurement)")
-    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {','.join(CASES)} "
-                        "(default: all)")
-    parser.add_argument("--out", default=None,
-                        help="output directory (default: docs, or runs/bench-quick with --quick)")
+    parser.add_argument(
+        "--cases", default=",".join(CASES), help=f"comma-separated subset of {','.join(CASES)} (default: all)"
+    )
+    parser.add_argument(
+        "--out", default=None, help="output directory (default: docs, or runs/bench-quick with --quick)"
+    )
     args = parser.parse_args(argv)
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     unknown = [c for c in cases if c not in CASES]
@@ -29,14 +40,25 @@ def main(argv: list[str] | None = None) -> int:
 
     from . import _cnn, _dp_sgd, _frameworks, _fsdp, _gpt, _loaders, _mlp, _per_example, _population, _report, _xor
 
-    modules = {"xor": _xor, "mlp": _mlp, "cnn": _cnn, "per_example": _per_example, "dp_sgd": _dp_sgd,
-               "population": _population, "fsdp": _fsdp, "loaders": _loaders, "gpt": _gpt}
+    modules = {
+        "xor": _xor,
+        "mlp": _mlp,
+        "cnn": _cnn,
+        "per_example": _per_example,
+        "dp_sgd": _dp_sgd,
+        "population": _population,
+        "fsdp": _fsdp,
+        "loaders": _loaders,
+        "gpt": _gpt,
+    }
     start = time.perf_counter()
     info = _report.machine()
     info["load_before"] = " / ".join(f"{x:.1f}" for x in os.getloadavg())
-    info["torch_threads"] = ("PyTorch threads: calibrated per candidate, its default count or one thread, "
-                             "whichever ran it faster here (the count is in its name, with the other count's time "
-                             "as a ratio); the XOR candidates run on one thread (see (a))")
+    info["torch_threads"] = (
+        "PyTorch threads: calibrated per candidate, its default count or one thread, "
+        "whichever ran it faster here (the count is in its name, with the other count's time "
+        "as a ratio); the XOR candidates run on one thread (see (a))"
+    )
     results = {}
     skipped = {}
     for case in cases:
@@ -56,9 +78,17 @@ def main(argv: list[str] | None = None) -> int:
     problem = _report.write_chart(out / "benchmarks.png", results)
     if problem:
         print(problem, file=sys.stderr)
-    (out / "benchmarks.json").write_text(json.dumps(
-        {"info": info, "quick": args.quick, "seconds": seconds,
-         "results": {k: _jsonable(v) for k, v in results.items()}}, indent=1))
+    (out / "benchmarks.json").write_text(
+        json.dumps(
+            {
+                "info": info,
+                "quick": args.quick,
+                "seconds": seconds,
+                "results": {k: _jsonable(v) for k, v in results.items()},
+            },
+            indent=1,
+        )
+    )
     for row in _report.targets(results):
         print(" | ".join(str(x) for x in row))
     print(f"wrote {out / 'benchmarks.md'} in {seconds:.0f} s")

@@ -36,8 +36,15 @@ def ours(steps_per_call: int = 100):
     test_data = DeviceLoader(test.inputs, test.labels, 500, shuffle=False)
 
     def run(steps):
-        result = fit(state, train_data, num_steps=steps, eval_data=test_data, log_every=min(steps, 1000),
-                     steps_per_call=steps_per_call, progress=False)
+        result = fit(
+            state,
+            train_data,
+            num_steps=steps,
+            eval_data=test_data,
+            log_every=min(steps, 1000),
+            steps_per_call=steps_per_call,
+            progress=False,
+        )
         return result.eval_metrics["accuracy"]
 
     return run
@@ -89,7 +96,7 @@ def pure_jax():
         for step in range(steps):
             if step % per_epoch == 0:
                 order = rng.permutation(len(train.labels))
-            index = order[(step % per_epoch) * BATCH:(step % per_epoch + 1) * BATCH]
+            index = order[(step % per_epoch) * BATCH : (step % per_epoch + 1) * BATCH]
             params, opt_state, loss = pure_step(params, opt_state, train.inputs[index], train.labels[index])
         return float(jnp.mean(jnp.argmax(pure_logits(params, test.inputs), 1) == test.labels))
 
@@ -100,8 +107,16 @@ def pure_jax():
 def torch_model():
     torch.manual_seed(0)
     nn = torch.nn
-    return nn.Sequential(nn.Conv1d(1, 25, 5, 2, 1), nn.ReLU(), nn.Conv1d(25, 25, 3, 2, 1), nn.ReLU(),
-                         nn.Conv1d(25, 25, 3, 2, 1), nn.ReLU(), nn.Flatten(), nn.Linear(125, 10))
+    return nn.Sequential(
+        nn.Conv1d(1, 25, 5, 2, 1),
+        nn.ReLU(),
+        nn.Conv1d(25, 25, 3, 2, 1),
+        nn.ReLU(),
+        nn.Conv1d(25, 25, 3, 2, 1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(125, 10),
+    )
 
 
 def torch_eager():
@@ -115,7 +130,7 @@ def torch_eager():
         for step in range(steps):
             if step % per_epoch == 0:
                 order = torch.randperm(len(y), generator=generator)
-            index = order[(step % per_epoch) * BATCH:(step % per_epoch + 1) * BATCH]
+            index = order[(step % per_epoch) * BATCH : (step % per_epoch + 1) * BATCH]
             optimizer.zero_grad(set_to_none=True)
             torch.nn.functional.cross_entropy(model(x[index]), y[index]).backward()
             optimizer.step()
@@ -128,9 +143,12 @@ def torch_eager():
 
 def run(quick: bool) -> dict:
     steps, repeats = (200, 1) if quick else (STEPS, 2)
-    makers = {"ours: fit (100 steps a call)": functools.partial(ours, steps_per_call=100),
-              "ours: fit (1 step a call)": functools.partial(ours, steps_per_call=1),
-              "pure JAX (jit, donated, Python loop)": pure_jax, "PyTorch eager": torch_eager}
+    makers = {
+        "ours: fit (100 steps a call)": functools.partial(ours, steps_per_call=100),
+        "ours: fit (1 step a call)": functools.partial(ours, steps_per_call=1),
+        "pure JAX (jit, donated, Python loop)": pure_jax,
+        "PyTorch eager": torch_eager,
+    }
     runs = {}
     for name, make in makers.items():
         run_ = make()

@@ -85,9 +85,15 @@ def opacus_step(model_name: str, steps: int):
         nn = torch.nn
         module = nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
     module, optimizer, criterion, _ = opacus.PrivacyEngine().make_private(
-        module=module, optimizer=torch.optim.Adam(module.parameters(), lr=LR), criterion=torch.nn.CrossEntropyLoss(),
-        data_loader=DataLoader(TensorDataset(x, y), batch_size=BATCH), noise_multiplier=SIGMA, max_grad_norm=CLIP,
-        poisson_sampling=False, grad_sample_mode="ghost")
+        module=module,
+        optimizer=torch.optim.Adam(module.parameters(), lr=LR),
+        criterion=torch.nn.CrossEntropyLoss(),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=BATCH),
+        noise_multiplier=SIGMA,
+        max_grad_norm=CLIP,
+        poisson_sampling=False,
+        grad_sample_mode="ghost",
+    )
 
     def run():
         for _ in range(steps):
@@ -111,16 +117,21 @@ def gradient_memory(model_name: str, loss_name: str) -> dict[str, int]:
         return eqx.filter_grad(lambda m: loss(m, None, batch, key)[0])(model)
 
     def clipped_sum(params, batch):  # the DP gradient without its noise (which is parameter-sized)
-        return clipped_gradient_sum(eqx.combine(params, static), None, batch, None, clip_norm=CLIP,
-                                    method=loss.method)[0]
+        return clipped_gradient_sum(eqx.combine(params, static), None, batch, None, clip_norm=CLIP, method=loss.method)[
+            0
+        ]
 
     batch = _batch(features)
     analysis = jax.jit(gradient).lower(params, batch, jax.random.key(2)).compile().memory_analysis()
-    memory = {"temp": int(analysis.temp_size_in_bytes), "arguments": int(analysis.argument_size_in_bytes),
-              "output": int(analysis.output_size_in_bytes)}
+    memory = {
+        "temp": int(analysis.temp_size_in_bytes),
+        "arguments": int(analysis.argument_size_in_bytes),
+        "output": int(analysis.output_size_in_bytes),
+    }
     if hasattr(loss, "method"):
-        memory["clipped_sum_temp"] = int(jax.jit(clipped_sum).lower(params, batch).compile().memory_analysis()
-                                         .temp_size_in_bytes)
+        memory["clipped_sum_temp"] = int(
+            jax.jit(clipped_sum).lower(params, batch).compile().memory_analysis().temp_size_in_bytes
+        )
     return memory
 
 

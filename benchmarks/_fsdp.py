@@ -18,15 +18,33 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PLACEMENTS = {"one device": [], "data parallel, 4 devices (sharded)": ["--devices", "4", "--parallel", "sharded"],
-              "FSDP, 4 devices": ["--devices", "4", "--parallel", "fsdp"]}
+PLACEMENTS = {
+    "one device": [],
+    "data parallel, 4 devices (sharded)": ["--devices", "4", "--parallel", "sharded"],
+    "FSDP, 4 devices": ["--devices", "4", "--parallel", "fsdp"],
+}
 
 
 def _run(flags: list[str], steps: int, run_dir: Path) -> dict:
-    command = [sys.executable, str(ROOT / "experiments" / "lm.py"), "--steps", str(steps),
-               "--log-every", str(steps // 2), "--steps-per-call", str(steps // 4), "--text-bytes", "400000",
-               "--dim", "128", "--no-progress",
-               "--no-compilation-cache", "--run-dir", str(run_dir), *flags]
+    command = [
+        sys.executable,
+        str(ROOT / "experiments" / "lm.py"),
+        "--steps",
+        str(steps),
+        "--log-every",
+        str(steps // 2),
+        "--steps-per-call",
+        str(steps // 4),
+        "--text-bytes",
+        "400000",
+        "--dim",
+        "128",
+        "--no-progress",
+        "--no-compilation-cache",
+        "--run-dir",
+        str(run_dir),
+        *flags,
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=900)
     if result.returncode:
         raise RuntimeError(f"{' '.join(command)} failed: {result.stderr.strip().splitlines()[-1:]}")
@@ -54,6 +72,8 @@ def run(quick: bool) -> dict:
     with tempfile.TemporaryDirectory() as scratch:
         for name, flags in PLACEMENTS.items():
             summary = _run(flags, steps, Path(scratch) / name.split(",")[0].replace(" ", "-"))
-            rows[name] = {key: summary[key] for key in ("state_bytes_per_device", "bytes_per_s", "test_bits_per_byte",
-                                                         "wall_seconds")}
+            rows[name] = {
+                key: summary[key]
+                for key in ("state_bytes_per_device", "bytes_per_s", "test_bits_per_byte", "wall_seconds")
+            }
     return {"placements": rows, "steps": steps}

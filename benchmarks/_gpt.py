@@ -30,10 +30,13 @@ def shapes() -> dict[str, dict]:
     import experiments.lm as lm
 
     default = lm.Config()
-    return {"width 128, 4 blocks, context 64, batch 12": dict(dim=128, depth=4, heads=4, context=64, batch=12),
-            f"the lm default (width {default.dim}, {default.depth} blocks, context {default.context}, batch "
-            f"{default.batch_size})": dict(dim=default.dim, depth=default.depth, heads=default.heads,
-                                           context=default.context, batch=default.batch_size)}
+    return {
+        "width 128, 4 blocks, context 64, batch 12": dict(dim=128, depth=4, heads=4, context=64, batch=12),
+        f"the lm default (width {default.dim}, {default.depth} blocks, context {default.context}, batch "
+        f"{default.batch_size})": dict(
+            dim=default.dim, depth=default.depth, heads=default.heads, context=default.context, batch=default.batch_size
+        ),
+    }
 
 
 def model_flops(dim: int, depth: int, heads: int, context: int, batch: int) -> float:
@@ -52,8 +55,9 @@ def ours(steps: int, *, dim: int, depth: int, heads: int, context: int, batch: i
     import experiments.lm as lm
 
     config = lm.Config(dim=dim, depth=depth, heads=heads, context=context, batch_size=batch, lr=LR)
-    return compiled_run(NextTokenLoss(), lm.build_state(config), Batch(*map(jnp.asarray, _windows(context, batch))),
-                        steps)
+    return compiled_run(
+        NextTokenLoss(), lm.build_state(config), Batch(*map(jnp.asarray, _windows(context, batch))), steps
+    )
 
 
 class TorchBlock(torch.nn.Module):
@@ -67,8 +71,10 @@ class TorchBlock(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
-        q, k, v = (h.view(b, t, self.heads, d // self.heads).transpose(1, 2)
-                   for h in self.qkv(self.attention_norm(x)).split(d, dim=2))
+        q, k, v = (
+            h.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+            for h in self.qkv(self.attention_norm(x)).split(d, dim=2)
+        )
         y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.out(y.transpose(1, 2).reshape(b, t, d))
         return x + self.mlp_out(torch.nn.functional.gelu(self.mlp_in(self.mlp_norm(x)), approximate="tanh"))
@@ -111,8 +117,10 @@ def parameter_count(dim: int, depth: int, heads: int, context: int, batch: int) 
     from research.provenance import parameter_counts
 
     config = lm.Config(dim=dim, depth=depth, heads=heads, context=context, batch_size=batch)
-    return {"ours": parameter_counts(lm.build_state(config).model)["total"],
-            "pytorch": sum(p.numel() for p in TorchGPT(dim, depth, heads, context).parameters())}
+    return {
+        "ours": parameter_counts(lm.build_state(config).model)["total"],
+        "pytorch": sum(p.numel() for p in TorchGPT(dim, depth, heads, context).parameters()),
+    }
 
 
 def run(quick: bool) -> dict:
@@ -137,7 +145,11 @@ def run(quick: bool) -> dict:
             timing.extra["gflops"] = flops / timing.median / 1e9
             timing.extra["fraction_of_peak"] = timing.extra["gflops"] / peak
             timing.extra["bytes_per_s"] = shape["batch"] * shape["context"] / timing.median
-        results[label] = {"step": list(timings.values()), "shape": shape, "peak_gflops": peak, "flops": flops,
-                          "parameters": parameter_count(**shape)}
+        results[label] = {
+            "step": list(timings.values()),
+            "shape": shape,
+            "peak_gflops": peak,
+            "flops": flops,
+            "parameters": parameter_count(**shape),
+        }
     return results
-

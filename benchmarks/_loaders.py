@@ -50,8 +50,9 @@ def _training(quick: bool) -> dict[str, Timing]:
     state = _mlp_state()
 
     def run(loader, per_call):
-        return lambda: timed(lambda: fit(state, loader, num_steps=steps, log_every=steps, steps_per_call=per_call,
-                                         progress=False), steps)
+        return lambda: timed(
+            lambda: fit(state, loader, num_steps=steps, log_every=steps, steps_per_call=per_call, progress=False), steps
+        )
 
     candidates = {name: run(*args) for name, args in loaders.items()}
     for candidate in candidates.values():
@@ -79,16 +80,21 @@ def _reading(images: np.ndarray, labels: np.ndarray, quick: bool) -> dict[str, T
         rows = device.step_indices(next(position), batches)
         return timed(lambda: [jax.block_until_ready(gather(device.arrays.inputs, r)) for r in rows], batches)
 
-    streams = {"torch DataLoader, in process": TorchLoader(ArrayDataset(images, labels), BATCH, seed=0).batches(0),
-               "torch DataLoader, 2 workers": TorchLoader(ArrayDataset(images, labels), BATCH, seed=0,
-                                                          num_workers=2).batches(0),
-               "Grain, 2 threads": GrainLoader(ArrayDataset(images, labels), BATCH, seed=0, workers=2).batches(0)}
+    streams = {
+        "torch DataLoader, in process": TorchLoader(ArrayDataset(images, labels), BATCH, seed=0).batches(0),
+        "torch DataLoader, 2 workers": TorchLoader(ArrayDataset(images, labels), BATCH, seed=0, num_workers=2).batches(
+            0
+        ),
+        "Grain, 2 threads": GrainLoader(ArrayDataset(images, labels), BATCH, seed=0, workers=2).batches(0),
+    }
 
     def pulled(stream):
         return lambda: timed(lambda: [next(stream) for _ in range(batches)], batches)
 
-    candidates = {"device loader (gather on the device)": on_device,
-                  **{name: pulled(stream) for name, stream in streams.items()}}
+    candidates = {
+        "device loader (gather on the device)": on_device,
+        **{name: pulled(stream) for name, stream in streams.items()},
+    }
     for candidate in candidates.values():
         candidate()
     return interleave(candidates, 3 if quick else 7)
@@ -107,11 +113,16 @@ def _resume(images: np.ndarray, labels: np.ndarray, quick: bool) -> dict[str, Ti
     """Seconds to the first batch of a run resumed at step 10 and at step 10,000 (a fresh loader each)."""
     dataset = ArrayDataset(images, labels)
     late = 10_000 if not quick else 1_000
-    makers = {"torch DataLoader": lambda s: next(TorchLoader(dataset, BATCH, seed=0).batches(s)),
-              "Grain": lambda s: next(GrainLoader(dataset, BATCH, seed=0, workers=0).batches(s)),
-              "torch DataLoader before issue 26": lambda s: _earlier_torch_loader(dataset, s)}
-    candidates = {f"{name}, resumed at step {step:,}": (lambda m=make, s=step: timed(lambda: m(s)))
-                  for name, make in makers.items() for step in (10, late)}
+    makers = {
+        "torch DataLoader": lambda s: next(TorchLoader(dataset, BATCH, seed=0).batches(s)),
+        "Grain": lambda s: next(GrainLoader(dataset, BATCH, seed=0, workers=0).batches(s)),
+        "torch DataLoader before issue 26": lambda s: _earlier_torch_loader(dataset, s),
+    }
+    candidates = {
+        f"{name}, resumed at step {step:,}": (lambda m=make, s=step: timed(lambda: m(s)))
+        for name, make in makers.items()
+        for step in (10, late)
+    }
     for candidate in candidates.values():
         candidate()
     return interleave(candidates, 2 if quick else 5)
@@ -123,6 +134,10 @@ def run(quick: bool) -> dict:
         images, labels = _big_set(Path(scratch), quick)
         reading, resume = _reading(images, labels, quick), _resume(images, labels, quick)
         del images
-    return {"training": list(_training(quick).values()), "reading": list(reading.values()),
-            "resume": list(resume.values()), "size": 6_000 if quick else 60_000,
-            "seconds": time.perf_counter() - start}
+    return {
+        "training": list(_training(quick).values()),
+        "reading": list(reading.values()),
+        "resume": list(resume.values()),
+        "size": 6_000 if quick else 60_000,
+        "seconds": time.perf_counter() - start,
+    }

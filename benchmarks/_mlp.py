@@ -202,8 +202,9 @@ def nnx_step(steps):
 
     @nnx.jit
     def train_step(model, optimizer, x, y):
-        loss, grads = nnx.value_and_grad(
-            lambda m: optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean())(model)
+        loss, grads = nnx.value_and_grad(lambda m: optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean())(
+            model
+        )
         optimizer.update(model, grads)
         return loss
 
@@ -237,9 +238,15 @@ def torch_step(steps):
 def run(quick: bool) -> dict:
     steps, repeats = (1, 2) if quick else (5, 9)
     flax = have_flax()
-    makers = {"ours: CompiledTrainer.step": ours_step, f"ours: run ({steps} steps a call)": ours_run,
-              "pure JAX (jit, donated)": pure_jax_step, "eqx.filter_jit": eqx_step,
-              "flax linen TrainState": linen_step, "flax nnx.jit": nnx_step, "PyTorch eager (fused Adam)": torch_step}
+    makers = {
+        "ours: CompiledTrainer.step": ours_step,
+        f"ours: run ({steps} steps a call)": ours_run,
+        "pure JAX (jit, donated)": pure_jax_step,
+        "eqx.filter_jit": eqx_step,
+        "flax linen TrainState": linen_step,
+        "flax nnx.jit": nnx_step,
+        "PyTorch eager (fused Adam)": torch_step,
+    }
     notes, candidates = {}, {}
     for name, make in makers.items():
         if name.startswith("flax") and not flax:
@@ -259,5 +266,11 @@ def run(quick: bool) -> dict:
     for timing in timings.values():
         timing.extra["gflops"] = flops / timing.median / 1e9
         timing.extra["fraction_of_peak"] = timing.extra["gflops"] / peak
-    return {"step": list(timings.values()), "peak_gflops": peak, "peak_spread": (min(peaks), max(peaks)),
-            "peak_size": size, "flops": flops, "notes": notes}
+    return {
+        "step": list(timings.values()),
+        "peak_gflops": peak,
+        "peak_spread": (min(peaks), max(peaks)),
+        "peak_size": size,
+        "flops": flops,
+        "notes": notes,
+    }

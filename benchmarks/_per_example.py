@@ -98,7 +98,7 @@ def torch_loop(calls):
             out = []
             for i in range(BATCH):
                 model.zero_grad(set_to_none=True)
-                torch.nn.functional.cross_entropy(model(x[i:i + 1]), y[i:i + 1]).backward()
+                torch.nn.functional.cross_entropy(model(x[i : i + 1]), y[i : i + 1]).backward()
                 out.append([p.grad.clone() for p in model.parameters()])
 
     return run
@@ -110,12 +110,19 @@ def check_equal() -> float:
     ours_model = CNN1d(key=jax.random.key(0))
     weights = [params[f"{i}.weight"].numpy() for i in (0, 2, 4)]
     biases = [params[f"{i}.bias"].numpy()[:, None] for i in (0, 2, 4)]
-    ours_model = eqx.tree_at(lambda m: [c.weight for c in m.convs] + [c.bias for c in m.convs]
-                             + [m.head.weight, m.head.bias], ours_model,
-                             [*map(jnp.asarray, weights), *map(jnp.asarray, biases),
-                              jnp.asarray(params["7.weight"].numpy()), jnp.asarray(params["7.bias"].numpy())])
+    ours_model = eqx.tree_at(
+        lambda m: [c.weight for c in m.convs] + [c.bias for c in m.convs] + [m.head.weight, m.head.bias],
+        ours_model,
+        [
+            *map(jnp.asarray, weights),
+            *map(jnp.asarray, biases),
+            jnp.asarray(params["7.weight"].numpy()),
+            jnp.asarray(params["7.bias"].numpy()),
+        ],
+    )
     ours_grads = eqx.filter_vmap(eqx.filter_grad(_loss), in_axes=(None, 0, 0))(
-        ours_model, jnp.asarray(x[:, 0].numpy()), jnp.asarray(y.numpy().astype("int32")))
+        ours_model, jnp.asarray(x[:, 0].numpy()), jnp.asarray(y.numpy().astype("int32"))
+    )
 
     def loss(params, x, y):
         return torch.nn.functional.cross_entropy(torch.func.functional_call(model, params, (x[None],)), y[None])
@@ -126,9 +133,12 @@ def check_equal() -> float:
 
 def run(quick: bool) -> dict:
     calls, repeats = (2, 2) if quick else (20, 9)
-    makers = {"ours: jit(vmap(grad)) on partitioned params": ours,
-              "eqx.filter_jit(filter_vmap(filter_grad))": ours_filter, "torch.func.vmap(grad)": torch_func,
-              "PyTorch per-example loop": torch_loop}
+    makers = {
+        "ours: jit(vmap(grad)) on partitioned params": ours,
+        "eqx.filter_jit(filter_vmap(filter_grad))": ours_filter,
+        "torch.func.vmap(grad)": torch_func,
+        "PyTorch per-example loop": torch_loop,
+    }
     candidates = {}
     for name, make in makers.items():
         n = max(calls // 10, 1) if "loop" in name else calls
@@ -138,5 +148,8 @@ def run(quick: bool) -> dict:
             name, fn = at_best_thread_count(name, fn)
         candidates[name] = functools.partial(timed, fn, n)
     timings = interleave(candidates, repeats)
-    return {"calls": list(timings.values()), "max_abs_difference": check_equal(),
-            "library": _library_per_example_grads is not None}
+    return {
+        "calls": list(timings.values()),
+        "max_abs_difference": check_equal(),
+        "library": _library_per_example_grads is not None,
+    }

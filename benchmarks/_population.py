@@ -20,8 +20,11 @@ from ._timing import interleave, timed
 # name: (experiment, swept values, fixed options)
 GRIDS = {
     "XOR, K=16 (100 epochs, 1,900 steps)": ("xor", {"lr": [0.03, 0.1, 0.3, 1.0], "seed": [0, 1, 2, 3]}, {}),
-    "MNIST-1D MLP, K=8 (4,000 steps)": ("mnist1d", {"lr": [3e-3, 1e-2], "seed": [0, 1, 2, 3]},
-                                       {"model": "mlp", "steps": 4000, "data_dir": "data"}),
+    "MNIST-1D MLP, K=8 (4,000 steps)": (
+        "mnist1d",
+        {"lr": [3e-3, 1e-2], "seed": [0, 1, 2, 3]},
+        {"model": "mlp", "steps": 4000, "data_dir": "data"},
+    ),
 }
 QUICK = {"xor": {"epochs": 2}, "mnist1d": {"steps": 200}}  # and two values an axis
 
@@ -62,7 +65,7 @@ def _candidates(experiment: str, grid: dict, fixed: dict, scratch: Path) -> dict
 def run(quick: bool) -> dict:
     results = {}
     with tempfile.TemporaryDirectory() as scratch:
-        for name, (experiment, grid, fixed) in list(GRIDS.items())[:1 if quick else None]:
+        for name, (experiment, grid, fixed) in list(GRIDS.items())[: 1 if quick else None]:
             if quick:
                 fixed, grid = {**fixed, **QUICK[experiment]}, {k: v[:2] for k, v in grid.items()}
             timings = interleave(_candidates(experiment, grid, fixed, Path(scratch)), 1 if quick else 2)

@@ -26,8 +26,13 @@ def machine() -> dict:
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             versions[name] = "not installed"
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "versions": versions,
-            "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "versions": versions,
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+    }
 
 
 def _fmt_seconds(s: float) -> str:
@@ -56,8 +61,10 @@ def _table(timings: list[Timing], unit: str, extra: dict[str, callable] | None =
         q1, q3 = t.quartiles
         ratio = f"{t.median / base.median:.2f}" if base else "-"
         cells = "".join(f" {f(t)} |" for f in extra.values())
-        lines.append(f"| {t.name} | {_fmt_seconds(t.median)} | {_fmt_seconds(q1)} - {_fmt_seconds(q3)} | "
-                     f"{_fmt_seconds(min(t.seconds))} - {_fmt_seconds(max(t.seconds))} | {ratio} |{cells}")
+        lines.append(
+            f"| {t.name} | {_fmt_seconds(t.median)} | {_fmt_seconds(q1)} - {_fmt_seconds(q3)} | "
+            f"{_fmt_seconds(min(t.seconds))} - {_fmt_seconds(max(t.seconds))} | {ratio} |{cells}"
+        )
     return lines
 
 
@@ -67,10 +74,22 @@ def targets(results: dict) -> list[tuple[str, str, str, bool | None]]:
     if "xor" in results:
         step, fit = results["xor"]["step"], results["xor"]["fit"]
         ours, pure, eqx_ = _find(step, "ours"), _find(step, PURE), _find(step, "eqx")
-        rows.append(("(a) our step vs pure JAX with donation", "<= 1.15x", f"{ours.median / pure.median:.2f}x",
-                     ours.median / pure.median <= 1.15))
-        rows.append(("(a) eqx.filter_jit step vs ours", ">= 4x", f"{eqx_.median / ours.median:.2f}x",
-                     eqx_.median / ours.median >= 4))
+        rows.append(
+            (
+                "(a) our step vs pure JAX with donation",
+                "<= 1.15x",
+                f"{ours.median / pure.median:.2f}x",
+                ours.median / pure.median <= 1.15,
+            )
+        )
+        rows.append(
+            (
+                "(a) eqx.filter_jit step vs ours",
+                ">= 4x",
+                f"{eqx_.median / ours.median:.2f}x",
+                eqx_.median / ours.median >= 4,
+            )
+        )
         tutorial, ours_fit = _find(fit, "tutorial"), _find(fit, "ours")
         if tutorial:
             r = tutorial.median / ours_fit.median
@@ -78,8 +97,9 @@ def targets(results: dict) -> list[tuple[str, str, str, bool | None]]:
         else:
             rows.append(("(a) tutorial 100-epoch run vs our fit", ">= 40x", "not measured (flax absent)", None))
     if "mlp" in results:
-        ours = max((t for t in results["mlp"]["step"] if t.name.startswith("ours")),
-                   key=lambda t: t.extra["fraction_of_peak"])
+        ours = max(
+            (t for t in results["mlp"]["step"] if t.name.startswith("ours")), key=lambda t: t.extra["fraction_of_peak"]
+        )
         f = ours.extra["fraction_of_peak"]
         rows.append(("(b) MLP step, fraction of matmul peak", ">= 80%", f"{100 * f:.0f}% ({ours.name})", f >= 0.8))
     if "cnn" in results:
@@ -87,9 +107,14 @@ def targets(results: dict) -> list[tuple[str, str, str, bool | None]]:
         ours, torch_ = _find(runs, "ours"), _find(runs, "PyTorch")
         r = ours.median / torch_.median
         gap = 100 * (ours.extra["accuracy"] - torch_.extra["accuracy"])
-        rows.append(("(c) MNIST-1D CNN time vs PyTorch eager", "<= 0.4x, same accuracy",
-                     f"{r:.2f}x, accuracy {100 * ours.extra['accuracy']:.1f}% vs {100 * torch_.extra['accuracy']:.1f}%",
-                     r <= 0.4 and gap > -1.0))
+        rows.append(
+            (
+                "(c) MNIST-1D CNN time vs PyTorch eager",
+                "<= 0.4x, same accuracy",
+                f"{r:.2f}x, accuracy {100 * ours.extra['accuracy']:.1f}% vs {100 * torch_.extra['accuracy']:.1f}%",
+                r <= 0.4 and gap > -1.0,
+            )
+        )
     if "per_example" in results:
         calls = results["per_example"]["calls"]
         ours, tf = _find(calls, "ours"), _find(calls, "torch.func")
@@ -103,146 +128,236 @@ def targets(results: dict) -> list[tuple[str, str, str, bool | None]]:
             rows.append((f"(e) DP-SGD step (ghost) vs ordinary step, {model} (issue 18)", "<= 2x", f"{r:.2f}x", r <= 2))
             if "MLP" in model:
                 m = vmap.extra["memory"]["temp"] / max(ghost.extra["memory"]["temp"], 1)
-                rows.append((f"(e) gradient memory, vmap(grad) / ghost, {model} (issue 18)", ">= 5x", f"{m:.0f}x",
-                             m >= 5))
+                rows.append(
+                    (f"(e) gradient memory, vmap(grad) / ghost, {model} (issue 18)", ">= 5x", f"{m:.0f}x", m >= 5)
+                )
             opacus = _find(timings, "Opacus")
             if opacus:
                 r = opacus.median / ghost.median
-                rows.append((f"(e) DP-SGD step (ghost), ours vs Opacus ghost clipping, {model} (issue 18)", "faster",
-                             f"{r:.2f}x as fast", r > 1))
+                rows.append(
+                    (
+                        f"(e) DP-SGD step (ghost), ours vs Opacus ghost clipping, {model} (issue 18)",
+                        "faster",
+                        f"{r:.2f}x as fast",
+                        r > 1,
+                    )
+                )
     if "population" in results:
         for grid, timings in results["population"]["grids"].items():
             alone, together = _find(timings, "K runs"), _find(timings, "one vmapped")
             r = alone.median / together.median
             wanted = ">= 4x" if grid.startswith("XOR") else "faster"
-            rows.append((f"(f) {grid}: one vmapped population vs the runs one by one (issue 16)", wanted,
-                         f"{r:.1f}x", r >= 4 if grid.startswith("XOR") else r > 1))
+            rows.append(
+                (
+                    f"(f) {grid}: one vmapped population vs the runs one by one (issue 16)",
+                    wanted,
+                    f"{r:.1f}x",
+                    r >= 4 if grid.startswith("XOR") else r > 1,
+                )
+            )
     if "fsdp" in results:
         rows_ = results["fsdp"]["placements"]
         one, fsdp = rows_["one device"], rows_["FSDP, 4 devices"]
         r = fsdp["state_bytes_per_device"] / one["state_bytes_per_device"]
-        rows.append(("(g) LM train state on one device under FSDP over 4, vs on one device (issue 15)",
-                     "<= 1/4 + the unshardable rest", f"{r:.3f}", r <= 0.3))
+        rows.append(
+            (
+                "(g) LM train state on one device under FSDP over 4, vs on one device (issue 15)",
+                "<= 1/4 + the unshardable rest",
+                f"{r:.3f}",
+                r <= 0.3,
+            )
+        )
     for shape, result in results.get("gpt", {}).items():
         ours, torch_ = _find(result["step"], "ours"), _find(result["step"], "PyTorch")
         r = torch_.median / ours.median
-        rows.append((f"(i) LM step vs a PyTorch GPT of the same shape, {shape} (issue 28)", ">= 1.5x as fast",
-                     f"{r:.2f}x as fast", r >= 1.5))
+        rows.append(
+            (
+                f"(i) LM step vs a PyTorch GPT of the same shape, {shape} (issue 28)",
+                ">= 1.5x as fast",
+                f"{r:.2f}x as fast",
+                r >= 1.5,
+            )
+        )
     return rows
 
 
 def write_markdown(path: Path, results: dict, info: dict, quick: bool, seconds: float, findings: str) -> None:
-    lines = ["# Benchmarks", "",
-             f"Generated by `scripts/bench{' --quick' if quick else ''}` on {info['date']} in {seconds:.0f} s; "
-             "rewritten completely by each run (do not edit by hand).", "",
-             f"- Machine: {info['cpu']}, {info['cores']} cores; load average {info['load_before']} before, "
-             f"{info['load_after']} after the run.",
-             f"- Python {info['python']}; " + ", ".join(f"{k} {v}" for k, v in info["versions"].items()) + ".",
-             f"- {info['torch_threads']}.",
-             "- Every candidate is compiled and warmed up first; candidates then run interleaved (round-robin with "
-             "a rotating start) and repeated, so load bursts hit all of them alike. Tables give the median, "
-             "the interquartile range and min - max over repeats, and the ratio to the pure-JAX row of the same run.",
-             ]
+    lines = [
+        "# Benchmarks",
+        "",
+        f"Generated by `scripts/bench{' --quick' if quick else ''}` on {info['date']} in {seconds:.0f} s; "
+        "rewritten completely by each run (do not edit by hand).",
+        "",
+        f"- Machine: {info['cpu']}, {info['cores']} cores; load average {info['load_before']} before, "
+        f"{info['load_after']} after the run.",
+        f"- Python {info['python']}; " + ", ".join(f"{k} {v}" for k, v in info["versions"].items()) + ".",
+        f"- {info['torch_threads']}.",
+        "- Every candidate is compiled and warmed up first; candidates then run interleaved (round-robin with "
+        "a rotating start) and repeated, so load bursts hit all of them alike. Tables give the median, "
+        "the interquartile range and min - max over repeats, and the ratio to the pure-JAX row of the same run.",
+    ]
     lines += [f"- Case ({case}) {why}" for case, why in info.get("skipped", {}).items()]
     if quick:
         lines += ["", "**Quick run**: tiny repeat counts and shortened runs; a smoke test, not a measurement."]
-    lines += ["", "![benchmarks](benchmarks.png)", "", "## Targets (issue 6)", "",
-              "| target | wanted | measured | met |", "| --- | --- | --- | --- |"]
+    lines += [
+        "",
+        "![benchmarks](benchmarks.png)",
+        "",
+        "## Targets (issue 6)",
+        "",
+        "| target | wanted | measured | met |",
+        "| --- | --- | --- | --- |",
+    ]
     for name, wanted, measured, met in targets(results):
         lines.append(f"| {name} | {wanted} | {measured} | {'yes' if met else 'n/a' if met is None else '**no**'} |")
     if "xor" in results:
         x = results["xor"]
-        lines += ["", "## (a) XOR MLP: one step and 100 epochs", "",
-                  "MLP 2-8-1 tanh, SGD 0.1, batch 128, 2,500 training points (the tutorial's recipe). One step "
-                  "on a device-resident batch, called in a Python loop (time per call); the model is tiny, so "
-                  "this is dispatch overhead.", ""]
+        lines += [
+            "",
+            "## (a) XOR MLP: one step and 100 epochs",
+            "",
+            "MLP 2-8-1 tanh, SGD 0.1, batch 128, 2,500 training points (the tutorial's recipe). One step "
+            "on a device-resident batch, called in a Python loop (time per call); the model is tiny, so "
+            "this is dispatch overhead.",
+            "",
+        ]
         lines += _table(x["step"], "step")
-        lines += ["", f"{x['epochs']} epochs ({x['steps_per_epoch']} steps an epoch; the tutorial's DataLoader "
-                  "also runs the last partial batch), evaluated on 500 test points; the second call in the "
-                  "process is measured (warm).", ""]
+        lines += [
+            "",
+            f"{x['epochs']} epochs ({x['steps_per_epoch']} steps an epoch; the tutorial's DataLoader "
+            "also runs the last partial batch), evaluated on 500 test points; the second call in the "
+            "process is measured (warm).",
+            "",
+        ]
         lines += _table(x["fit"], "run", {"test accuracy": lambda t: f"{100 * t.extra['accuracy']:.1f}%"})
         lines += [f"- {k}: {v}" for k, v in x["notes"].items()]
     if "mlp" in results:
         m = results["mlp"]
-        lines += ["", "## (b) Compute-bound MLP: 784-1024-1024-10, batch 512, Adam", "",
-                  f"One step is {m['flops'] / 1e9:.2f} GFLOP of matmuls. Float32 matmul peak, measured in this run "
-                  f"with a jitted {m['peak_size']}x{m['peak_size']} matmul interleaved with the candidates (same "
-                  f"load): median {m['peak_gflops']:.0f} GFLOP/s (min {m['peak_spread'][0]:.0f}, "
-                  f"max {m['peak_spread'][1]:.0f}).", ""]
-        lines += _table(m["step"], "step", {"GFLOP/s": lambda t: f"{t.extra['gflops']:.0f}",
-                                            "of peak": lambda t: f"{100 * t.extra['fraction_of_peak']:.0f}%"})
+        lines += [
+            "",
+            "## (b) Compute-bound MLP: 784-1024-1024-10, batch 512, Adam",
+            "",
+            f"One step is {m['flops'] / 1e9:.2f} GFLOP of matmuls. Float32 matmul peak, measured in this run "
+            f"with a jitted {m['peak_size']}x{m['peak_size']} matmul interleaved with the candidates (same "
+            f"load): median {m['peak_gflops']:.0f} GFLOP/s (min {m['peak_spread'][0]:.0f}, "
+            f"max {m['peak_spread'][1]:.0f}).",
+            "",
+        ]
+        lines += _table(
+            m["step"],
+            "step",
+            {
+                "GFLOP/s": lambda t: f"{t.extra['gflops']:.0f}",
+                "of peak": lambda t: f"{100 * t.extra['fraction_of_peak']:.0f}%",
+            },
+        )
         lines += [f"- {k}: {v}" for k, v in m["notes"].items()]
     if "cnn" in results:
         c = results["cnn"]
-        lines += ["", "## (c) MNIST-1D CNN, the reference recipe", "",
-                  f"{c['steps']} Adam steps (lr 1e-2, batch 100) on 4,000 training examples, then test accuracy on "
-                  f"1,000; wall time of the whole run, compiled beforehand. Model and data: {c['source']}.", ""]
+        lines += [
+            "",
+            "## (c) MNIST-1D CNN, the reference recipe",
+            "",
+            f"{c['steps']} Adam steps (lr 1e-2, batch 100) on 4,000 training examples, then test accuracy on "
+            f"1,000; wall time of the whole run, compiled beforehand. Model and data: {c['source']}.",
+            "",
+        ]
         lines += _table(c["runs"], "run", {"test accuracy": lambda t: f"{100 * t.extra['accuracy']:.1f}%"})
     if "per_example" in results:
         p = results["per_example"]
-        lines += ["", "## (d) Per-example gradients", "",
-                  "Full per-example gradients of the MNIST-1D CNN (5,210 parameters) for a batch of 100, one "
-                  "call each. Our gradients equal torch.func's for the same weights to "
-                  f"{p['max_abs_difference']:.1e} (largest absolute difference, head weights).", ""]
+        lines += [
+            "",
+            "## (d) Per-example gradients",
+            "",
+            "Full per-example gradients of the MNIST-1D CNN (5,210 parameters) for a batch of 100, one "
+            "call each. Our gradients equal torch.func's for the same weights to "
+            f"{p['max_abs_difference']:.1e} (largest absolute difference, head weights).",
+            "",
+        ]
         lines += _table(p["calls"], "batch")
-        lines += ["", "Memory bound: the result holds batch x parameters floats (100 x 5,210 x 4 bytes = 2.1 MB "
-                  "here), and the vmapped backward pass keeps every example's activations, so peak memory grows "
-                  "linearly with the batch; for large models take them in chunks of the batch, or compute only "
-                  "their norms."]
+        lines += [
+            "",
+            "Memory bound: the result holds batch x parameters floats (100 x 5,210 x 4 bytes = 2.1 MB "
+            "here), and the vmapped backward pass keeps every example's activations, so peak memory grows "
+            "linearly with the batch; for large models take them in chunks of the batch, or compute only "
+            "their norms.",
+        ]
     if "dp_sgd" in results:
-        lines += ["", "## (e) DP-SGD at the cost of ordinary training", "",
-                  f"One engine step (`CompiledTrainer.step`, Adam, batch {results['dp_sgd']['batch']}) of the ordinary "
-                  "loss and of `DPSGDLoss` (clip 1, noise 1, whole batch at once) with ghost clipping (per-example "
-                  "norms and the clipped sum from layer inputs and output gradients, one backward pass) and with "
-                  "vmap(grad) (every per-example gradient materialised). The first three run interleaved (10 steps "
-                  "a call on the CNN, 5 on the MLP); vmap(grad) runs after them on its own (1 step a call on the "
-                  "MLP), since freeing its per-example gradients slowed the candidate that ran next. Opacus (when "
-                  "installed) runs the same DP-Adam step in PyTorch eager with `grad_sample_mode=\"ghost\"` (norms "
-                  "from activations and output gradients for its Linear layers, per-sample gradients for the "
-                  "convolutions, then a second backward pass), interleaved with the first three; its memory is not "
-                  "XLA's to plan, so not given. Memory: the "
-                  "temporary bytes XLA plans for the gradient computation of the step (`memory_analysis()`, "
-                  "deterministic; for DP-SGD including its parameter-sized Gaussian noise), and for the clipped sum "
-                  "alone (`clipped_gradient_sum`, no noise); parameters, batch and gradient outputs come on top and "
-                  "are the same for all three.", ""]
-        lines += ["| model | candidate | median per step | IQR | x ordinary | gradient temp memory | x ordinary "
-                  "| clipped sum alone |", "|" + " --- |" * 8]
+        lines += [
+            "",
+            "## (e) DP-SGD at the cost of ordinary training",
+            "",
+            f"One engine step (`CompiledTrainer.step`, Adam, batch {results['dp_sgd']['batch']}) of the ordinary "
+            "loss and of `DPSGDLoss` (clip 1, noise 1, whole batch at once) with ghost clipping (per-example "
+            "norms and the clipped sum from layer inputs and output gradients, one backward pass) and with "
+            "vmap(grad) (every per-example gradient materialised). The first three run interleaved (10 steps "
+            "a call on the CNN, 5 on the MLP); vmap(grad) runs after them on its own (1 step a call on the "
+            "MLP), since freeing its per-example gradients slowed the candidate that ran next. Opacus (when "
+            'installed) runs the same DP-Adam step in PyTorch eager with `grad_sample_mode="ghost"` (norms '
+            "from activations and output gradients for its Linear layers, per-sample gradients for the "
+            "convolutions, then a second backward pass), interleaved with the first three; its memory is not "
+            "XLA's to plan, so not given. Memory: the "
+            "temporary bytes XLA plans for the gradient computation of the step (`memory_analysis()`, "
+            "deterministic; for DP-SGD including its parameter-sized Gaussian noise), and for the clipped sum "
+            "alone (`clipped_gradient_sum`, no noise); parameters, batch and gradient outputs come on top and "
+            "are the same for all three.",
+            "",
+        ]
+        lines += [
+            "| model | candidate | median per step | IQR | x ordinary | gradient temp memory | x ordinary "
+            "| clipped sum alone |",
+            "|" + " --- |" * 8,
+        ]
         for model, timings in results["dp_sgd"]["models"].items():
             base = _find(timings, "ordinary")
             for t in timings:
                 q1, q3 = t.quartiles
                 temp, base_temp = t.extra["memory"].get("temp"), max(base.extra["memory"]["temp"], 1)
-                lines.append(f"| {model} | {t.name} | {_fmt_seconds(t.median)} | {_fmt_seconds(q1)} - "
-                             f"{_fmt_seconds(q3)} | {t.median / base.median:.2f} | {_fmt_bytes(temp)} | "
-                             f"{'-' if temp is None else f'{temp / base_temp:.1f}'} | "
-                             f"{_fmt_bytes(t.extra['memory'].get('clipped_sum_temp'))} |")
+                lines.append(
+                    f"| {model} | {t.name} | {_fmt_seconds(t.median)} | {_fmt_seconds(q1)} - "
+                    f"{_fmt_seconds(q3)} | {t.median / base.median:.2f} | {_fmt_bytes(temp)} | "
+                    f"{'-' if temp is None else f'{temp / base_temp:.1f}'} | "
+                    f"{_fmt_bytes(t.extra['memory'].get('clipped_sum_temp'))} |"
+                )
         lines += [f"- {k}: {v}" for k, v in results["dp_sgd"].get("notes", {}).items()]
     if "population" in results:
-        lines += ["", "## (f) Populations: K runs in one program", "",
-                  "K runs of a grid over the seed and the learning rate, trained one after another as "
-                  "`scripts/run` trains each (run directory, evaluation, checkpoint, plot; one compilation per run, "
-                  "since each learning rate is another optimizer), against the same runs as one vmapped population "
-                  "(`scripts/sweep --vmapped`: one compilation, each member on its own run's batch order, then the K "
-                  "run directories written out); both in this process (a sweep of processes pays each run's "
-                  "start-up on top).", ""]
+        lines += [
+            "",
+            "## (f) Populations: K runs in one program",
+            "",
+            "K runs of a grid over the seed and the learning rate, trained one after another as "
+            "`scripts/run` trains each (run directory, evaluation, checkpoint, plot; one compilation per run, "
+            "since each learning rate is another optimizer), against the same runs as one vmapped population "
+            "(`scripts/sweep --vmapped`: one compilation, each member on its own run's batch order, then the K "
+            "run directories written out); both in this process (a sweep of processes pays each run's "
+            "start-up on top).",
+            "",
+        ]
         for grid, timings in results["population"]["grids"].items():
             lines += [f"**{grid}**", ""]
             lines += _table(timings, "K runs")
             lines += [""]
     if "fsdp" in results:
         g = results["fsdp"]
-        lines += ["", "## (g) FSDP, data parallel, one device: the language model", "",
-                  f"`experiments/lm.py --dim 128` (depth 4, context 128, AdamW), global batch 32 windows, {g['steps']} "
-                  "steps, each placement its own process; 4 devices are simulated on this machine's cores, so "
-                  "their times show the cost of the collectives and the partitioning on one host, not a speed-up. "
-                  "State bytes: the train state (parameters, Adam moments, key, step) held by the first device.", "",
-                  "| placement | state bytes on one device | x one device | bytes/s trained | held-out bits/byte |",
-                  "| --- | --- | --- | --- | --- |"]
+        lines += [
+            "",
+            "## (g) FSDP, data parallel, one device: the language model",
+            "",
+            f"`experiments/lm.py --dim 128` (depth 4, context 128, AdamW), global batch 32 windows, {g['steps']} "
+            "steps, each placement its own process; 4 devices are simulated on this machine's cores, so "
+            "their times show the cost of the collectives and the partitioning on one host, not a speed-up. "
+            "State bytes: the train state (parameters, Adam moments, key, step) held by the first device.",
+            "",
+            "| placement | state bytes on one device | x one device | bytes/s trained | held-out bits/byte |",
+            "| --- | --- | --- | --- | --- |",
+        ]
         base = g["placements"]["one device"]["state_bytes_per_device"]
         for name, row in g["placements"].items():
-            lines.append(f"| {name} | {_fmt_bytes(row['state_bytes_per_device'])} | "
-                         f"{row['state_bytes_per_device'] / base:.3f} | {row['bytes_per_s']:,.0f} | "
-                         f"{row['test_bits_per_byte']:.4f} |")
+            lines.append(
+                f"| {name} | {_fmt_bytes(row['state_bytes_per_device'])} | "
+                f"{row['state_bytes_per_device'] / base:.3f} | {row['bytes_per_s']:,.0f} | "
+                f"{row['test_bits_per_byte']:.4f} |"
+            )
     if "loaders" in results:
         lines += _loaders_section(results["loaders"])
     if "gpt" in results:
@@ -257,44 +372,65 @@ def _loaders_section(h: dict) -> list[str]:
         rows = [f"| candidate | median per {unit} | IQR | x {per} |", "| --- | --- | --- | --- |"]
         for t in timings:
             q1, q3 = t.quartiles
-            rows.append(f"| {t.name} | {_fmt_seconds(t.median)} | {_fmt_seconds(q1)} - {_fmt_seconds(q3)} | "
-                        f"{t.median / base:.2f} |")
+            rows.append(
+                f"| {t.name} | {_fmt_seconds(t.median)} | {_fmt_seconds(q1)} - {_fmt_seconds(q3)} | "
+                f"{t.median / base:.2f} |"
+            )
         return rows
 
-    return ["", "## (h) Host loaders: streaming from disk, resuming in O(1)", "",
-            "The MNIST-1D MLP recipe (40-100-100-10, Adam, batch 128), trained warm by `fit` with each loader (the "
-            "device loader runs 100 steps a compiled call; host batches run one a call):", "",
-            *plain(h["training"], "step", "the device loader"), "",
-            f"Reading a memory-mapped {h['size']:,} x 28 x 28 uint8 `.npy` a batch of 128 at a time (the device "
-            "loader holds the set on the device and gathers a batch there; the host loaders read it from the "
-            "file, `ArrayDataset.__getitems__` in one indexing):", "",
-            *plain(h["reading"], "batch", "the device loader"), "",
-            "The first batch of a run resumed at an early and a late step of that set, a fresh loader each (the "
-            "torch loader before issue 26 made a DataLoader for the epoch and read and dropped the epoch's batches "
-            "before the resume point):", "",
-            *plain(h["resume"], "first batch", "the first row")]
+    return [
+        "",
+        "## (h) Host loaders: streaming from disk, resuming in O(1)",
+        "",
+        "The MNIST-1D MLP recipe (40-100-100-10, Adam, batch 128), trained warm by `fit` with each loader (the "
+        "device loader runs 100 steps a compiled call; host batches run one a call):",
+        "",
+        *plain(h["training"], "step", "the device loader"),
+        "",
+        f"Reading a memory-mapped {h['size']:,} x 28 x 28 uint8 `.npy` a batch of 128 at a time (the device "
+        "loader holds the set on the device and gathers a batch there; the host loaders read it from the "
+        "file, `ArrayDataset.__getitems__` in one indexing):",
+        "",
+        *plain(h["reading"], "batch", "the device loader"),
+        "",
+        "The first batch of a run resumed at an early and a late step of that set, a fresh loader each (the "
+        "torch loader before issue 26 made a DataLoader for the epoch and read and dropped the epoch's batches "
+        "before the resume point):",
+        "",
+        *plain(h["resume"], "first batch", "the first row"),
+    ]
 
 
 def _gpt_section(results: dict) -> list[str]:
-    lines = ["", "## (i) The language model against a PyTorch GPT of the same shape", "",
-             "One training step of `experiments/lm.py`'s model and optimizer (the compiled trainer, 20 steps a call) "
-             "and of a PyTorch GPT written in the bench with the same parameters (pre-norm blocks, attention "
-             "without biases through `scaled_dot_product_attention`, GELU (tanh) MLP, tied embedding, AdamW after "
-             "clipping at 1, fused), on the same batch of windows each step. Model FLOPs: 6 per matmul parameter "
-             "per token plus attention's 12 x depth x width x context per token; the peak is a jitted 2048 x 2048 "
-             "float32 matmul timed interleaved with both.", ""]
+    lines = [
+        "",
+        "## (i) The language model against a PyTorch GPT of the same shape",
+        "",
+        "One training step of `experiments/lm.py`'s model and optimizer (the compiled trainer, 20 steps a call) "
+        "and of a PyTorch GPT written in the bench with the same parameters (pre-norm blocks, attention "
+        "without biases through `scaled_dot_product_attention`, GELU (tanh) MLP, tied embedding, AdamW after "
+        "clipping at 1, fused), on the same batch of windows each step. Model FLOPs: 6 per matmul parameter "
+        "per token plus attention's 12 x depth x width x context per token; the peak is a jitted 2048 x 2048 "
+        "float32 matmul timed interleaved with both.",
+        "",
+    ]
     for shape, result in results.items():
         parameters = result["parameters"]
-        lines += [f"**{shape}**: {parameters['ours']:,} parameters (PyTorch: {parameters['pytorch']:,}), "
-                  f"{result['flops'] / 1e9:.2f} GFLOP a step, peak {result['peak_gflops']:.0f} GFLOP/s", "",
-                  "| candidate | median per step | IQR | bytes/s | GFLOP/s | of peak | x PyTorch's time |",
-                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            f"**{shape}**: {parameters['ours']:,} parameters (PyTorch: {parameters['pytorch']:,}), "
+            f"{result['flops'] / 1e9:.2f} GFLOP a step, peak {result['peak_gflops']:.0f} GFLOP/s",
+            "",
+            "| candidate | median per step | IQR | bytes/s | GFLOP/s | of peak | x PyTorch's time |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
         base = _find(result["step"], "PyTorch").median
         for t in result["step"]:
             q1, q3 = t.quartiles
-            lines.append(f"| {t.name} | {_fmt_seconds(t.median)} | {_fmt_seconds(q1)} - {_fmt_seconds(q3)} | "
-                         f"{t.extra['bytes_per_s']:,.0f} | {t.extra['gflops']:.0f} | "
-                         f"{100 * t.extra['fraction_of_peak']:.0f}% | {t.median / base:.2f} |")
+            lines.append(
+                f"| {t.name} | {_fmt_seconds(t.median)} | {_fmt_seconds(q1)} - {_fmt_seconds(q3)} | "
+                f"{t.extra['bytes_per_s']:,.0f} | {t.extra['gflops']:.0f} | "
+                f"{100 * t.extra['fraction_of_peak']:.0f}% | {t.median / base:.2f} |"
+            )
         lines += [""]
     return lines
 
@@ -307,12 +443,21 @@ def write_chart(path: Path, results: dict) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return "chart skipped: matplotlib is not installed (install the `bench` extra)"
-    panels = [(k, t, title, scale) for k, t, title, scale in [
-        ("xor", "step", "(a) XOR step (us)", 1e6), ("xor", "fit", "(a) XOR 100 epochs (ms)", 1e3),
-        ("mlp", "step", "(b) MLP step (ms)", 1e3), ("cnn", "runs", "(c) MNIST-1D CNN run (s)", 1),
-        ("per_example", "calls", "(d) per-example grads (ms)", 1e3)] if k in results]
-    panels += [("dp_sgd", model, f"(e) {model}: DP-SGD step (ms)", 1e3)
-               for model in results.get("dp_sgd", {}).get("models", {})]
+    panels = [
+        (k, t, title, scale)
+        for k, t, title, scale in [
+            ("xor", "step", "(a) XOR step (us)", 1e6),
+            ("xor", "fit", "(a) XOR 100 epochs (ms)", 1e3),
+            ("mlp", "step", "(b) MLP step (ms)", 1e3),
+            ("cnn", "runs", "(c) MNIST-1D CNN run (s)", 1),
+            ("per_example", "calls", "(d) per-example grads (ms)", 1e3),
+        ]
+        if k in results
+    ]
+    panels += [
+        ("dp_sgd", model, f"(e) {model}: DP-SGD step (ms)", 1e3)
+        for model in results.get("dp_sgd", {}).get("models", {})
+    ]
     panels += [("population", grid, f"(f) {grid} (s)", 1) for grid in results.get("population", {}).get("grids", {})]
     if not panels:
         return None
@@ -321,10 +466,14 @@ def write_chart(path: Path, results: dict) -> str | None:
         nested = {"dp_sgd": "models", "population": "grids"}
         timings = results[case][nested[case]][key] if case in nested else results[case][key]
         medians = [t.median * scale for t in timings]
-        errors = [[(t.median - t.quartiles[0]) * scale for t in timings],
-                  [(t.quartiles[1] - t.median) * scale for t in timings]]
-        colors = ["tab:blue" if t.name.startswith("ours") else "tab:gray" if t.name.startswith(PURE) else "tab:orange"
-                  for t in timings]
+        errors = [
+            [(t.median - t.quartiles[0]) * scale for t in timings],
+            [(t.quartiles[1] - t.median) * scale for t in timings],
+        ]
+        colors = [
+            "tab:blue" if t.name.startswith("ours") else "tab:gray" if t.name.startswith(PURE) else "tab:orange"
+            for t in timings
+        ]
         ax.barh([t.name for t in timings], medians, xerr=errors, color=colors)
         ax.set_xscale("log")
         ax.invert_yaxis()

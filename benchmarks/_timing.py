@@ -29,8 +29,17 @@ class Timing:
 
     def to_dict(self) -> dict:
         q1, q3 = self.quartiles
-        return {"name": self.name, "median": self.median, "q1": q1, "q3": q3, "min": min(self.seconds),
-                "max": max(self.seconds), "repeats": len(self.seconds), "note": self.note, **self.extra}
+        return {
+            "name": self.name,
+            "median": self.median,
+            "q1": q1,
+            "q3": q3,
+            "min": min(self.seconds),
+            "max": max(self.seconds),
+            "repeats": len(self.seconds),
+            "note": self.note,
+            **self.extra,
+        }
 
 
 def timed(fn: Callable[[], object], units: int = 1) -> float:

@@ -245,8 +245,15 @@ def ours_fit(train, test, epochs):
     out = {}
 
     def run():
-        result = fit(state, train_data, num_steps=epochs * train_data.steps_per_epoch, eval_data=test_data,
-                     log_every=190, steps_per_call=100, progress=False)
+        result = fit(
+            state,
+            train_data,
+            num_steps=epochs * train_data.steps_per_epoch,
+            eval_data=test_data,
+            log_every=190,
+            steps_per_call=100,
+            progress=False,
+        )
         out["accuracy"] = result.eval_metrics["accuracy"]
 
     return run, out
@@ -318,7 +325,7 @@ def eqx_fit(train, test, epochs):
         for _ in range(epochs):
             order = rng.permutation(len(train))
             for s in range(len(train) // BATCH):
-                index = order[s * BATCH:(s + 1) * BATCH]
+                index = order[s * BATCH : (s + 1) * BATCH]
                 model, opt_state, loss = make_step(model, opt_state, x[index], y[index])
         logit = jax.vmap(model)(jnp.asarray(test.inputs))[:, 0]
         out["accuracy"] = float(jnp.mean((logit > 0) == test.labels))
@@ -339,7 +346,7 @@ def torch_fit(train, test, epochs):
             for _ in range(epochs):
                 order = torch.randperm(len(train), generator=generator)
                 for s in range(len(train) // BATCH):
-                    index = order[s * BATCH:(s + 1) * BATCH]
+                    index = order[s * BATCH : (s + 1) * BATCH]
                     optimizer.zero_grad(set_to_none=True)
                     loss = loss_fn(model(x[index])[:, 0], y[index])
                     loss.backward()
@@ -354,10 +361,15 @@ def run(quick: bool) -> dict:
     train, test = _data()
     steps, repeats = (20, 3) if quick else (1000, 15)  # ~15-20 ms a sample for the fast steps
     flax = have_flax()
-    makers = {"ours: CompiledTrainer.step": ours_step, "pure JAX (jit, donated)": pure_jax_step,
-              "hand-written JAX doing our step's work": same_work,
-              "eqx.filter_jit": eqx_step, "flax linen TrainState": linen_step, "flax nnx.jit": nnx_step,
-              "PyTorch eager": torch_step}
+    makers = {
+        "ours: CompiledTrainer.step": ours_step,
+        "pure JAX (jit, donated)": pure_jax_step,
+        "hand-written JAX doing our step's work": same_work,
+        "eqx.filter_jit": eqx_step,
+        "flax linen TrainState": linen_step,
+        "flax nnx.jit": nnx_step,
+        "PyTorch eager": torch_step,
+    }
     slow = {"flax nnx.jit", "PyTorch eager", "eqx.filter_jit"}
     notes = {}
     candidates = {}
@@ -372,9 +384,13 @@ def run(quick: bool) -> dict:
     step_timings = interleave(candidates, repeats)
 
     epochs = 2 if quick else EPOCHS
-    run_makers = {"ours: fit": ours_fit, "pure JAX (one jit)": pure_jax_fit,
-                  "tutorial (DataLoader + linen)": tutorial_fit, "eqx.filter_jit loop": eqx_fit,
-                  "PyTorch eager": torch_fit}
+    run_makers = {
+        "ours: fit": ours_fit,
+        "pure JAX (one jit)": pure_jax_fit,
+        "tutorial (DataLoader + linen)": tutorial_fit,
+        "eqx.filter_jit loop": eqx_fit,
+        "PyTorch eager": torch_fit,
+    }
     outs, run_candidates = {}, {}
     for name, make in run_makers.items():
         if name.startswith("tutorial") and not flax:
@@ -386,5 +402,10 @@ def run(quick: bool) -> dict:
     run_timings = interleave(run_candidates, 2 if quick else 5)
     for name, timing in run_timings.items():
         timing.extra["accuracy"] = outs[name]["accuracy"]
-    return {"step": list(step_timings.values()), "fit": list(run_timings.values()), "notes": notes,
-            "steps_per_epoch": len(train) // BATCH, "epochs": epochs}
+    return {
+        "step": list(step_timings.values()),
+        "fit": list(run_timings.values()),
+        "notes": notes,
+        "steps_per_epoch": len(train) // BATCH,
+        "epochs": epochs,
+    }

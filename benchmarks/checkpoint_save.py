@@ -78,8 +78,10 @@ def main(argv: list[str] | None = None) -> None:
             loads.append(time.perf_counter() - start)
         writer.close()
     ms = lambda xs: f"{1e3 * statistics.median(xs):.1f}"  # noqa: E731
-    print(f"load average: {' / '.join(f'{x:.1f}' for x in os.getloadavg())}; lm state (dim {args.dim}, depth "
-          f"{args.depth}) {size / 1e6:.2f} MB, {len(leaves)} arrays; median of {args.saves}\n")
+    print(
+        f"load average: {' / '.join(f'{x:.1f}' for x in os.getloadavg())}; lm state (dim {args.dim}, depth "
+        f"{args.depth}) {size / 1e6:.2f} MB, {len(leaves)} arrays; median of {args.saves}\n"
+    )
     print("| Orbax save: blocking ms | Orbax save: total ms | single-file save ms | load ms |")
     print("| --- | --- | --- | --- |")
     print(f"| {ms(blocking)} | {ms(total)} | {ms(single)} | {ms(loads[1:])} |")

@@ -54,8 +54,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--depths", default="2,16", help="comma-separated depths to compile (default: 2,16)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per configuration (default: 20)")
     args = parser.parse_args(argv)
-    print(f"load average before: {' / '.join(f'{x:.1f}' for x in os.getloadavg())}; dim {DIM}, context {CONTEXT}, "
-          f"batch {BATCH}\n")
+    print(
+        f"load average before: {' / '.join(f'{x:.1f}' for x in os.getloadavg())}; dim {DIM}, context {CONTEXT}, "
+        f"batch {BATCH}\n"
+    )
     print("| depth | compute | remat | compile s | temp MB | steps/s | bytes/s |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for depth in [int(d) for d in args.depths.split(",")]:
@@ -63,8 +65,11 @@ def main(argv: list[str] | None = None) -> None:
             compiled, leaves, batch, seconds = _compiled_step(depth, remat=remat, compute_dtype=dtype)
             temp = compiled.memory_analysis().temp_size_in_bytes / 2**20
             rate = _steps_per_s(compiled, leaves, batch, args.steps)
-            print(f"| {depth} | {dtype} | {remat} | {seconds:.2f} | {temp:.1f} | {rate:.2f} | "
-                  f"{rate * BATCH * CONTEXT:,.0f} |", flush=True)
+            print(
+                f"| {depth} | {dtype} | {remat} | {seconds:.2f} | {temp:.1f} | {rate:.2f} | "
+                f"{rate * BATCH * CONTEXT:,.0f} |",
+                flush=True,
+            )
     print(f"\nload average after: {' / '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
 

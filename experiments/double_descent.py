@@ -47,10 +47,48 @@ from research.train import FitResult, RunDir, TrainState, evaluate
 # The notebook's widths, np.unique(np.geomspace(2, 300, 20, dtype=int)), and its test errors (%) with 15%
 # label noise (greydanus/mnist1d, notebooks/deep-double-descent.ipynb, the run at commit 9129ceb).
 NOTEBOOK_WIDTHS = (2, 3, 4, 5, 7, 9, 12, 16, 21, 27, 36, 47, 61, 80, 104, 135, 177, 230, 300)
-PUBLISHED_TEST_ERROR = (69.59, 67.50, 62.55, 57.45, 54.80, 48.97, 50.28, 47.24, 50.84, 50.69, 52.80, 54.05, 54.02,
-                        52.08, 50.23, 48.39, 47.88, 46.54, 45.47)
-PUBLISHED_TRAIN_ERROR = (71.68, 68.65, 62.75, 57.95, 54.45, 47.45, 46.47, 39.70, 38.08, 29.55, 19.02, 5.47, 0.0,
-                         0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+PUBLISHED_TEST_ERROR = (
+    69.59,
+    67.50,
+    62.55,
+    57.45,
+    54.80,
+    48.97,
+    50.28,
+    47.24,
+    50.84,
+    50.69,
+    52.80,
+    54.05,
+    54.02,
+    52.08,
+    50.23,
+    48.39,
+    47.88,
+    46.54,
+    45.47,
+)
+PUBLISHED_TRAIN_ERROR = (
+    71.68,
+    68.65,
+    62.75,
+    57.95,
+    54.45,
+    47.45,
+    46.47,
+    39.70,
+    38.08,
+    29.55,
+    19.02,
+    5.47,
+    0.0,
+    0.0,
+    0.0,
+    0.0,
+    0.0,
+    0.0,
+    0.0,
+)
 
 
 # Options that stay with the sweep itself rather than going to each of its runs.
@@ -67,20 +105,24 @@ class Config(Training, Checkpointing, Devices, EMA, Tracking):
     """MNIST-1D with noisy training labels: MLPs of growing width, their test error (the double descent
     curve) and its peak beside the notebook's. One run per width (--width), or all of --widths."""
 
-    width: int | None = option(None, "train the one MLP of this hidden width; unset: a run for each of --widths "
-                                     "and the curve", check=positive)
-    widths: tuple[int, ...] = option(NOTEBOOK_WIDTHS, "hidden widths of the curve (default: the notebook's 19)",
-                                      check=positive_widths)
+    width: int | None = option(
+        None, "train the one MLP of this hidden width; unset: a run for each of --widths and the curve", check=positive
+    )
+    widths: tuple[int, ...] = option(
+        NOTEBOOK_WIDTHS, "hidden widths of the curve (default: the notebook's 19)", check=positive_widths
+    )
     jobs: int = option(1, "runs of the curve trained at a time (each a process)", check=positive)
     label_noise: float = option(0.15, "fraction of the training labels changed to another class", check=unit_interval)
     epochs: int = option(500, "passes over the training signals", check=positive, resumable=True)
     batch_size: int = option(100, "examples per step", check=positive)
     lr: float = option(0.01, "SGD learning rate", check=positive)
     momentum: float = option(0.9, "SGD momentum", check=unit_interval)
-    num_samples: int = option(16_000, "MNIST-1D signals generated (the notebook's: 4,000 training, 12,000 test)",
-                              check=positive)
-    train_split: float = option(0.25, "fraction of the signals (the first ones) in the training set",
-                                check=open_unit_interval)
+    num_samples: int = option(
+        16_000, "MNIST-1D signals generated (the notebook's: 4,000 training, 12,000 test)", check=positive
+    )
+    train_split: float = option(
+        0.25, "fraction of the signals (the first ones) in the training set", check=open_unit_interval
+    )
     data_dir: str = option("data", "where MNIST-1D is generated and cached")
     steps_per_call: int = option(200, "training steps per compiled call", check=positive)
     log_every: int = option(2000, "steps between logged training metrics", check=positive, resumable=True)
@@ -88,8 +130,14 @@ class Config(Training, Checkpointing, Devices, EMA, Tracking):
 
 def build_state(config: Config) -> TrainState:
     model_key, train_key = jax.random.split(jax.random.key(config.seed))
-    model, _ = build_model("mlp", in_size=MNIST1D_LENGTH, out_size=MNIST1D_CLASSES, hidden=(config.width,) * 2,
-                           activation="relu", key=model_key)
+    model, _ = build_model(
+        "mlp",
+        in_size=MNIST1D_LENGTH,
+        out_size=MNIST1D_CLASSES,
+        hidden=(config.width,) * 2,
+        activation="relu",
+        key=model_key,
+    )
     return TrainState.create(model, optax.sgd(config.lr, momentum=config.momentum), key=train_key)
 
 
@@ -126,8 +174,9 @@ def forwarded_flags(config: Config) -> list[str]:
     return words
 
 
-def find_peak(widths: Sequence[int], test_error: Sequence[float], train_error: Sequence[float],
-              noise: float) -> dict[str, Any]:
+def find_peak(
+    widths: Sequence[int], test_error: Sequence[float], train_error: Sequence[float], noise: float
+) -> dict[str, Any]:
     """Where the double-descent curve peaks (errors in %, `noise` the % of training labels changed).
 
     A model whose training error is above `noise` cannot even fit the labels a clean classifier
@@ -139,9 +188,13 @@ def find_peak(widths: Sequence[int], test_error: Sequence[float], train_error: S
     classical = [i for i, error in enumerate(train_error) if error > noise]
     start = min(classical, key=lambda i: test_error[i]) if classical else 0
     peak = max(range(start, len(widths)), key=lambda i: test_error[i])
-    return {"peak_width": widths[peak], "peak_test_error": test_error[peak],
-            "interpolation_width": next((w for w, e in zip(widths, train_error, strict=True) if e <= 1.0), None),
-            "last_width": widths[-1], "last_test_error": test_error[-1]}
+    return {
+        "peak_width": widths[peak],
+        "peak_test_error": test_error[peak],
+        "interpolation_width": next((w for w, e in zip(widths, train_error, strict=True) if e <= 1.0), None),
+        "last_width": widths[-1],
+        "last_test_error": test_error[-1],
+    }
 
 
 PUBLISHED = find_peak(NOTEBOOK_WIDTHS, PUBLISHED_TEST_ERROR, PUBLISHED_TRAIN_ERROR, 15.0)
@@ -150,8 +203,10 @@ PUBLISHED = find_peak(NOTEBOOK_WIDTHS, PUBLISHED_TEST_ERROR, PUBLISHED_TRAIN_ERR
 def curve_table(widths: Sequence[int], test_error: Sequence[float], train_error: Sequence[float]) -> str:
     """A markdown table of the curve, with the notebook's errors at the widths it has."""
     published = dict(zip(NOTEBOOK_WIDTHS, zip(PUBLISHED_TEST_ERROR, PUBLISHED_TRAIN_ERROR, strict=True), strict=True))
-    lines = ["| width | test error | train error | notebook test error | notebook train error |",
-             "| --- | --- | --- | --- | --- |"]
+    lines = [
+        "| width | test error | train error | notebook test error | notebook train error |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for width, test, train in zip(widths, test_error, train_error, strict=True):
         theirs = published.get(width)
         shown = f"{theirs[0]:.2f}% | {theirs[1]:.2f}%" if theirs else "– | –"
@@ -178,31 +233,49 @@ def plot_curve(widths: Sequence[int], test_error: Sequence[float], train_error: 
 def run_curve(config: Config) -> dict[str, Any]:
     """One run per width through `research.tools.sweep` (rerun to resume), then the curve and its peak."""
     if jax.process_count() > 1:  # each width's run is a process of its own, started here
-        raise ConfigError("the curve trains one process per width (--jobs at a time), not across several "
-                          "processes; pass --width W to train one width over several processes")
+        raise ConfigError(
+            "the curve trains one process per width (--jobs at a time), not across several "
+            "processes; pass --width W to train one width over several processes"
+        )
     sweep_dir = Path(config.run_dir) if config.run_dir else RunDir.new_path(RUNS_ROOT, "double_descent")
     widths = sorted(set(config.widths))
     with warnings.catch_warnings():
         # JAX (started by main_entry) warns at every fork; each run's fork is followed at once by an exec.
         warnings.filterwarnings("ignore", "os.fork", RuntimeWarning)
-        sweep.main(["double_descent", "width=" + ",".join(map(str, widths)), "--sweep-dir", str(sweep_dir),
-                    "--jobs", str(config.jobs), "--", *forwarded_flags(config)])  # exits 1 when a run failed
+        sweep.main(
+            [
+                "double_descent",
+                "width=" + ",".join(map(str, widths)),
+                "--sweep-dir",
+                str(sweep_dir),
+                "--jobs",
+                str(config.jobs),
+                "--",
+                *forwarded_flags(config),
+            ]
+        )  # exits 1 when a run failed
     summaries = [RunDir(sweep_dir / f"width={w}").read_summary() for w in widths]
     test_error = [100 * (1 - s["test_accuracy"]) for s in summaries]
     train_error = [100 * (1 - s["train_accuracy"]) for s in summaries]
-    curve = {"widths": widths, "test_error": test_error, "train_error": train_error,
-             **find_peak(widths, test_error, train_error, 100 * config.label_noise)}
+    curve = {
+        "widths": widths,
+        "test_error": test_error,
+        "train_error": train_error,
+        **find_peak(widths, test_error, train_error, 100 * config.label_noise),
+    }
     (sweep_dir / "curve.json").write_text(json.dumps(curve, indent=2) + "\n")
     table = curve_table(widths, test_error, train_error)
     (sweep_dir / "curve.md").write_text(table + "\n")
     plot_curve(widths, test_error, train_error, sweep_dir / "double_descent.png")
     print(table)
-    print(f"double_descent: test error peaks at {curve['peak_test_error']:.2f}% at width {curve['peak_width']} "
-          f"(training error <= 1% from width {curve['interpolation_width']}), {curve['last_test_error']:.2f}% at "
-          f"width {curve['last_width']}; the notebook: {PUBLISHED['peak_test_error']:.2f}% at width "
-          f"{PUBLISHED['peak_width']} (training error 0 from width {PUBLISHED['interpolation_width']}), "
-          f"{PUBLISHED['last_test_error']:.2f}% at width {PUBLISHED['last_width']}\n"
-          f"curve: {sweep_dir / 'curve.md'}, plot: {sweep_dir / 'double_descent.png'}")
+    print(
+        f"double_descent: test error peaks at {curve['peak_test_error']:.2f}% at width {curve['peak_width']} "
+        f"(training error <= 1% from width {curve['interpolation_width']}), {curve['last_test_error']:.2f}% at "
+        f"width {curve['last_width']}; the notebook: {PUBLISHED['peak_test_error']:.2f}% at width "
+        f"{PUBLISHED['peak_width']} (training error 0 from width {PUBLISHED['interpolation_width']}), "
+        f"{PUBLISHED['last_test_error']:.2f}% at width {PUBLISHED['last_width']}\n"
+        f"curve: {sweep_dir / 'curve.md'}, plot: {sweep_dir / 'double_descent.png'}"
+    )
     return curve
 
 

@@ -37,27 +37,41 @@ from research.train import TrainState
 class Config(Training, Checkpointing, Devices, EMA, Tracking):
     """Train the MNIST-1D CNN with DP-SGD; print the test accuracy and the privacy spent (epsilon at delta)."""
 
-    noise_multiplier: float = option(2.0, "sigma: noise std on the clipped sum, in units of --clip-norm",
-                                     check=non_negative)
+    noise_multiplier: float = option(
+        2.0, "sigma: noise std on the clipped sum, in units of --clip-norm", check=non_negative
+    )
     clip_norm: float = option(1.0, "C: every per-example gradient is clipped to this L2 norm", check=positive)
-    delta: float = option(1e-5, "the delta epsilon is reported at (well below 1 / 4000 examples)",
-                          check=open_unit_interval)
+    delta: float = option(
+        1e-5, "the delta epsilon is reported at (well below 1 / 4000 examples)", check=open_unit_interval
+    )
     batch_size: int = option(512, "expected examples per step (Poisson sampling)", check=positive)
-    max_batch_size: int = option(0, "rows of a compiled batch (0: expected + 4 std + 4, rounded up to a multiple of "
-                                    "the devices); larger draws are truncated to a random subset, which the "
-                                    "accounting includes", check=non_negative)
-    epochs: int = option(100, "expected passes over the training set: steps = epochs * round(4000 / batch_size)",
-                         check=positive, resumable=True)
+    max_batch_size: int = option(
+        0,
+        "rows of a compiled batch (0: expected + 4 std + 4, rounded up to a multiple of "
+        "the devices); larger draws are truncated to a random subset, which the "
+        "accounting includes",
+        check=non_negative,
+    )
+    epochs: int = option(
+        100,
+        "expected passes over the training set: steps = epochs * round(4000 / batch_size)",
+        check=positive,
+        resumable=True,
+    )
     optimizer: Literal["adam", "sgd"] = option("adam", "adam (DP-Adam) or sgd with momentum 0.9 (DP-SGD)")
     lr: float = option(3e-2, "learning rate", check=positive)
     channels: int = option(25, "channels of the CNN's convolutions", check=positive)
-    chunk_size: int = option(64, "per-example gradients this many examples at a time (0: the whole batch)",
-                             check=non_negative)
+    chunk_size: int = option(
+        64, "per-example gradients this many examples at a time (0: the whole batch)", check=non_negative
+    )
     clipping: Literal["auto", "ghost", "vmap"] = option(
-        "auto", "how per-example gradients are clipped: vmap materialises each of them; ghost takes their norms "
-                "and the clipped sum from each layer's inputs and output gradients, one backward pass (no per-example "
-                "gradients); auto: ghost where the model is covered, else vmap. The same update up to float "
-                "rounding", resumable=True)
+        "auto",
+        "how per-example gradients are clipped: vmap materialises each of them; ghost takes their norms "
+        "and the clipped sum from each layer's inputs and output gradients, one backward pass (no per-example "
+        "gradients); auto: ghost where the model is covered, else vmap. The same update up to float "
+        "rounding",
+        resumable=True,
+    )
     data_dir: str = option("data", "where MNIST-1D is generated and cached")
     steps_per_call: int = option(100, "training steps per compiled call", check=positive)
     log_every: int = option(100, "steps between logged training metrics", check=positive)
@@ -73,16 +87,26 @@ def build_state(config: Config) -> TrainState:
 def setup(config: Config) -> Setup:
     """The state, the Poisson-sampled data and the DP-SGD loss of a run, without training."""
     train, test = load_mnist1d(config.data_dir)
-    train_data = PoissonLoader(train.inputs, train.labels, config.batch_size, seed=config.seed,
-                               max_batch_size=config.max_batch_size or None,
-                               multiple_of=config.devices * jax.process_count())
+    train_data = PoissonLoader(
+        train.inputs,
+        train.labels,
+        config.batch_size,
+        seed=config.seed,
+        max_batch_size=config.max_batch_size or None,
+        multiple_of=config.devices * jax.process_count(),
+    )
     return Setup(
         build_state=lambda: build_state(config),
         train_data=train_data,
         eval_data=DeviceLoader(test.inputs, test.labels, 500, shuffle=False),
         num_steps=config.epochs * train_data.steps_per_epoch,
-        loss_fn=DPSGDLoss(config.clip_norm, config.noise_multiplier, train_data.expected_batch_size,
-                          chunk_size=config.chunk_size or None, method=config.clipping),
+        loss_fn=DPSGDLoss(
+            config.clip_norm,
+            config.noise_multiplier,
+            train_data.expected_batch_size,
+            chunk_size=config.chunk_size or None,
+            method=config.clipping,
+        ),
     )
 
 
@@ -90,8 +114,12 @@ def main(config: Config) -> dict:
     run = setup(config)
     sampler = run.train_data
     epsilon = sampler.epsilon(config.noise_multiplier, run.num_steps, config.delta)
-    privacy = {"epsilon": epsilon, "delta": config.delta, "sampling_probability": sampler.sampling_probability,
-               "max_batch_size": sampler.max_batch_size}
+    privacy = {
+        "epsilon": epsilon,
+        "delta": config.delta,
+        "sampling_probability": sampler.sampling_probability,
+        "max_batch_size": sampler.max_batch_size,
+    }
     summary = run_experiment("dp_sgd", config, run, summary_extra=privacy)
     print(
         f"dp_sgd: ({epsilon:.2f}, {config.delta:g})-DP: noise multiplier {config.noise_multiplier}, clip norm "

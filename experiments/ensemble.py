@@ -31,13 +31,15 @@ class Config(Training, Checkpointing, Devices, EMA, Tracking):
 
     num_members: int = option(8, "K: members, each with its own initialisation and training key", check=positive)
     model: Literal["mlp", "cnn"] = option(
-        "mlp", "mlp: 40 -> hidden -> hidden -> 10 (ReLU); cnn: MNIST-1D's reference CNN")
+        "mlp", "mlp: 40 -> hidden -> hidden -> 10 (ReLU); cnn: MNIST-1D's reference CNN"
+    )
     hidden: int = option(100, "hidden units of the mlp", check=positive)
     epochs: int = option(50, "passes over the 4000 training examples", check=positive, resumable=True)
     batch_size: int = option(100, "examples per training step", check=positive)
     lr: float = option(1e-2, "Adam learning rate", check=positive)
     loader: Literal["device", "torch"] = option(
-        "device", "device: batches gathered on the device; torch: a torch DataLoader with numpy collate")
+        "device", "device: batches gathered on the device; torch: a torch DataLoader with numpy collate"
+    )
     compare_sequential: bool = option(False, "also train the members one by one; compare accuracy and time")
     data_dir: str = option("data", "where MNIST-1D is generated and cached")
     steps_per_call: int = option(125, "training steps per compiled call", check=positive)
@@ -49,18 +51,30 @@ def build_member(config: Config, key) -> TrainState:
     if config.model == "cnn":
         model, _ = build_model("cnn", key=model_key)
     else:
-        model, _ = build_model("mlp", in_size=MNIST1D_LENGTH, out_size=MNIST1D_CLASSES,
-                               hidden=(config.hidden, config.hidden), activation="relu", key=model_key)
+        model, _ = build_model(
+            "mlp",
+            in_size=MNIST1D_LENGTH,
+            out_size=MNIST1D_CLASSES,
+            hidden=(config.hidden, config.hidden),
+            activation="relu",
+            key=model_key,
+        )
     return TrainState.create(model, optax.adam(config.lr), key=train_key)
 
 
 def setup(config: Config) -> Setup:
     train, test = load_mnist1d(config.data_dir)
-    train_data, test_data = train_and_eval_loaders(train, test, config.batch_size, seed=config.seed,
-                                                   kind=config.loader, eval_batch_size=500)
+    train_data, test_data = train_and_eval_loaders(
+        train, test, config.batch_size, seed=config.seed, kind=config.loader, eval_batch_size=500
+    )
     keys = jax.random.split(jax.random.key(config.seed), config.num_members)
-    return Setup(build_state=lambda: stack_states(lambda key: build_member(config, key), keys), population=True,
-                 train_data=train_data, eval_data=test_data, num_steps=config.epochs * train_data.steps_per_epoch)
+    return Setup(
+        build_state=lambda: stack_states(lambda key: build_member(config, key), keys),
+        population=True,
+        train_data=train_data,
+        eval_data=test_data,
+        num_steps=config.epochs * train_data.steps_per_epoch,
+    )
 
 
 def main(config: Config) -> dict:
@@ -77,16 +91,28 @@ def compare_sequential(config: Config, run: Setup) -> dict:
     start, accuracies, seconds = run.build_state(), [], 0.0
     for k in range(config.num_members):
         begin = time.perf_counter()
-        alone = fit(member(start, k), run.train_data, num_steps=run.num_steps, steps_per_call=config.steps_per_call,
-                    log_every=run.num_steps, progress=False)
+        alone = fit(
+            member(start, k),
+            run.train_data,
+            num_steps=run.num_steps,
+            steps_per_call=config.steps_per_call,
+            log_every=run.num_steps,
+            progress=False,
+        )
         seconds += time.perf_counter() - begin
         accuracies.append(evaluate(alone.state.model, alone.state.model_state, run.eval_data)["accuracy"])
     mean, std = np.mean(accuracies), np.std(accuracies, ddof=1) if len(accuracies) > 1 else 0.0
     if jax.process_index() == 0:
-        print(f"sequential training of {config.num_members} members with fit: {seconds:.1f} s; member test accuracy "
-              f"{100 * mean:.2f}% +- {100 * std:.2f}%")
-    return {"sequential_wall_seconds": seconds, "sequential_member_test_accuracy": [float(a) for a in accuracies],
-            "sequential_member_test_accuracy_mean": float(mean), "sequential_member_test_accuracy_std": float(std)}
+        print(
+            f"sequential training of {config.num_members} members with fit: {seconds:.1f} s; member test accuracy "
+            f"{100 * mean:.2f}% +- {100 * std:.2f}%"
+        )
+    return {
+        "sequential_wall_seconds": seconds,
+        "sequential_member_test_accuracy": [float(a) for a in accuracies],
+        "sequential_member_test_accuracy_mean": float(mean),
+        "sequential_member_test_accuracy_std": float(std),
+    }
 
 
 if __name__ == "__main__":

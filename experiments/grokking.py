@@ -55,19 +55,33 @@ class Config(Training, Checkpointing, Devices, EMA, Tracking):
     steps: int = option(10_000, "training steps", check=positive, resumable=True)
     lr: float = option(1e-3, "AdamW learning rate (constant)", check=positive)
     weight_decay: float = option(1.0, "AdamW's decoupled weight decay (0: none, no grokking)", check=non_negative)
-    batch_size: int | None = option(None, "pairs per step (default: every training pair, full batch)",
-                                    check=positive)
-    eval_every: int = option(100, "steps between test evaluations: the grokking step is placed to within this",
-                             check=positive, resumable=True)
-    log_every: int = option(100, "steps between logged training metrics: the memorization step is placed to "
-                                 "within this", check=positive, resumable=True)
+    batch_size: int | None = option(None, "pairs per step (default: every training pair, full batch)", check=positive)
+    eval_every: int = option(
+        100,
+        "steps between test evaluations: the grokking step is placed to within this",
+        check=positive,
+        resumable=True,
+    )
+    log_every: int = option(
+        100,
+        "steps between logged training metrics: the memorization step is placed to within this",
+        check=positive,
+        resumable=True,
+    )
     steps_per_call: int = option(100, "training steps per compiled call", check=positive)
 
 
 def build_state(config: Config) -> TrainState:
     model_key, train_key = jax.random.split(jax.random.key(config.seed))
-    model = LastTokenClassifier(context=3, vocab=config.modulus + 1, classes=config.modulus, dim=config.dim,
-                                depth=config.depth, heads=config.heads, key=model_key)
+    model = LastTokenClassifier(
+        context=3,
+        vocab=config.modulus + 1,
+        classes=config.modulus,
+        dim=config.dim,
+        depth=config.depth,
+        heads=config.heads,
+        key=model_key,
+    )
     optimizer = optax.adamw(config.lr, b1=0.9, b2=0.98, weight_decay=config.weight_decay)
     return TrainState.create(model, optimizer, key=train_key)
 
@@ -78,8 +92,9 @@ def setup(config: Config) -> Setup:
         raise ConfigError(f"--heads {config.heads} must divide --dim {config.dim}")
     train, test = modular_addition(config.modulus, config.train_fraction, seed=config.split_seed)
     batch_size = config.batch_size or len(train.labels)
-    train_data = DeviceLoader(train.inputs, train.labels, batch_size, seed=config.seed,
-                              shuffle=batch_size < len(train.labels))  # a full batch needs no order
+    train_data = DeviceLoader(
+        train.inputs, train.labels, batch_size, seed=config.seed, shuffle=batch_size < len(train.labels)
+    )  # a full batch needs no order
     eval_data = DeviceLoader(test.inputs, test.labels, len(test.labels), shuffle=False)
     return Setup(lambda: build_state(config), train_data, eval_data, config.steps)
 
@@ -95,11 +110,14 @@ def grokking_steps(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     step to the end: whether it stayed grokked; None when it never grokked) of a run's records."""
     tests = [(r["step"], r["test/accuracy"]) for r in records if "test/accuracy" in r]
     grokked = first_step_at_or_above(records, "test/accuracy")
-    return {"memorization_step": first_step_at_or_above(records, "train/accuracy"),
-            "grokking_step": grokked,
-            "best_test_accuracy": max((accuracy for _, accuracy in tests), default=None),
-            "min_test_accuracy_after_grokking": None if grokked is None else
-            min(accuracy for step, accuracy in tests if step >= grokked)}
+    return {
+        "memorization_step": first_step_at_or_above(records, "train/accuracy"),
+        "grokking_step": grokked,
+        "best_test_accuracy": max((accuracy for _, accuracy in tests), default=None),
+        "min_test_accuracy_after_grokking": None
+        if grokked is None
+        else min(accuracy for step, accuracy in tests if step >= grokked),
+    }
 
 
 def summarize(run: RunDir, summary: dict[str, Any]) -> dict[str, Any]:
@@ -142,8 +160,10 @@ def main(config: Config) -> dict:
         ours = f"train accuracy >= 99% at step {memorized}, " if memorized else "never memorized, "
         if grokked:
             later = f" ({grokked / memorized:.1f}x later)" if memorized else ""
-            ours += (f"test accuracy >= 99% at step {grokked}{later}, and from there to the end >= "
-                     f"{100 * summary['min_test_accuracy_after_grokking']:.2f}%")
+            ours += (
+                f"test accuracy >= 99% at step {grokked}{later}, and from there to the end >= "
+                f"{100 * summary['min_test_accuracy_after_grokking']:.2f}%"
+            )
         else:
             best = summary["best_test_accuracy"]
             ours += f"test accuracy below 99% in all {config.steps} steps (best {100 * best:.1f}%)"

@@ -53,25 +53,32 @@ class Config(Training, Checkpointing, Devices, EMA, Tracking):
 
     data: str | None = option(None, f"the images: {FORMATS_HELP} (default: none; required)")
     epochs: int = option(30, "passes over the training set", check=positive, resumable=True)
-    lr: float = option(0.1, "peak learning rate (after a warmup of one epoch; cosine decay to 0)", check=positive,
-                       vmappable=True)
+    lr: float = option(
+        0.1, "peak learning rate (after a warmup of one epoch; cosine decay to 0)", check=positive, vmappable=True
+    )
     optimizer: Literal["sgd", "adamw"] = option(
-        "sgd", "sgd: Nesterov momentum 0.9 with L2 weight decay; adamw: decoupled weight decay")
+        "sgd", "sgd: Nesterov momentum 0.9 with L2 weight decay; adamw: decoupled weight decay"
+    )
     weight_decay: float = option(5e-4, "weight decay", check=non_negative, vmappable=True)
     label_smoothing: float = option(0.1, "label smoothing of the training loss", check=unit_interval)
     features: int = option(16, "channels of the ResNet's first stage (then twice, four times)", check=positive)
     blocks: int = option(2, "residual blocks a stage (3: ResNet-20)", check=positive)
-    crop_padding: int = option(4, "random crops of the image padded by this many pixels (0: no crops)",
-                               check=non_negative)
+    crop_padding: int = option(
+        4, "random crops of the image padded by this many pixels (0: no crops)", check=non_negative
+    )
     flip: bool = option(False, "random left-right flips (natural images, CIFAR; not digits or letters)")
-    val_size: int = option(0, "training images held out as a validation set, evaluated as val/...",
-                           check=non_negative)
+    val_size: int = option(0, "training images held out as a validation set, evaluated as val/...", check=non_negative)
     loader: Literal["device", "torch", "grain"] = option(
-        "device", "device: the images on the device, batches gathered there; torch: a torch DataLoader; grain: "
-                  "Grain. Both stream the images from disk (an uncompressed IDX or .npy file memory-mapped: a data "
-                  "set larger than memory), each process reading only its rows of every batch")
-    workers: int = option(2, "torch: DataLoader worker processes; grain: reading threads (0: read in the "
-                             "training process)", check=non_negative)
+        "device",
+        "device: the images on the device, batches gathered there; torch: a torch DataLoader; grain: "
+        "Grain. Both stream the images from disk (an uncompressed IDX or .npy file memory-mapped: a data "
+        "set larger than memory), each process reading only its rows of every batch",
+    )
+    workers: int = option(
+        2,
+        "torch: DataLoader worker processes; grain: reading threads (0: read in the training process)",
+        check=non_negative,
+    )
     batch_size: int = option(128, "examples per training step", check=positive)
     steps_per_call: int = option(10, "training steps per compiled call (device loader)", check=positive)
     log_every: int = option(50, "steps between logged training metrics", check=positive)
@@ -119,21 +126,31 @@ def channel_statistics(images: np.ndarray, rows: np.ndarray, chunk: int = 4096) 
     channels = images.shape[-1]
     total, squares, count = np.zeros(channels), np.zeros(channels), 0
     for start in range(0, len(rows), chunk):
-        pixels = np.asarray(images[np.sort(rows[start:start + chunk])], np.float64).reshape(-1, channels) / 255
+        pixels = np.asarray(images[np.sort(rows[start : start + chunk])], np.float64).reshape(-1, channels) / 255
         total, squares, count = total + pixels.sum(0), squares + np.square(pixels).sum(0), count + len(pixels)
     mean = total / count
     return mean.tolist(), np.sqrt(np.maximum(squares / count - mean**2, 1e-12)).tolist()
 
 
-def build_state(config: Config, data: ImageData, statistics: tuple[list[float], list[float]],
-                shape: optax.Schedule) -> TrainState:
+def build_state(
+    config: Config, data: ImageData, statistics: tuple[list[float], list[float]], shape: optax.Schedule
+) -> TrainState:
     model_key, train_key = jax.random.split(jax.random.key(config.seed))
     height, width, channels = data.image_shape
     mean, std = statistics  # of the training images, to normalise by
     model, model_state = build_model(
-        "image_resnet", height=height, width=width, channels=channels, classes=len(data.classes),
-        features=config.features, blocks=config.blocks, mean=mean, std=std,
-        axis_name=batch_axis_name(config.parallel), key=model_key)
+        "image_resnet",
+        height=height,
+        width=width,
+        channels=channels,
+        classes=len(data.classes),
+        features=config.features,
+        blocks=config.blocks,
+        mean=mean,
+        std=std,
+        axis_name=batch_axis_name(config.parallel),
+        key=model_key,
+    )
     return TrainState.create(model, optimizer(config, shape), key=train_key, model_state=model_state)
 
 
@@ -141,8 +158,13 @@ def loaders(config: Config, data: ImageData, kept: np.ndarray, held_out: np.ndar
     """(train, test, validation or None): on the device, or streamed from the (memory-mapped) arrays."""
     train, test = data.train, data.test
     if config.loader == "device":
-        train_data, test_data = train_and_eval_loaders(Batch(train.inputs[kept], train.labels[kept]), test,
-                                                       config.batch_size, seed=config.seed, eval_batch_size=500)
+        train_data, test_data = train_and_eval_loaders(
+            Batch(train.inputs[kept], train.labels[kept]),
+            test,
+            config.batch_size,
+            seed=config.seed,
+            eval_batch_size=500,
+        )
         held = Batch(train.inputs[held_out], train.labels[held_out])
         return train_data, test_data, eval_loader(held, 500) if len(held_out) else None
     rows = None if len(kept) == len(train.labels) else kept

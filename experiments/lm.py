@@ -44,27 +44,37 @@ class Config(Training, Checkpointing, Devices, EMA, Tracking):
 
     steps: int = option(4800, "training steps", check=positive, resumable=True)
     batch_size: int = option(32, "windows per optimizer step (split over --grad-accum micro-batches)", check=positive)
-    lr: float = option(3e-3, "peak learning rate (linear warmup over the first 5% of steps, cosine to 10%)",
-                       check=positive)
+    lr: float = option(
+        3e-3, "peak learning rate (linear warmup over the first 5% of steps, cosine to 10%)", check=positive
+    )
     weight_decay: float = option(0.0, "decoupled weight decay (AdamW)", check=non_negative)
     context: int = option(128, "bytes per window (learned positions)", check=positive)
     depth: int = option(4, "transformer blocks (stacked and run with lax.scan)", check=positive)
     dim: int = option(64, "model width", check=positive)
     heads: int = option(4, "attention heads (must divide --dim)", check=positive)
     untied: bool = option(False, "give the output head its own weights instead of the token embedding's")
-    text: str | None = option(None, "a file or a folder (all its files, sorted) to learn; default: the Python "
-                                    "standard library's *.py source")
+    text: str | None = option(
+        None, "a file or a folder (all its files, sorted) to learn; default: the Python standard library's *.py source"
+    )
     text_bytes: int = option(16_000_000, "read at most this many bytes of the text", check=positive)
     held_out: float = option(0.05, "fraction of the bytes (the last ones) held out for evaluation", check=_fraction)
-    val_fraction: float = option(0.0, "fraction of the training bytes (the last ones, before the held-out bytes) "
-                                      "kept out of training as a validation set, evaluated as val/... (0: none)",
-                                 check=lambda value: None if value == 0 else _fraction(value))
-    grad_accum: int = option(1, "micro-batches per optimizer step (lax.scan; the same step as the whole batch)",
-                             check=positive)
-    remat: bool = option(True, "rematerialise each block in the backward pass: less memory, more compute, "
-                                 "and on a CPU a faster step (less memory traffic; --no-remat: keep activations)")
+    val_fraction: float = option(
+        0.0,
+        "fraction of the training bytes (the last ones, before the held-out bytes) "
+        "kept out of training as a validation set, evaluated as val/... (0: none)",
+        check=lambda value: None if value == 0 else _fraction(value),
+    )
+    grad_accum: int = option(
+        1, "micro-batches per optimizer step (lax.scan; the same step as the whole batch)", check=positive
+    )
+    remat: bool = option(
+        True,
+        "rematerialise each block in the backward pass: less memory, more compute, "
+        "and on a CPU a faster step (less memory traffic; --no-remat: keep activations)",
+    )
     precision: Literal["float32", "bf16"] = option(
-        "float32", "bf16: bfloat16 compute, float32 master weights, optimizer state and logits")
+        "float32", "bf16: bfloat16 compute, float32 master weights, optimizer state and logits"
+    )
     steps_per_call: int = option(50, "training steps per compiled call", check=positive)
     log_every: int = option(100, "steps between logged training metrics", check=positive, resumable=True)
 
@@ -72,29 +82,47 @@ class Config(Training, Checkpointing, Devices, EMA, Tracking):
 def build_state(config: Config) -> TrainState:
     """The step-0 model and optimizer of a config."""
     model_key, train_key = jax.random.split(jax.random.key(config.seed))
-    model, _ = build_model("lm", key=model_key, context=config.context, dim=config.dim, depth=config.depth,
-                           heads=config.heads, tied=not config.untied, remat=config.remat,
-                           compute_dtype="bfloat16" if config.precision == "bf16" else "float32")
+    model, _ = build_model(
+        "lm",
+        key=model_key,
+        context=config.context,
+        dim=config.dim,
+        depth=config.depth,
+        heads=config.heads,
+        tied=not config.untied,
+        remat=config.remat,
+        compute_dtype="bfloat16" if config.precision == "bf16" else "float32",
+    )
     adamw = optax.adamw(learning_rate(config), weight_decay=config.weight_decay)
     return TrainState.create(model, optax.chain(optax.clip_by_global_norm(1.0), adamw), key=train_key)
 
 
 def learning_rate(config: Config) -> optax.Schedule:
-    return optax.warmup_cosine_decay_schedule(0.0, config.lr, max(config.steps // 20, 1), config.steps,
-                                              end_value=config.lr / 10)
+    return optax.warmup_cosine_decay_schedule(
+        0.0, config.lr, max(config.steps // 20, 1), config.steps, end_value=config.lr / 10
+    )
 
 
 def setup(config: Config) -> Setup:
     """The model, the windows of text and the loss of a run, built without training."""
     if config.dim % config.heads or config.batch_size % (config.grad_accum * config.devices):
-        raise ConfigError(f"--heads {config.heads} must divide --dim {config.dim}, and --grad-accum {config.grad_accum}"
-                          f" x --devices {config.devices} must divide --batch-size {config.batch_size}")
+        raise ConfigError(
+            f"--heads {config.heads} must divide --dim {config.dim}, and --grad-accum {config.grad_accum}"
+            f" x --devices {config.devices} must divide --batch-size {config.batch_size}"
+        )
     train, held_out = split_held_out(read_text_bytes(config.text, max_bytes=config.text_bytes), config.held_out)
     train, val = split_held_out(train, config.val_fraction)
     train_data = DeviceLoader(*next_byte_windows(train, config.context), config.batch_size, seed=config.seed)
-    return Setup(lambda: build_state(config), train_data, _evaluation_windows(held_out, config.context), config.steps,
-                 NextTokenLoss(config.grad_accum), learning_rate(config), evaluator=evaluate_language_model,
-                 val_data=_evaluation_windows(val, config.context) if config.val_fraction else None)
+    return Setup(
+        lambda: build_state(config),
+        train_data,
+        _evaluation_windows(held_out, config.context),
+        config.steps,
+        NextTokenLoss(config.grad_accum),
+        learning_rate(config),
+        evaluator=evaluate_language_model,
+        val_data=_evaluation_windows(val, config.context) if config.val_fraction else None,
+    )
 
 
 def _evaluation_windows(data: np.ndarray, context: int) -> DeviceLoader:
@@ -114,9 +142,11 @@ def main(config: Config) -> dict:
     if jax.process_index() == 0:
         train, held_out = split_held_out(read_text_bytes(config.text, max_bytes=config.text_bytes), config.held_out)
         reference = reference_bits_per_byte(train, held_out)
-        print(f"lm: held-out {summary['test_bits_per_byte']:.3f} bits/byte (same bytes: byte frequencies "
-              f"{reference['unigram']:.3f}, zlib -9 {reference['zlib']:.3f}); {summary['bytes_per_s']:,.0f} "
-              f"bytes/s trained ({bytes_per_step} a step)")
+        print(
+            f"lm: held-out {summary['test_bits_per_byte']:.3f} bits/byte (same bytes: byte frequencies "
+            f"{reference['unigram']:.3f}, zlib -9 {reference['zlib']:.3f}); {summary['bytes_per_s']:,.0f} "
+            f"bytes/s trained ({bytes_per_step} a step)"
+        )
         if "model" in trained:  # not when a finished run is only reported (scripts/sample reads its checkpoint)
             print_sample(trained["model"], bytes(held_out[:32]), jax.random.fold_in(jax.random.key(config.seed), 1))
     return summary
@@ -126,8 +156,10 @@ def print_sample(model: LanguageModel, prompt: bytes, key: PRNGKeyArray, length:
     """One line: what `model` writes after `prompt` (temperature 0.8, top-k 40), newlines shown as \\n."""
     sample = sample_bytes(model, prompt, length, key=key, temperature=0.8, top_k=40)
     shown = lambda text: repr(text.decode("utf-8", errors="replace"))  # noqa: E731
-    print(f"lm: sample: {shown(sample.prompt)} + {shown(sample.text)} ({length} bytes at temperature 0.8, top-k 40: "
-          f"{sample.bytes_per_s:,.0f} bytes/s with the key-value cache)")
+    print(
+        f"lm: sample: {shown(sample.prompt)} + {shown(sample.text)} ({length} bytes at temperature 0.8, top-k 40: "
+        f"{sample.bytes_per_s:,.0f} bytes/s with the key-value cache)"
+    )
 
 
 if __name__ == "__main__":

@@ -48,18 +48,23 @@ class Config(Training, Checkpointing, Tracking):
     initial weights; print its accuracy, the dense network's and two controls' (a random mask, and the
     ticket's mask reinitialised) beside the published ones."""
 
-    rounds: int = option(90, "pruning rounds after the dense one; the last one's network is the ticket",
-                         check=positive, resumable=True)
+    rounds: int = option(
+        90, "pruning rounds after the dense one; the last one's network is the ticket", check=positive, resumable=True
+    )
     schedule_length: int = option(
-        99, "round r prunes min(r / this, 1) of every layer (the notebook's np.linspace(0, 1, 100) is 99: "
-            "round 90 is 90.9% sparse)", check=positive)
+        99,
+        "round r prunes min(r / this, 1) of every layer (the notebook's np.linspace(0, 1, 100) is 99: "
+        "round 90 is 90.9% sparse)",
+        check=positive,
+    )
     steps: int = option(1501, "training steps of each round", check=positive)
     lr: float = option(2e-2, "Adam learning rate (a fresh Adam every round)", check=positive)
     batch_size: int = option(100, "examples per training step", check=positive)
     hidden: int = option(500, "width of both hidden layers", check=positive)
     data_dir: str = option("data", "where MNIST-1D is generated and cached")
-    eval_every: int = option(100, "steps between test evaluations (the maximum over them is reported)",
-                             check=non_negative, resumable=True)
+    eval_every: int = option(
+        100, "steps between test evaluations (the maximum over them is reported)", check=non_negative, resumable=True
+    )
     log_every: int = option(100, "steps between logged training metrics", check=positive, resumable=True)
     steps_per_call: int = option(100, "training steps per compiled call", check=positive)
 
@@ -72,8 +77,15 @@ def sparsity_schedule(config: Config) -> list[float]:
 def initial_model(config: Config, *, reinit: bool = False) -> MLP:
     """The MLP every round rewinds to (seeded by --seed), or the control's other initialisation."""
     keys = jax.random.split(jax.random.key(config.seed), 3)
-    return build_model("mlp", in_size=MNIST1D_LENGTH, out_size=MNIST1D_CLASSES, hidden=(config.hidden,) * 2,
-                       activation="relu", residual=True, key=keys[2 if reinit else 0])[0]
+    return build_model(
+        "mlp",
+        in_size=MNIST1D_LENGTH,
+        out_size=MNIST1D_CLASSES,
+        hidden=(config.hidden,) * 2,
+        activation="relu",
+        residual=True,
+        key=keys[2 if reinit else 0],
+    )[0]
 
 
 def magnitude_masks(model: MLP, sparsity: float) -> PyTree:
@@ -84,11 +96,12 @@ def magnitude_masks(model: MLP, sparsity: float) -> PyTree:
         weight, bias = np.asarray(layer.weight), np.asarray(layer.bias)
         scores = np.abs(np.concatenate([weight.ravel(), bias.ravel()]))
         keep = np.ones(scores.size, bool)
-        keep[np.argsort(scores, kind="stable")[:int(sparsity * scores.size)]] = False
-        keeps += [keep[:weight.size].reshape(weight.shape), keep[weight.size:]]
+        keep[np.argsort(scores, kind="stable")[: int(sparsity * scores.size)]] = False
+        keeps += [keep[: weight.size].reshape(weight.shape), keep[weight.size :]]
     params = eqx.filter(model, eqx.is_inexact_array)
-    return eqx.tree_at(lambda p: [a for layer in p.layers for a in (layer.weight, layer.bias)], params,
-                       [jnp.asarray(k) for k in keeps])
+    return eqx.tree_at(
+        lambda p: [a for layer in p.layers for a in (layer.weight, layer.bias)], params, [jnp.asarray(k) for k in keeps]
+    )
 
 
 def random_masks(model: MLP, sparsity: float, key: PRNGKeyArray) -> PyTree:
@@ -121,10 +134,15 @@ def build_state(config: Config, masks: PyTree | None = None, *, reinit: bool = F
 def setup(config: Config, masks: PyTree | None = None, *, reinit: bool = False) -> Setup:
     """One round's run (default: the dense round 0; `scripts/show_jaxpr lottery_ticket` traces it)."""
     train, test = load_mnist1d(config.data_dir)
-    train_data, test_data = train_and_eval_loaders(train, test, config.batch_size, seed=config.seed,
-                                                   eval_batch_size=len(test.labels))
-    return Setup(build_state=lambda: build_state(config, masks, reinit=reinit), train_data=train_data,
-                 eval_data=test_data, num_steps=config.steps)
+    train_data, test_data = train_and_eval_loaders(
+        train, test, config.batch_size, seed=config.seed, eval_batch_size=len(test.labels)
+    )
+    return Setup(
+        build_state=lambda: build_state(config, masks, reinit=reinit),
+        train_data=train_data,
+        eval_data=test_data,
+        num_steps=config.steps,
+    )
 
 
 def experiment_dir(config: Config) -> tuple[RunDir, bool]:
@@ -140,26 +158,35 @@ def experiment_dir(config: Config) -> tuple[RunDir, bool]:
         raise ConfigError(f"--resume: no run to resume in {path or RUNS_ROOT / NAME}; start one without --resume")
     path = path or RunDir.new_path(RUNS_ROOT, NAME)
     if (path / "config.json").exists():
-        raise ConfigError(f"--run-dir {path} already holds a run; pass --resume to continue it, or pick a new "
-                          "directory")
+        raise ConfigError(
+            f"--run-dir {path} already holds a run; pass --resume to continue it, or pick a new directory"
+        )
     return RunDir(path), False
 
 
-def train_round(config: Config, run: RunDir, masks: PyTree | None, *,
-                reinit: bool = False) -> tuple[dict[str, Any], Masked]:
+def train_round(
+    config: Config, run: RunDir, masks: PyTree | None, *, reinit: bool = False
+) -> tuple[dict[str, Any], Masked]:
     """Train one round in `run` (or take it as it finished); returns its numbers and its trained model."""
     if run.read_summary() is None:  # not finished: start it, or continue it from its last checkpoint
         resume = "auto" if run.checkpoint_paths() or run.config_file.exists() else None
         group = config.group or run.path.parent.resolve().name  # the rounds, one group in the trackers
-        run_experiment(NAME, dataclasses.replace(config, run_dir=str(run.path), resume=resume, group=group),
-                       setup(config, masks, reinit=reinit))
+        run_experiment(
+            NAME,
+            dataclasses.replace(config, run_dir=str(run.path), resume=resume, group=group),
+            setup(config, masks, reinit=reinit),
+        )
     state, _ = load_checkpoint(run.latest_valid_checkpoint()[0], build_state(config, masks, reinit=reinit))
     evaluations = [r for r in run.read_metrics() if "test/accuracy" in r]
     summary = run.read_summary()
-    numbers = {"sparsity": sparsity_of(state.model.masks), "test_accuracy": summary["test_accuracy"],
-               "test_loss": summary["test_loss"], "train_loss": summary["train_loss"],
-               "max_test_accuracy": max(r["test/accuracy"] for r in evaluations),
-               "curve": [(r["step"], r["test/accuracy"]) for r in evaluations]}
+    numbers = {
+        "sparsity": sparsity_of(state.model.masks),
+        "test_accuracy": summary["test_accuracy"],
+        "test_loss": summary["test_loss"],
+        "train_loss": summary["train_loss"],
+        "max_test_accuracy": max(r["test/accuracy"] for r in evaluations),
+        "curve": [(r["step"], r["test/accuracy"]) for r in evaluations],
+    }
     return numbers, state.model
 
 
@@ -172,8 +199,11 @@ def run_rounds(config: Config, root: RunDir) -> tuple[list[dict[str, Any]], dict
             masks = magnitude_masks(trained.masked_model(), sparsity)
         numbers, trained = train_round(config, RunDir(root.path / f"round_{r:03d}"), masks)
         rounds.append(numbers)
-        print(f"{NAME}: round {r}/{config.rounds}: {100 * numbers['sparsity']:.1f}% sparse, max test accuracy "
-              f"{100 * numbers['max_test_accuracy']:.2f}%", file=sys.stderr)
+        print(
+            f"{NAME}: round {r}/{config.rounds}: {100 * numbers['sparsity']:.1f}% sparse, max test accuracy "
+            f"{100 * numbers['max_test_accuracy']:.2f}%",
+            file=sys.stderr,
+        )
     reinit, _ = train_round(config, RunDir(root.path / f"reinit_{config.rounds:03d}"), masks, reinit=True)
     random = random_masks(initial_model(config), sparsity, jax.random.fold_in(jax.random.key(config.seed), 1))
     random, _ = train_round(config, RunDir(root.path / f"random_{config.rounds:03d}"), random, reinit=True)
@@ -188,18 +218,31 @@ def main(config: Config) -> dict:
         return finished
     if not resuming:
         root.path.mkdir(parents=True, exist_ok=True)
-        root.write_config({"experiment": NAME, "config": config.to_dict(), "resolved": {"num_steps": config.steps},
-                           "command": [Path(sys.argv[0]).name, *sys.argv[1:]]})
+        root.write_config(
+            {
+                "experiment": NAME,
+                "config": config.to_dict(),
+                "resolved": {"num_steps": config.steps},
+                "command": [Path(sys.argv[0]).name, *sys.argv[1:]],
+            }
+        )
     start = time.perf_counter()
     rounds, controls = run_rounds(config, root)
     runs = {"dense": rounds[0], "ticket": rounds[-1], **controls}
     ticket = runs["ticket"]
     summary = {
-        "experiment": NAME, "rounds": config.rounds, "sparsity": ticket["sparsity"],
-        **{f"{name}_{metric}": run[metric] for name, run in runs.items()
-           for metric in ("max_test_accuracy", "test_accuracy")},
-        "test_accuracy": ticket["test_accuracy"], "test_loss": ticket["test_loss"],
-        "train_loss": ticket["train_loss"], "step": config.steps,
+        "experiment": NAME,
+        "rounds": config.rounds,
+        "sparsity": ticket["sparsity"],
+        **{
+            f"{name}_{metric}": run[metric]
+            for name, run in runs.items()
+            for metric in ("max_test_accuracy", "test_accuracy")
+        },
+        "test_accuracy": ticket["test_accuracy"],
+        "test_loss": ticket["test_loss"],
+        "train_loss": ticket["train_loss"],
+        "step": config.steps,
         "round_sparsity": [r["sparsity"] for r in rounds],
         "round_max_test_accuracy": [r["max_test_accuracy"] for r in rounds],
         "round_test_accuracy": [r["test_accuracy"] for r in rounds],
@@ -211,8 +254,12 @@ def main(config: Config) -> dict:
     return summary
 
 
-LABELS = {"dense": "dense", "ticket": "ticket", "random_pruning": "random pruning",
-          "reinit_ticket": "ticket's mask reinitialised"}
+LABELS = {
+    "dense": "dense",
+    "ticket": "ticket",
+    "random_pruning": "random pruning",
+    "reinit_ticket": "ticket's mask reinitialised",
+}
 
 
 def report(summary: dict, root: RunDir) -> str:
@@ -223,9 +270,11 @@ def report(summary: dict, root: RunDir) -> str:
         published = "not printed" if low is None else f"{100 * low:.1f}-{100 * high:.1f}%"
         ours.append(f"{label}{sparse} {100 * summary[name + '_max_test_accuracy']:.2f}% | {published}")
     final = ", ".join(f"{label} {100 * summary[name + '_test_accuracy']:.2f}%" for name, label in LABELS.items())
-    return (f"{NAME}: max test accuracy, ours | published (Greydanus 2020): {'; '.join(ours)}\n"
-            f"{NAME}: final test accuracy: {final}; {summary['wall_seconds']:.0f} s\n"
-            f"run directory: {root.path} (lottery.png; the runs in round_*/, reinit_*/, random_*/)")
+    return (
+        f"{NAME}: max test accuracy, ours | published (Greydanus 2020): {'; '.join(ours)}\n"
+        f"{NAME}: final test accuracy: {final}; {summary['wall_seconds']:.0f} s\n"
+        f"run directory: {root.path} (lottery.png; the runs in round_*/, reinit_*/, random_*/)"
+    )
 
 
 def plot_lottery(root: RunDir, summary: dict, curves: dict[str, list]) -> None:
@@ -235,8 +284,14 @@ def plot_lottery(root: RunDir, summary: dict, curves: dict[str, list]) -> None:
 
     figure = Figure(figsize=(11, 4.2), layout="constrained", dpi=110)
     by_sparsity, by_step = figure.subplots(1, 2)
-    by_sparsity.plot(100 * np.asarray(summary["round_sparsity"]), 100 * np.asarray(summary["round_max_test_accuracy"]),
-                     "o-", color="C0", markersize=3, label="magnitude pruning, rewound")
+    by_sparsity.plot(
+        100 * np.asarray(summary["round_sparsity"]),
+        100 * np.asarray(summary["round_max_test_accuracy"]),
+        "o-",
+        color="C0",
+        markersize=3,
+        label="magnitude pruning, rewound",
+    )
     for k, (name, run) in enumerate(curves.items()):
         color, x = ("k", "C0", "C3", "C2")[k], 0 if name == "dense" else 100 * summary["sparsity"]
         steps, accuracy = zip(*run, strict=True)
@@ -246,8 +301,14 @@ def plot_lottery(root: RunDir, summary: dict, curves: dict[str, list]) -> None:
         if name in PUBLISHED:
             low, high = PUBLISHED[name]
             by_step.axhspan(100 * low, 100 * high, color=color, alpha=0.12)
-            by_sparsity.errorbar([x], [50 * (low + high)], yerr=[50 * (high - low)], color=color, capsize=4,
-                                 label=f"published {LABELS[name]}")
+            by_sparsity.errorbar(
+                [x],
+                [50 * (low + high)],
+                yerr=[50 * (high - low)],
+                color=color,
+                capsize=4,
+                label=f"published {LABELS[name]}",
+            )
     by_sparsity.set(xlabel="sparsity (%)", ylabel="max test accuracy (%)", title="accuracy of each pruning round")
     by_step.set(xlabel="step", ylabel="test accuracy (%)", title="test accuracy (published max shaded)")
     for axes in (by_sparsity, by_step):

@@ -53,25 +53,37 @@ class Config(Training, Checkpointing, Tracking):
     """Learn the SGD learning rate of an MNIST-1D MLP by gradient descent through an unrolled training run,
     from each of --start-lrs; print the learned rates beside the published ~0.62."""
 
-    start_lrs: tuple[float, ...] = option((1.5, 0.15), "initial inner learning rates, one population member each",
-                                          check=_all_positive)
-    steps: int = option(50, "outer steps: one unrolled inner run and one SGD step on the learning rate each",
-                        check=positive, resumable=True)
+    start_lrs: tuple[float, ...] = option(
+        (1.5, 0.15), "initial inner learning rates, one population member each", check=_all_positive
+    )
+    steps: int = option(
+        50,
+        "outer steps: one unrolled inner run and one SGD step on the learning rate each",
+        check=positive,
+        resumable=True,
+    )
     lr: float = option(0.3, "outer learning rate: SGD on the learned inner learning rate", check=positive)
-    clip_norm: float = option(0.0, "clip each outer gradient to this size (0: off, the notebook's plain SGD)",
-                              check=non_negative)
+    clip_norm: float = option(
+        0.0, "clip each outer gradient to this size (0: off, the notebook's plain SGD)", check=non_negative
+    )
     inner_steps: int = option(200, "inner SGD steps of one unrolled run", check=positive)
     batch_size: int = option(50, "examples per inner SGD step", check=positive)
     hidden: int = option(50, "hidden units of the inner 40-hidden-10 tanh MLP", check=positive)
     init: Literal["torch", "equinox"] = option(
-        "torch", "the inner MLP's initial weights: torch: those torch.nn.Linear draws under torch.manual_seed(--seed), "
-        "as the notebook does (seed 0 is its MLP); equinox: Equinox's draw of the same distribution from --seed")
-    num_samples: int = option(NOTEBOOK_SAMPLES, "MNIST-1D signals generated, the first 80% for training (the "
-                              "notebook's pickle: 8,000 training, 2,000 test)", check=positive)
+        "torch",
+        "the inner MLP's initial weights: torch: those torch.nn.Linear draws under torch.manual_seed(--seed), "
+        "as the notebook does (seed 0 is its MLP); equinox: Equinox's draw of the same distribution from --seed",
+    )
+    num_samples: int = option(
+        NOTEBOOK_SAMPLES,
+        "MNIST-1D signals generated, the first 80% for training (the notebook's pickle: 8,000 training, 2,000 test)",
+        check=positive,
+    )
     data_dir: str = option("data", "where MNIST-1D is generated and cached")
     log_every: int = option(1, "outer steps between logged metrics", check=positive, resumable=True)
-    eval_every: int = option(10, "outer steps between test evaluations (0: only at the end)", check=non_negative,
-                             resumable=True)
+    eval_every: int = option(
+        10, "outer steps between test evaluations (0: only at the end)", check=non_negative, resumable=True
+    )
 
 
 class LearnedLearningRate(eqx.Module):
@@ -155,8 +167,14 @@ def torch_initialised(mlp: MLP, seed: int) -> MLP:
 def build_state(config: Config) -> TrainState:
     """One member per starting rate, all starting their inner runs from the same MLP (seeded by --seed)."""
     inner_key, train_key = jax.random.split(jax.random.key(config.seed))
-    initial, _ = build_model("mlp", in_size=MNIST1D_LENGTH, out_size=MNIST1D_CLASSES, hidden=(config.hidden,),
-                             activation="tanh", key=inner_key)
+    initial, _ = build_model(
+        "mlp",
+        in_size=MNIST1D_LENGTH,
+        out_size=MNIST1D_CLASSES,
+        hidden=(config.hidden,),
+        activation="tanh",
+        key=inner_key,
+    )
     if config.init == "torch":
         initial = torch_initialised(initial, config.seed)
     optimizer = optax.inject_hyperparams(optax.sgd)(learning_rate=config.lr)
@@ -211,13 +229,17 @@ def main(config: Config) -> dict:
     def learned(result: FitResult) -> dict:
         return {"start_lr": list(config.start_lrs), "learned_lr": [float(x) for x in result.state.model.lr]}
 
-    summary = run_experiment("metalearn_lr", config, setup(config), summary_extra=learned,
-                             summarize_run=plot_learning_rates)
-    rates = ", ".join(f"{lr:.4f} (from {start:g})"
-                      for start, lr in zip(summary["start_lr"], summary["learned_lr"], strict=True))
-    print(f"metalearn_lr: learned learning rate {rates} after {summary['step']} outer steps; published: about "
-          f"{PUBLISHED_LR} from both 1.5 and 0.15 (Greydanus 2020, 8,000 training examples; here "
-          f"{int(config.num_samples * MNIST1D_TRAIN_SPLIT):,})")
+    summary = run_experiment(
+        "metalearn_lr", config, setup(config), summary_extra=learned, summarize_run=plot_learning_rates
+    )
+    rates = ", ".join(
+        f"{lr:.4f} (from {start:g})" for start, lr in zip(summary["start_lr"], summary["learned_lr"], strict=True)
+    )
+    print(
+        f"metalearn_lr: learned learning rate {rates} after {summary['step']} outer steps; published: about "
+        f"{PUBLISHED_LR} from both 1.5 and 0.15 (Greydanus 2020, 8,000 training examples; here "
+        f"{int(config.num_samples * MNIST1D_TRAIN_SPLIT):,})"
+    )
     return summary
 
 

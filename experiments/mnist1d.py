@@ -57,18 +57,54 @@ MODEL_HPARAMS: dict[str, dict[str, Any]] = {
 # 71; XLA CPU runs convolutions much slower inside a loop, so the ResNet takes one step per call (the
 # CNN computes its convolutions as matmuls and gains from the loop).
 RECIPES: dict[str, dict[str, Any]] = {
-    "logistic": {"lr": 3e-3, "batch_size": 100, "steps": 8000, "weight_decay": 0.0, "schedule": "cosine",
-                 "steps_per_call": 100},
-    "mlp": {"lr": 1e-2, "batch_size": 32, "steps": 16000, "weight_decay": 0.3, "schedule": "cosine",
-            "steps_per_call": 100},
-    "cnn": {"lr": 1e-2, "batch_size": 32, "steps": 16000, "weight_decay": 0.1, "schedule": "cosine",
-            "steps_per_call": 100},
-    "gru": {"lr": 1e-2, "batch_size": 100, "steps": 8000, "weight_decay": 0.0, "schedule": "constant",
-            "steps_per_call": 100},
-    "resnet": {"lr": 1e-3, "batch_size": 100, "steps": 8000, "weight_decay": 0.0, "schedule": "constant",
-               "steps_per_call": 1},
-    "transformer": {"lr": 1e-3, "batch_size": 100, "steps": 8000, "weight_decay": 0.0, "schedule": "constant",
-                    "steps_per_call": 100},
+    "logistic": {
+        "lr": 3e-3,
+        "batch_size": 100,
+        "steps": 8000,
+        "weight_decay": 0.0,
+        "schedule": "cosine",
+        "steps_per_call": 100,
+    },
+    "mlp": {
+        "lr": 1e-2,
+        "batch_size": 32,
+        "steps": 16000,
+        "weight_decay": 0.3,
+        "schedule": "cosine",
+        "steps_per_call": 100,
+    },
+    "cnn": {
+        "lr": 1e-2,
+        "batch_size": 32,
+        "steps": 16000,
+        "weight_decay": 0.1,
+        "schedule": "cosine",
+        "steps_per_call": 100,
+    },
+    "gru": {
+        "lr": 1e-2,
+        "batch_size": 100,
+        "steps": 8000,
+        "weight_decay": 0.0,
+        "schedule": "constant",
+        "steps_per_call": 100,
+    },
+    "resnet": {
+        "lr": 1e-3,
+        "batch_size": 100,
+        "steps": 8000,
+        "weight_decay": 0.0,
+        "schedule": "constant",
+        "steps_per_call": 1,
+    },
+    "transformer": {
+        "lr": 1e-3,
+        "batch_size": 100,
+        "steps": 8000,
+        "weight_decay": 0.0,
+        "schedule": "constant",
+        "steps_per_call": 100,
+    },
 }
 assert set(RECIPES) == set(MODEL_HPARAMS) == set(ModelName.__args__) <= set(model_names())
 
@@ -83,26 +119,41 @@ class Config(Training, Checkpointing, Devices, EMA, Tracking):
     Options whose default is None take the model's value from RECIPES in experiments/mnist1d.py."""
 
     model: ModelName = option("cnn", "which model of research.nn to train")
-    steps: int | None = option(None, "training steps (default: per model: mlp, cnn 16000; others 8000)",
-                               check=positive, resumable=True)
+    steps: int | None = option(
+        None, "training steps (default: per model: mlp, cnn 16000; others 8000)", check=positive, resumable=True
+    )
     lr: float | None = option(
-        None, "Adam learning rate (default: per model: logistic 3e-3; mlp, cnn, gru 1e-2; resnet, transformer 1e-3)",
-        check=positive, vmappable=True)
-    batch_size: int | None = option(None, "examples per training step (default: per model: mlp, cnn 32; others 100)",
-                                    check=positive)
+        None,
+        "Adam learning rate (default: per model: logistic 3e-3; mlp, cnn, gru 1e-2; resnet, transformer 1e-3)",
+        check=positive,
+        vmappable=True,
+    )
+    batch_size: int | None = option(
+        None, "examples per training step (default: per model: mlp, cnn 32; others 100)", check=positive
+    )
     weight_decay: float | None = option(
-        None, "decoupled weight decay, AdamW (default: per model: mlp 0.3, cnn 0.1, others 0)", check=non_negative,
-        vmappable=True)
+        None,
+        "decoupled weight decay, AdamW (default: per model: mlp 0.3, cnn 0.1, others 0)",
+        check=non_negative,
+        vmappable=True,
+    )
     schedule: Literal["constant", "cosine"] | None = option(
-        None, "learning-rate schedule over --steps (default: per model: logistic, mlp, cnn cosine; others constant)")
+        None, "learning-rate schedule over --steps (default: per model: logistic, mlp, cnn cosine; others constant)"
+    )
     steps_per_call: int | None = option(
-        None, "training steps per compiled call, device loader (default: per model: resnet 1; others 100)",
-        check=positive)
+        None,
+        "training steps per compiled call, device loader (default: per model: resnet 1; others 100)",
+        check=positive,
+    )
     loader: Literal["device", "torch"] = option(
-        "device", "device: batches gathered on the device; torch: a torch DataLoader with numpy collate")
+        "device", "device: batches gathered on the device; torch: a torch DataLoader with numpy collate"
+    )
     val_size: int = option(
-        0, "training examples held out as a validation set, evaluated as val/... (the same examples for every "
-        "--seed; 0: train on all 4,000)", check=below_training_size)
+        0,
+        "training examples held out as a validation set, evaluated as val/... (the same examples for every "
+        "--seed; 0: train on all 4,000)",
+        check=below_training_size,
+    )
     data_dir: str = option("data", "where the generated MNIST-1D arrays are cached (mnist1d-seed42.npz)")
     log_every: int = option(500, "steps between logged training metrics", check=positive)
 
@@ -146,7 +197,8 @@ def setup(config: Config) -> Setup:
     train, test = load_mnist1d(config.data_dir)
     train, val = split_validation(train, config.val_size)
     train_data, test_data = train_and_eval_loaders(
-        train, test, config.batch_size, seed=config.seed, kind=config.loader, eval_batch_size=len(test.labels))
+        train, test, config.batch_size, seed=config.seed, kind=config.loader, eval_batch_size=len(test.labels)
+    )
     return Setup(
         build_state=lambda: build_state(config),
         train_data=train_data,
@@ -167,8 +219,9 @@ def main(config: Config) -> dict:
     if config.model in PUBLISHED and jax.process_index() == 0:
         published, reached = PUBLISHED[config.model], summary["test_accuracy"]
         verdict = "at or above" if reached >= published else "BELOW"
-        print(f"{config.model}: {100 * reached:.2f}% is {verdict} the published {100 * published:.0f}% "
-              "(Greydanus 2020)")
+        print(
+            f"{config.model}: {100 * reached:.2f}% is {verdict} the published {100 * published:.0f}% (Greydanus 2020)"
+        )
     return summary
 
 

@@ -89,11 +89,18 @@ def gradient_descent(start: float, lr: float, steps: int) -> list[float]:
 # -- the script ------------------------------------------------------------------------------
 def main(argv: Sequence[str] | None = None) -> dict[str, list]:
     parser = argparse.ArgumentParser(
-        prog="state_passing", description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        prog="state_passing",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("--steps", type=int, default=5, help="counter updates and gradient-descent steps")
-    parser.add_argument("--values", type=float, nargs="+", default=[2.0, 4.0, 6.0, 8.0, 10.0],
-                        help="the values whose running mean is printed")
+    parser.add_argument(
+        "--values",
+        type=float,
+        nargs="+",
+        default=[2.0, 4.0, 6.0, 8.0, 10.0],
+        help="the values whose running mean is printed",
+    )
     parser.add_argument("--start", type=float, default=5.0, help="starting x of gradient descent on x^2")
     parser.add_argument("--lr", type=float, default=0.1, help="gradient-descent learning rate")
     args = parser.parse_args(argv)

@@ -29,7 +29,8 @@ class Config(Training, Checkpointing, Devices, EMA, Tracking):
     train_seed: int = option(42, "seed of the training points")
     test_seed: int = option(123, "seed of the test points")
     loader: Literal["device", "torch"] = option(
-        "device", "device: batches gathered on the device; torch: a torch DataLoader with numpy collate")
+        "device", "device: batches gathered on the device; torch: a torch DataLoader with numpy collate"
+    )
     steps_per_call: int = option(100, "training steps per compiled call (device loader)", check=positive)
     log_every: int = option(190, "steps between logged training metrics", check=positive)
 

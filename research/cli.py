@@ -65,9 +65,26 @@ except ImportError:  # a tyro without it: its own (boxed) messages, the same exi
     tyro_errors = None
 
 __all__ = [
-    "EMA", "Checkpointing", "ConfigError", "Devices", "Options", "TrainConfig", "Training", "Tracking",
-    "check_combination", "compilation_cache_dir", "flag_name", "help_text", "main_entry", "non_negative",
-    "open_unit_interval", "option", "parse_config", "positive", "unit_interval", "use_compilation_cache",
+    "EMA",
+    "Checkpointing",
+    "ConfigError",
+    "Devices",
+    "Options",
+    "TrainConfig",
+    "Training",
+    "Tracking",
+    "check_combination",
+    "compilation_cache_dir",
+    "flag_name",
+    "help_text",
+    "main_entry",
+    "non_negative",
+    "open_unit_interval",
+    "option",
+    "parse_config",
+    "positive",
+    "unit_interval",
+    "use_compilation_cache",
 ]
 
 C = TypeVar("C", bound=Options)
@@ -82,7 +99,9 @@ def _parse_resume(args: list[str]) -> Resume:
 
 
 _RESUME = PrimitiveConstructorSpec(
-    nargs=(0, 1), metavar="[{auto,must,never}]", instance_from_str=_parse_resume,
+    nargs=(0, 1),
+    metavar="[{auto,must,never}]",
+    instance_from_str=_parse_resume,
     is_instance=lambda value: value in (None, "auto", "must"),
     str_from_instance=lambda value: ["never" if value is None else value],
 )
@@ -103,7 +122,9 @@ def _number_rule(info: PrimitiveTypeInfo) -> PrimitiveConstructorSpec | None:
 
     numbers = (int,) if kind is int else (int, float)
     return PrimitiveConstructorSpec(
-        nargs=1, metavar=kind.__name__.upper(), instance_from_str=parse,
+        nargs=1,
+        metavar=kind.__name__.upper(),
+        instance_from_str=parse,
         is_instance=lambda value: isinstance(value, numbers) and not isinstance(value, bool),
         str_from_instance=lambda value: [str(value)],
     )
@@ -161,7 +182,8 @@ def _refuse(event: Any) -> None:
         message = event.message if event.argument is None else f"argument {_flag(event.argument)}: {event.message}"
     elif isinstance(event, tyro_errors.BadValue):
         message = f"argument {_flag(event.argument)}: " + (
-            "expected a value" if event.offending_value is None else f"cannot take {event.offending_value!r}")
+            "expected a value" if event.offending_value is None else f"cannot take {event.offending_value!r}"
+        )
     else:
         message = f"the command line was refused ({type(event).__name__}); run with --help for the options"
     raise _Refused(message)
@@ -181,15 +203,18 @@ def parse_config(config_class: type[C], argv: Sequence[str] | None = None, prog:
     args = _resume_shim(list(sys.argv[1:] if argv is None else argv), config_class)
     doc = vars(config_class).get("__doc__")  # its own, not its base's
     description = inspect.cleandoc(doc) if doc else ""
-    description += ("\n\n--config FILE: take the options' defaults from a YAML file or a run's config.json; the "
-                    "other flags override them")
+    description += (
+        "\n\n--config FILE: take the options' defaults from a YAML file or a run's config.json; the "
+        "other flags override them"
+    )
     try:
         args, path = _config_flag(args)
         default = tyro.MISSING_NONPROP if path is None else config_file_defaults(config_class, path, prog)
         hook = contextlib.nullcontext() if tyro_errors is None else tyro_errors.on_parse_error(_refuse)
         with hook:
-            return tyro.cli(config_class, args=args, prog=prog, description=description, registry=_registry,
-                            default=default)
+            return tyro.cli(
+                config_class, args=args, prog=prog, description=description, registry=_registry, default=default
+            )
     except (_Refused, ConfigError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -204,10 +229,10 @@ def _config_flag(args: list[str]) -> tuple[list[str], Path | None]:
         raise ConfigError("--config is given more than once")
     i = found[0]
     if "=" in args[i]:
-        return args[:i] + args[i + 1:], Path(args[i].partition("=")[2])
+        return args[:i] + args[i + 1 :], Path(args[i].partition("=")[2])
     if i + 1 == len(args) or args[i + 1].startswith("--"):
         raise ConfigError("argument --config: expected a file (YAML, or a run's config.json)")
-    return args[:i] + args[i + 2:], Path(args[i + 1])
+    return args[:i] + args[i + 2 :], Path(args[i + 1])
 
 
 def read_config_file(path: Path, experiment: str | None = None) -> dict[str, Any]:
@@ -321,8 +346,11 @@ def use_compilation_cache(enabled: bool = True) -> Path | None:
             try:
                 Path(path).mkdir(parents=True, exist_ok=True)
             except OSError as e:  # a read-only home: run without the cache, not warn at every compilation
-                print(f"warning: no compilation cache: cannot create {path} ({e.strerror}); set "
-                      f"${CACHE_DIR} to a writable directory", file=sys.stderr)
+                print(
+                    f"warning: no compilation cache: cannot create {path} ({e.strerror}); set "
+                    f"${CACHE_DIR} to a writable directory",
+                    file=sys.stderr,
+                )
                 path = None
     jax.config.update("jax_enable_compilation_cache", path is not None)
     if path is None:
@@ -355,8 +383,10 @@ def main_entry(main: Callable[[C], Any], config_class: type[C], argv: Sequence[s
         try:
             use_compilation_cache(config.compilation_cache)
             if not isinstance(config, Devices) and process_group() is not None:
-                raise ConfigError(f"{prog} takes no device or process options and runs in one process; unset "
-                                  "$JAX_NUM_PROCESSES (or start it without scripts/launch)")
+                raise ConfigError(
+                    f"{prog} takes no device or process options and runs in one process; unset "
+                    "$JAX_NUM_PROCESSES (or start it without scripts/launch)"
+                )
             setup_devices(config)
             main(config)
         except ResearchInputError as e:

@@ -48,8 +48,14 @@ def _tensorboard_installed(value: bool) -> str | None:
     return tensorboard_problem() if value else None
 
 
-def option(default: Any, help: str, *, check: Callable[[Any], str | None] | None = None,
-           resumable: bool = False, vmappable: bool = False) -> Any:
+def option(
+    default: Any,
+    help: str,
+    *,
+    check: Callable[[Any], str | None] | None = None,
+    resumable: bool = False,
+    vmappable: bool = False,
+) -> Any:
     """A config field.
 
     **Arguments:**
@@ -64,8 +70,9 @@ def option(default: Any, help: str, *, check: Callable[[Any], str | None] | None
       shuffling, never a shape or the compiled program (a hyperparameter the optimizer keeps in its
       state through `optax.inject_hyperparams`; the seed).
     """
-    return dataclasses.field(default=default, metadata={"help": help, "check": check, "resumable": resumable,
-                                                         "vmappable": vmappable})
+    return dataclasses.field(
+        default=default, metadata={"help": help, "check": check, "resumable": resumable, "vmappable": vmappable}
+    )
 
 
 def flag_name(field_name: str) -> str:
@@ -105,14 +112,19 @@ class Training(Options):
     batch_size: int = option(128, "examples per training step", check=positive)
     lr: float = option(0.1, "learning rate", check=positive)
     log_every: int = option(100, "steps between logged training metrics", check=positive, resumable=True)
-    eval_every: int = option(0, "steps between test evaluations (0: only at the end)", check=non_negative,
-                             resumable=True)
+    eval_every: int = option(
+        0, "steps between test evaluations (0: only at the end)", check=non_negative, resumable=True
+    )
     steps_per_call: int = option(1, "training steps per compiled call on device-resident data", check=positive)
-    skip_nonfinite: bool = option(False, "skip steps with a NaN/Inf loss or gradient instead of stopping the run",
-                                  resumable=True)
+    skip_nonfinite: bool = option(
+        False, "skip steps with a NaN/Inf loss or gradient instead of stopping the run", resumable=True
+    )
     progress: bool = option(True, "show a progress bar (plain log lines when not on a terminal)", resumable=True)
-    debug_nans: bool = option(False, "turn on jax_debug_nans and stop at the first operation that makes a NaN "
-                                     "(one step per compiled call: slow)", resumable=True)
+    debug_nans: bool = option(
+        False,
+        "turn on jax_debug_nans and stop at the first operation that makes a NaN (one step per compiled call: slow)",
+        resumable=True,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,49 +133,77 @@ class Checkpointing(Options):
 
     run_dir: str | None = option(None, "run directory (default: runs/<experiment>/<UTC time>)", resumable=True)
     resume: Resume = option(
-        None, "continue from the latest valid checkpoint in --run-dir. auto: resume when --run-dir holds a "
-              "checkpoint, else start there (for a scheduler that restarts jobs); must (bare --resume): refuse "
-              "when there is nothing to resume, and without --run-dir take the newest run; --no-resume or "
-              "absent: never (default: never)", resumable=True)
-    checkpoint_every: int = option(0, "steps between checkpoints (0: only at the end)", check=non_negative,
-                                   resumable=True)
+        None,
+        "continue from the latest valid checkpoint in --run-dir. auto: resume when --run-dir holds a "
+        "checkpoint, else start there (for a scheduler that restarts jobs); must (bare --resume): refuse "
+        "when there is nothing to resume, and without --run-dir take the newest run; --no-resume or "
+        "absent: never (default: never)",
+        resumable=True,
+    )
+    checkpoint_every: int = option(
+        0, "steps between checkpoints (0: only at the end)", check=non_negative, resumable=True
+    )
     keep_checkpoints: int = option(3, "number of most recent checkpoints kept", check=positive, resumable=True)
     checkpoint_minutes: float = option(
-        10.0, "also checkpoint at the first logging stop this many minutes after the last checkpoint, so a "
-              "killed run loses bounded work (0: off)", check=non_negative, resumable=True)
+        10.0,
+        "also checkpoint at the first logging stop this many minutes after the last checkpoint, so a "
+        "killed run loses bounded work (0: off)",
+        check=non_negative,
+        resumable=True,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class Devices(Options):
     """Devices, processes and compilation (research.parallel); none of them changes the numbers."""
 
-    devices: int = option(1, "devices per process; on the CPU, simulated host devices "
-                             "(XLA_FLAGS=--xla_force_host_platform_device_count=N)", check=positive, resumable=True)
+    devices: int = option(
+        1,
+        "devices per process; on the CPU, simulated host devices (XLA_FLAGS=--xla_force_host_platform_device_count=N)",
+        check=positive,
+        resumable=True,
+    )
     parallel: Literal["auto", "none", "pmap", "sharded", "fsdp"] = option(
-        "auto", "data parallelism: none (one device), pmap, sharded (jit over a device mesh), fsdp (sharded, "
-                "with the train state's large arrays split over the devices too); "
-                "auto: none on one device, sharded otherwise", resumable=True)
+        "auto",
+        "data parallelism: none (one device), pmap, sharded (jit over a device mesh), fsdp (sharded, "
+        "with the train state's large arrays split over the devices too); "
+        "auto: none on one device, sharded otherwise",
+        resumable=True,
+    )
     coordinator_address: str | None = option(
-        None, "host:port of process 0 in a multi-process run; unset: $JAX_COORDINATOR_ADDRESS", resumable=True)
-    num_processes: int | None = option(None, "processes in the run; unset: $JAX_NUM_PROCESSES, else 1",
-                                       check=positive, resumable=True)
-    process_id: int | None = option(None, "this process's index, 0 .. processes-1; unset: $JAX_PROCESS_ID",
-                                    check=non_negative, resumable=True)
+        None, "host:port of process 0 in a multi-process run; unset: $JAX_COORDINATOR_ADDRESS", resumable=True
+    )
+    num_processes: int | None = option(
+        None, "processes in the run; unset: $JAX_NUM_PROCESSES, else 1", check=positive, resumable=True
+    )
+    process_id: int | None = option(
+        None, "this process's index, 0 .. processes-1; unset: $JAX_PROCESS_ID", check=non_negative, resumable=True
+    )
     distributed_timeout: int = option(
-        60, "seconds to wait for all processes to start, and for a silent process before the others stop",
-        check=positive, resumable=True)
+        60,
+        "seconds to wait for all processes to start, and for a silent process before the others stop",
+        check=positive,
+        resumable=True,
+    )
     compilation_cache: bool = option(
-        True, "keep compiled programs in JAX's persistent compilation cache, so that a run started again skips "
-              "most compilation: $RESEARCH_COMPILATION_CACHE_DIR, else $XDG_CACHE_HOME/research/jax, else "
-              "~/.cache/research/jax ($RESEARCH_COMPILATION_CACHE=0 turns it off too)", resumable=True)
+        True,
+        "keep compiled programs in JAX's persistent compilation cache, so that a run started again skips "
+        "most compilation: $RESEARCH_COMPILATION_CACHE_DIR, else $XDG_CACHE_HOME/research/jax, else "
+        "~/.cache/research/jax ($RESEARCH_COMPILATION_CACHE=0 turns it off too)",
+        resumable=True,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class EMA(Options):
     """An exponential moving average of the weights."""
 
-    ema_decay: float = option(0.0, "decay of an EMA of the weights (and BatchNorm statistics) that is evaluated as "
-                                   "test/*, the trained model as test_raw/* (0: no EMA)", check=unit_interval)
+    ema_decay: float = option(
+        0.0,
+        "decay of an EMA of the weights (and BatchNorm statistics) that is evaluated as "
+        "test/*, the trained model as test_raw/* (0: no EMA)",
+        check=unit_interval,
+    )
 
 
 def profile_window(text: str) -> tuple[int, int]:
@@ -187,19 +227,37 @@ class Tracking(Options):
     """What a run records besides metrics.jsonl: trackers, a profile."""
 
     tracker: str = option(
-        "jsonl", "where metrics go, a comma list of: jsonl (metrics.jsonl, always), tensorboard (event files in the "
-                 "run directory), wandb (Weights & Biases, offline in the run directory unless $WANDB_MODE says "
-                 "otherwise), mlflow (to --mlflow-uri)", check=trackers_problem, resumable=True)
-    tensorboard: bool = option(False, "also write TensorBoard event files into the run directory (as --tracker "
-                                      "tensorboard)", check=_tensorboard_installed, resumable=True)
+        "jsonl",
+        "where metrics go, a comma list of: jsonl (metrics.jsonl, always), tensorboard (event files in the "
+        "run directory), wandb (Weights & Biases, offline in the run directory unless $WANDB_MODE says "
+        "otherwise), mlflow (to --mlflow-uri)",
+        check=trackers_problem,
+        resumable=True,
+    )
+    tensorboard: bool = option(
+        False,
+        "also write TensorBoard event files into the run directory (as --tracker tensorboard)",
+        check=_tensorboard_installed,
+        resumable=True,
+    )
     mlflow_uri: str | None = option(
-        None, "MLflow tracking URI of --tracker mlflow (default: $MLFLOW_TRACKING_URI, else a SQLite database "
-              "runs/mlflow.db with its artifacts in runs/mlartifacts/)", resumable=True)
-    group: str | None = option(None, "a group name for the trackers (W&B's group, an MLflow tag); scripts/sweep "
-                                     "gives its runs the sweep's name", resumable=True)
+        None,
+        "MLflow tracking URI of --tracker mlflow (default: $MLFLOW_TRACKING_URI, else a SQLite database "
+        "runs/mlflow.db with its artifacts in runs/mlartifacts/)",
+        resumable=True,
+    )
+    group: str | None = option(
+        None,
+        "a group name for the trackers (W&B's group, an MLflow tag); scripts/sweep gives its runs the sweep's name",
+        resumable=True,
+    )
     profile_steps: str | None = option(
-        None, "A:B: write a jax.profiler trace of steps A..B (A steps taken to B) into the run directory's "
-              "profile/ (TensorBoard's profile plugin, Perfetto)", check=_profile_steps, resumable=True)
+        None,
+        "A:B: write a jax.profiler trace of steps A..B (A steps taken to B) into the run directory's "
+        "profile/ (TensorBoard's profile plugin, Perfetto)",
+        check=_profile_steps,
+        resumable=True,
+    )
 
 
 GROUPS: tuple[type[Options], ...] = (Training, Checkpointing, Devices, EMA, Tracking)
@@ -233,7 +291,8 @@ def check_combination(config: Any, processes: int | None = None) -> None:
         )
     if None not in (config.process_id, config.num_processes) and config.process_id >= config.num_processes:
         raise ConfigError(
-            f"--process-id must be below --num-processes {config.num_processes} (got {config.process_id})")
+            f"--process-id must be below --num-processes {config.num_processes} (got {config.process_id})"
+        )
     if config.debug_nans and (devices > 1 or config.parallel in ("pmap", "sharded", "fsdp")):
         raise ConfigError("--debug-nans replays steps op by op on one device; drop --devices and --parallel")
     if config.resume == "auto" and config.run_dir is None:

@@ -137,7 +137,7 @@ def _short_path(filename: str) -> str:
         return relative
     candidates = [*sys.path, _REPOSITORY]
     roots = [os.path.abspath(p) + os.sep for p in candidates if p and path.startswith(os.path.abspath(p) + os.sep)]
-    return path[len(max(roots, key=len)):] if roots else path
+    return path[len(max(roots, key=len)) :] if roots else path
 
 
 def describe_nan_error(error: FloatingPointError, during: str | None = None) -> str:

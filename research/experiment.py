@@ -124,14 +124,17 @@ def resolve_run_dir(
         if num_steps is not None:
             step = read_header(checkpoint)["step"]
             if step > num_steps:
-                raise ConfigError(f"--resume: the run in {path} is at step {step}, past the {num_steps} steps "
-                                  "this config trains; resume with as many steps or more")
+                raise ConfigError(
+                    f"--resume: the run in {path} is at step {step}, past the {num_steps} steps "
+                    "this config trains; resume with as many steps or more"
+                )
         return run, checkpoint
     # A new run's default name is the time: every process takes process 0's (they save into one directory).
     path = Path(config.run_dir or process_zero_text(str(RunDir.new_path(RUNS_ROOT, experiment))))
     if writer and (path / "config.json").exists():
-        raise ConfigError(f"--run-dir {path} already holds a run; pass --resume to continue it, or pick a new "
-                          "directory")
+        raise ConfigError(
+            f"--run-dir {path} already holds a run; pass --resume to continue it, or pick a new directory"
+        )
     return RunDir(path), None
 
 
@@ -231,8 +234,7 @@ CURVE_PANELS = (("loss", "loss"), ("accuracy", "accuracy"))
 
 
 def _curve(records: list[dict[str, Any]], name: str) -> tuple[list[int], list[float]]:
-    points = [(r["step"], r[name]) for r in records
-              if isinstance(r.get(name), (int, float)) and math.isfinite(r[name])]
+    points = [(r["step"], r[name]) for r in records if isinstance(r.get(name), (int, float)) and math.isfinite(r[name])]
     return [s for s, _ in points], [v for _, v in points]
 
 
@@ -330,15 +332,26 @@ def run_experiment(
     trackers = RunTrackers({})
     if writer:
         previous = run.read_config().get("trackers", {}) if run.config_file.exists() else {}
-        trackers = open_trackers(experiment, config, run, runs_root=RUNS_ROOT, start_step=start_step,
-                                 previous=previous)
+        trackers = open_trackers(experiment, config, run, runs_root=RUNS_ROOT, start_step=start_step, previous=previous)
     ending: Ending = "failed"
     summary = None
     try:
         if writer:
             _start_run(experiment, config, setup, state, run, trackers)
-        summary = _run_and_summarize(experiment, config, setup, state, placement, run, writer, header, trackers,
-                                     summary_extra, summarize_run, fit_kwargs)
+        summary = _run_and_summarize(
+            experiment,
+            config,
+            setup,
+            state,
+            placement,
+            run,
+            writer,
+            header,
+            trackers,
+            summary_extra,
+            summarize_run,
+            fit_kwargs,
+        )
         ending = "finished"
         return summary
     except Preempted:
@@ -348,8 +361,9 @@ def run_experiment(
         trackers.close(ending, summary, run_files(run))
 
 
-def _start_run(experiment: str, config: Options, setup: Setup, state: TrainState, run: RunDir,
-               trackers: RunTrackers) -> None:
+def _start_run(
+    experiment: str, config: Options, setup: Setup, state: TrainState, run: RunDir, trackers: RunTrackers
+) -> None:
     """Process 0's start: the run directory cleared of interrupted saves, config.json, the start line."""
     run.create()
     run.remove_uncommitted()  # an interrupted save's files; the saves of this run replace them
@@ -358,9 +372,20 @@ def _start_run(experiment: str, config: Options, setup: Setup, state: TrainState
     print(start_line(experiment, record, state, run), flush=True)
 
 
-def _run_and_summarize(experiment: str, config: Options, setup: Setup, state: TrainState, placement: Placement,
-                       run: RunDir, writer: bool, header: dict[str, Any], trackers: RunTrackers,
-                       summary_extra: Any, summarize_run: Any, fit_kwargs: dict[str, Any]) -> dict[str, Any]:
+def _run_and_summarize(
+    experiment: str,
+    config: Options,
+    setup: Setup,
+    state: TrainState,
+    placement: Placement,
+    run: RunDir,
+    writer: bool,
+    header: dict[str, Any],
+    trackers: RunTrackers,
+    summary_extra: Any,
+    summarize_run: Any,
+    fit_kwargs: dict[str, Any],
+) -> dict[str, Any]:
     """Train (or, checkpointed at its last step, only evaluate) and write the summary and curves.png."""
     start = time.perf_counter()
     if header.get("step") == setup.num_steps:  # checkpointed at its last step, stopped before its summary
@@ -396,27 +421,54 @@ def start_line(experiment: str, record: dict[str, Any], state: TrainState, run: 
     members = f"{counts['members']} members of " if "members" in counts else ""
     devices = f"{place['devices']} {place['device_kind']} device" + ("s" if place["devices"] > 1 else "")
     processes = f" in {place['processes']} processes" if place["processes"] > 1 else ""
-    return (f"{experiment}: {type(state.model).__name__}, {members}{describe_parameters(counts)}; "
-            f"{record['resolved']['num_steps']:,} steps on {devices}{processes}; run directory {run.path}")
+    return (
+        f"{experiment}: {type(state.model).__name__}, {members}{describe_parameters(counts)}; "
+        f"{record['resolved']['num_steps']:,} steps on {devices}{processes}; run directory {run.path}"
+    )
 
 
-def _train(experiment: str, config: Options, setup: Setup, state: TrainState, placement: Placement,
-           run: RunDir, writer: bool, header: dict[str, Any], trackers: RunTrackers,
-           fit_kwargs: dict[str, Any]) -> FitResult:
+def _train(
+    experiment: str,
+    config: Options,
+    setup: Setup,
+    state: TrainState,
+    placement: Placement,
+    run: RunDir,
+    writer: bool,
+    header: dict[str, Any],
+    trackers: RunTrackers,
+    fit_kwargs: dict[str, Any],
+) -> FitResult:
     """`fit` with the run's options: its hooks write into `run` (every process its shards of the
     checkpoints; the `writer`, process 0, the rest, and to the `trackers`)."""
     return fit(
-        state, setup.train_data, num_steps=setup.num_steps, loss_fn=setup.loss_fn, placement=placement,
-        population=setup.population, evaluator=setup.evaluate_with(),
-        lr_schedule=setup.lr_schedule, eval_data=setup.eval_data, val_data=setup.val_data,
+        state,
+        setup.train_data,
+        num_steps=setup.num_steps,
+        loss_fn=setup.loss_fn,
+        placement=placement,
+        population=setup.population,
+        evaluator=setup.evaluate_with(),
+        lr_schedule=setup.lr_schedule,
+        eval_data=setup.eval_data,
+        val_data=setup.val_data,
         eval_every=config.eval_every or None,
-        log_every=config.log_every, steps_per_call=config.steps_per_call, run=run,
-        checkpoint_every=config.checkpoint_every or None, keep_checkpoints=config.keep_checkpoints,
-        checkpoint_seconds=60 * config.checkpoint_minutes or None, stop_signals=True,
+        log_every=config.log_every,
+        steps_per_call=config.steps_per_call,
+        run=run,
+        checkpoint_every=config.checkpoint_every or None,
+        keep_checkpoints=config.keep_checkpoints,
+        checkpoint_seconds=60 * config.checkpoint_minutes or None,
+        stop_signals=True,
         checkpoint_header={"experiment": experiment, "config": config.to_dict()},
-        resume_window=header.get("window"), resume_data=header.get("data"), skip_nonfinite=config.skip_nonfinite,
-        progress=config.progress and writer, tracker=trackers if trackers.trackers else None,
-        debug_nans=config.debug_nans, profile=_profile(config, run, writer), **fit_kwargs,
+        resume_window=header.get("window"),
+        resume_data=header.get("data"),
+        skip_nonfinite=config.skip_nonfinite,
+        progress=config.progress and writer,
+        tracker=trackers if trackers.trackers else None,
+        debug_nans=config.debug_nans,
+        profile=_profile(config, run, writer),
+        **fit_kwargs,
     )
 
 
@@ -434,8 +486,11 @@ def _profile(config: Options, run: RunDir, writer: bool) -> Profile | None:
 def _profile_hint(start: int, stop: int) -> Callable[[Path], None]:
     def hint(directory: Path) -> None:
         perfetto = next(directory.glob("plugins/profile/*/perfetto_trace.json.gz"), None)
-        print(f"profile of steps {start}-{stop}: `tensorboard --logdir {directory}` (the Profile tab), or open "
-              f"{perfetto or directory} in https://ui.perfetto.dev", file=sys.stderr)
+        print(
+            f"profile of steps {start}-{stop}: `tensorboard --logdir {directory}` (the Profile tab), or open "
+            f"{perfetto or directory} in https://ui.perfetto.dev",
+            file=sys.stderr,
+        )
 
     return hint
 
@@ -451,9 +506,17 @@ def _evaluate_finished(setup: Setup, state: TrainState, run: RunDir, placement: 
     val = None if setup.val_data is None else setup.evaluate_with()(state, setup.val_data)[0]
     records = run.read_metrics()
     last = records[-1] if records else {}
-    train = {k[len("train/"):]: v for k, v in last.items() if k.startswith("train/")}
-    return FitResult(state, train, metrics, 0.0, raw, bytes_on_first_device(placed),
-                     steps_per_s=last.get("steps_per_s"), val_metrics=val)
+    train = {k[len("train/") :]: v for k, v in last.items() if k.startswith("train/")}
+    return FitResult(
+        state,
+        train,
+        metrics,
+        0.0,
+        raw,
+        bytes_on_first_device(placed),
+        steps_per_s=last.get("steps_per_s"),
+        val_metrics=val,
+    )
 
 
 def _summary(result: FitResult) -> dict[str, Any]:
@@ -472,15 +535,19 @@ def summary_line(experiment: str, summary: dict[str, Any], run: RunDir) -> str:
     raw = f", without EMA {100 * summary['test_raw_accuracy']:.2f}%" if "test_raw_accuracy" in summary else ""
     if "test_ensemble_accuracy" in summary:
         members = np.asarray(summary["test_member_accuracy"])
-        raw += (f"; {len(members)} members {100 * members.min():.2f}-{100 * members.max():.2f}%, their ensemble "
-                f"(mean of probabilities) {100 * summary['test_ensemble_accuracy']:.2f}%")
+        raw += (
+            f"; {len(members)} members {100 * members.min():.2f}-{100 * members.max():.2f}%, their ensemble "
+            f"(mean of probabilities) {100 * summary['test_ensemble_accuracy']:.2f}%"
+        )
     if "val_accuracy" in summary:
         raw += f"; validation accuracy {100 * summary['val_accuracy']:.2f}%"
     what = "mean member test accuracy" if "test_ensemble_accuracy" in summary else "test accuracy"
-    return (f"{experiment}: {what} {100 * summary['test_accuracy']:.2f}%{raw} "
-            f"(test loss {summary['test_loss']:.4f}, train loss {summary['train_loss']:.4f}) "
-            f"at step {summary['step']}, {summary['wall_seconds']:.1f} s\nrun directory: {run.path} "
-            "(learning curves: curves.png)")
+    return (
+        f"{experiment}: {what} {100 * summary['test_accuracy']:.2f}%{raw} "
+        f"(test loss {summary['test_loss']:.4f}, train loss {summary['train_loss']:.4f}) "
+        f"at step {summary['step']}, {summary['wall_seconds']:.1f} s\nrun directory: {run.path} "
+        "(learning curves: curves.png)"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -529,14 +596,17 @@ class LoadedRun:
         return None if self.state.ema is None else self.state.ema.average[1]
 
 
-def _rebuild_config(config_class: type[Options], saved: dict[str, Any], where: Path,
-                    overrides: dict[str, Any]) -> Options:
+def _rebuild_config(
+    config_class: type[Options], saved: dict[str, Any], where: Path, overrides: dict[str, Any]
+) -> Options:
     """`config_class` from the `config` of a run's config.json (JSON lists back to tuples)."""
     hints = typing.get_type_hints(config_class)
     unknown = sorted((set(saved) | set(overrides)) - set(hints))
     if unknown:
-        raise ConfigError(f"{where} has options that {config_class.__module__}.Config does not: "
-                          f"{', '.join(unknown)} (the experiment script changed since the run)")
+        raise ConfigError(
+            f"{where} has options that {config_class.__module__}.Config does not: "
+            f"{', '.join(unknown)} (the experiment script changed since the run)"
+        )
     values = {**saved, **overrides}
     for name, value in values.items():
         if isinstance(value, list) and typing.get_origin(strip_optional(hints[name])[0]) is tuple:
@@ -571,8 +641,9 @@ def load_run(run_dir: str | Path, **overrides: Any) -> LoadedRun:
         warnings.warn(f"skipping {problem}", stacklevel=2)
     if checkpoint is None:
         found = f"{len(problems)} damaged checkpoint(s)" if problems else "no checkpoint"
-        raise CheckpointError(f"no checkpoint to load in {run.checkpoints}: the run has {found} "
-                              "(it stopped before its first one?)")
+        raise CheckpointError(
+            f"no checkpoint to load in {run.checkpoints}: the run has {found} (it stopped before its first one?)"
+        )
     module = load_experiment(saved["experiment"])
     config = _rebuild_config(module.Config, saved["config"], run.config_file, overrides)
     setup = module.setup(config)
@@ -580,5 +651,13 @@ def load_run(run_dir: str | Path, **overrides: Any) -> LoadedRun:
     summary = run.read_summary()
     if summary is not None and summary.get("step") != header["step"]:
         summary = None  # the run ended at a later step whose checkpoint is damaged
-    return LoadedRun(path=run.path, experiment=saved["experiment"], config=config, setup=setup, state=state,
-                     step=header["step"], checkpoint=checkpoint, summary=summary)
+    return LoadedRun(
+        path=run.path,
+        experiment=saved["experiment"],
+        config=config,
+        setup=setup,
+        state=state,
+        step=header["step"],
+        checkpoint=checkpoint,
+        summary=summary,
+    )

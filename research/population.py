@@ -54,8 +54,10 @@ def stack_members(states: Sequence[TrainState]) -> TrainState:
         leaves = jax.tree.leaves(eqx.filter(state, eqx.is_array))
         shapes = [(x.shape, x.dtype) for x in leaves]
         if shapes != [(x.shape, x.dtype) for x in first]:
-            raise ConfigError(f"member {k}'s state has other arrays than member 0's ({len(leaves)} vs {len(first)} "
-                              "arrays, or other shapes): only members of one model structure train as a population")
+            raise ConfigError(
+                f"member {k}'s state has other arrays than member 0's ({len(leaves)} vs {len(first)} "
+                "arrays, or other shapes): only members of one model structure train as a population"
+            )
         for column, leaf in zip(columns, leaves, strict=True):
             column.append(leaf)
     return eqx.combine(jax.tree.unflatten(treedef, [jnp.stack(column) for column in columns]), static)
@@ -114,8 +116,9 @@ def evaluate_ensemble(
     models = eqx.nn.inference_mode(models)
     batches, size = padded_batches(data)
     totals = [
-        _ensemble_eval_sums(models, model_states, Batch(jnp.asarray(b.inputs), jnp.asarray(b.labels)),
-                            jnp.asarray(mask))
+        _ensemble_eval_sums(
+            models, model_states, Batch(jnp.asarray(b.inputs), jnp.asarray(b.labels)), jnp.asarray(mask)
+        )
         for b, mask in batches
     ]
     sums = zip(*jax.device_get(totals), strict=True)  # each of the four over the batches

@@ -57,8 +57,17 @@ class Progress:
     - `leave`: keep the finished bar on screen.
     """
 
-    def __init__(self, total: int, initial: int = 0, desc: str = "train", enabled: bool = True, *,
-                 unit: str = "step", delay: float = 0.0, leave: bool = True):
+    def __init__(
+        self,
+        total: int,
+        initial: int = 0,
+        desc: str = "train",
+        enabled: bool = True,
+        *,
+        unit: str = "step",
+        delay: float = 0.0,
+        leave: bool = True,
+    ):
         self.total = total
         self.desc = desc
         self.unit = unit
@@ -94,7 +103,8 @@ class Progress:
                 f"[{self.desc}] {self.unit} {step}/{self.total}{percent} {text}{' | ' if text else ''}"
                 f"{format_rate(rate)} {self.unit}s/s, ETA {format_duration(eta)}, "
                 f"elapsed {format_duration(now - self._start)}",
-                file=sys.stderr, flush=True,
+                file=sys.stderr,
+                flush=True,
             )
 
     def close(self) -> None:
@@ -102,8 +112,16 @@ class Progress:
             self._bar.close()
 
 
-def progress_iter(items: Iterable[T], total: int, desc: str, *, unit: str = "it", enabled: bool = True,
-                  delay: float = 1.0, report_every: int = 0) -> Iterator[T]:
+def progress_iter(
+    items: Iterable[T],
+    total: int,
+    desc: str,
+    *,
+    unit: str = "it",
+    enabled: bool = True,
+    delay: float = 1.0,
+    report_every: int = 0,
+) -> Iterator[T]:
     """Iterate over `items` with a progress bar that appears only if the loop takes over `delay` s.
 
     Off a terminal it prints a line every `report_every` items (never when 0), e.g. for a data

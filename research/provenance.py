@@ -20,8 +20,11 @@ VERSIONED = ("research", "jax", "jaxlib", "equinox", "optax", "jaxtyping", "nump
 
 # The phases of one compilation, as JAX reports them (`jax.monitoring`): tracing to a jaxpr, lowering to
 # MLIR, and XLA's compilation (or a load from the persistent compilation cache).
-COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
-                  "/jax/core/compile/backend_compile_duration")
+COMPILE_EVENTS = (
+    "/jax/core/compile/jaxpr_trace_duration",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration",
+    "/jax/core/compile/backend_compile_duration",
+)
 
 
 def parameter_counts(model: Any, members: int | None = None) -> dict[str, Any]:
@@ -47,7 +50,7 @@ def describe_parameters(counts: dict[str, Any]) -> str:
 def git_state(source: Path | None = None) -> dict[str, Any] | str:
     """`{"commit": sha, "dirty": bool}` of the git checkout holding the `research` package (dirty: a
     tracked file differs from the commit), or "not a git checkout" (an installed package)."""
-    package = (source or Path(__file__).resolve().parent)
+    package = source or Path(__file__).resolve().parent
 
     def git(*args: str) -> str:
         result = subprocess.run(["git", "-C", str(package), *args], capture_output=True, text=True, timeout=30)
@@ -78,8 +81,14 @@ def versions() -> dict[str, str]:
 def machine(devices_used: int) -> dict[str, Any]:
     """The host, the kind of device, how many this run uses of how many there are, and the processes."""
     device = jax.devices()[0]
-    return {"host": socket.gethostname(), "platform": device.platform, "device_kind": device.device_kind,
-            "devices": devices_used, "devices_available": jax.device_count(), "processes": jax.process_count()}
+    return {
+        "host": socket.gethostname(),
+        "platform": device.platform,
+        "device_kind": device.device_kind,
+        "devices": devices_used,
+        "devices_available": jax.device_count(),
+        "processes": jax.process_count(),
+    }
 
 
 def peak_memory() -> dict[str, int]:

@@ -62,8 +62,15 @@ class RunTrackers:
                 tracker.finish(ending)
 
 
-def open_trackers(experiment: str, config: Any, run: RunDir, *, runs_root: Path, start_step: int = 0,
-                  previous: Mapping[str, Any] | None = None) -> RunTrackers:
+def open_trackers(
+    experiment: str,
+    config: Any,
+    run: RunDir,
+    *,
+    runs_root: Path,
+    start_step: int = 0,
+    previous: Mapping[str, Any] | None = None,
+) -> RunTrackers:
     """Open the trackers `config` asks for on the run in `run`: those named in `previous` (the
     `trackers` of the run's config.json, when it is resumed) continue their runs; a new one of a run
     resumed at `start_step` first gets metrics.jsonl's records up to there. A tracker that cannot start
@@ -80,13 +87,27 @@ def open_trackers(experiment: str, config: Any, run: RunDir, *, runs_root: Path,
                 known = next(run.path.glob("events.out.tfevents.*"), None)  # its points up to the resume stay
                 trackers[tracker] = TensorBoardTracker(run.path, purge_step=start_step + 1 if start_step else None)
             elif tracker == "wandb":
-                trackers[tracker] = _opened(tracker, functools.partial(
-                    WandbTracker, run.path, project=experiment, name=name, run_id=known, group=group, config=options))
+                trackers[tracker] = _opened(
+                    tracker,
+                    functools.partial(
+                        WandbTracker, run.path, project=experiment, name=name, run_id=known, group=group, config=options
+                    ),
+                )
             elif tracker == "mlflow":
                 uri = previous.get(tracker, {}).get("uri") if known else mlflow_uri(config, runs_root)
-                trackers[tracker] = _opened(tracker, functools.partial(
-                    MlflowTracker, uri, experiment=experiment, name=name, run_id=known, group=group, params=options,
-                    tags={"run_dir": str(run.path.resolve())}))
+                trackers[tracker] = _opened(
+                    tracker,
+                    functools.partial(
+                        MlflowTracker,
+                        uri,
+                        experiment=experiment,
+                        name=name,
+                        run_id=known,
+                        group=group,
+                        params=options,
+                        tags={"run_dir": str(run.path.resolve())},
+                    ),
+                )
             if start_step and not known:
                 RunTrackers({tracker: trackers[tracker]}).replay(run.read_metrics())
     except BaseException:

@@ -78,4 +78,3 @@ def typecheck(fn: _F) -> _F:
             raise
 
     return with_sizes  # type: ignore[return-value]
-

@@ -46,12 +46,15 @@ def write_formats(root: Path, train: Batch, test: Batch) -> dict[str, Path]:
     for split, part, prefix in (("train", train, "train"), ("test", test, "t10k")):
         write_idx(paths["idx"] / f"{prefix}-images-idx3-ubyte.gz", part.inputs, compress=True)
         write_idx(paths["idx"] / f"{prefix}-labels-idx1-ubyte", part.labels.astype(np.uint8))
-        records = np.concatenate([part.labels.astype(np.uint8)[:, None],
-                                  part.inputs.transpose(0, 3, 1, 2).reshape(len(part.labels), -1)], axis=1)
+        records = np.concatenate(
+            [part.labels.astype(np.uint8)[:, None], part.inputs.transpose(0, 3, 1, 2).reshape(len(part.labels), -1)],
+            axis=1,
+        )
         chunks = np.array_split(records, 5) if split == "train" else [records]
         for i, chunk in enumerate(chunks, 1):
             (paths["cifar"] / (f"data_batch_{i}.bin" if split == "train" else "test_batch.bin")).write_bytes(
-                chunk.tobytes())
+                chunk.tobytes()
+            )
         for i, (image, label) in enumerate(zip(part.inputs, part.labels, strict=True)):
             folder = paths["folder"] / split / str(label)
             folder.mkdir(parents=True, exist_ok=True)

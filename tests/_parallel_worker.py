@@ -62,8 +62,10 @@ class BatchNormNet(eqx.Module):
 @dataclasses.dataclass(frozen=True)
 class Config(TrainConfig):
     model: Literal["mlp", "batchnorm", "dpsgd", "wide"] = option(
-        "mlp", "mlp (stateless), batchnorm (BatchNorm + dropout), dpsgd (the mlp trained by DP-SGD with noise), or "
-        "wide (an mlp with a 64x64 layer, which --parallel fsdp splits over the devices)")
+        "mlp",
+        "mlp (stateless), batchnorm (BatchNorm + dropout), dpsgd (the mlp trained by DP-SGD with noise), or "
+        "wide (an mlp with a 64x64 layer, which --parallel fsdp splits over the devices)",
+    )
     loader: Literal["device", "torch", "grain"] = option("device", "device-resident batches, torch or Grain")
     steps: int = option(20, "training steps", resumable=True)
     batch_size: int = option(32, "examples per step")
@@ -99,8 +101,15 @@ def main(config: Config) -> dict:
         train_data = GrainLoader(ArrayDataset(*dataset_arrays(train)), config.batch_size, seed=config.seed)
     test_data = DeviceLoader.from_dataset(XORDataset(100, seed=7), 50, shuffle=False)
     loss_fn = DPSGDLoss(1.0, 1.0, config.batch_size) if config.model == "dpsgd" else classification_loss
-    return run_experiment("worker", config, build_state=lambda: build_state(config), train_data=train_data,
-                          eval_data=test_data, num_steps=config.steps, loss_fn=loss_fn)
+    return run_experiment(
+        "worker",
+        config,
+        build_state=lambda: build_state(config),
+        train_data=train_data,
+        eval_data=test_data,
+        num_steps=config.steps,
+        loss_fn=loss_fn,
+    )
 
 
 if __name__ == "__main__":

@@ -24,8 +24,10 @@ spec = importlib.util.spec_from_file_location("mnist1d_experiment_bad_input", RO
 mnist1d = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(mnist1d)
 
-QUICK = {"xor": ["--epochs", "1", "--no-progress", "--train-size", "256", "--test-size", "64", "--batch-size", "32"],
-         "mnist1d": ["--steps", "1", "--no-progress"]}
+QUICK = {
+    "xor": ["--epochs", "1", "--no-progress", "--train-size", "256", "--test-size", "64", "--batch-size", "32"],
+    "mnist1d": ["--steps", "1", "--no-progress"],
+}
 
 
 def finished_run(tmp_path, monkeypatch):
@@ -74,8 +76,12 @@ CASES = [
     ("batch size zero", ["--batch-size", "0"], "--batch-size must be positive (got 0)", None),
     ("batch size negative", ["--batch-size", "-5"], "--batch-size must be positive (got -5)", None),
     ("batch size not a number", ["--batch-size", "lots"], "argument --batch-size: invalid int value: 'lots'", None),
-    ("batch larger than the data", ["--batch-size", "300"],
-     "batch size must be between 1 and the dataset size 256, got 300", None),
+    (
+        "batch larger than the data",
+        ["--batch-size", "300"],
+        "batch size must be between 1 and the dataset size 256, got 300",
+        None,
+    ),
     ("learning rate zero", ["--lr", "0"], "--lr must be positive (got 0.0)", None),
     ("learning rate negative", ["--lr", "-0.1"], "--lr must be positive (got -0.1)", None),
     ("epochs zero", ["--epochs", "0"], "--epochs must be positive (got 0)", None),
@@ -89,26 +95,53 @@ CASES = [
     ("unknown option", ["--optimiser", "adam"], "unrecognized arguments: --optimiser adam", None),
     ("resume with no run", ["--resume"], "--resume: no run to resume in runs/xor/*", None),
     ("resume auto with no run directory", ["--resume", "auto"], "--resume auto needs --run-dir", None),
-    ("resume with a different config", ["--resume", "--run-dir", "r", "--hidden", "16"],
-     "--resume: the config differs from the run in r: hidden: saved 8, now 16", finished_run),
-    ("resume with only damaged checkpoints", ["--resume", "--run-dir", "r"],
-     "--resume: no valid checkpoint in r/checkpoints", corrupt_every_checkpoint),
+    (
+        "resume with a different config",
+        ["--resume", "--run-dir", "r", "--hidden", "16"],
+        "--resume: the config differs from the run in r: hidden: saved 8, now 16",
+        finished_run,
+    ),
+    (
+        "resume with only damaged checkpoints",
+        ["--resume", "--run-dir", "r"],
+        "--resume: no valid checkpoint in r/checkpoints",
+        corrupt_every_checkpoint,
+    ),
     # --epochs 2: the run goes on training (a finished run resumed as it was only reports its summary)
-    ("checkpoint of another architecture", ["--resume", "--run-dir", "r", "--hidden", "16", "--epochs", "2"],
-     "is of a different architecture: .model.layers[0].weight: saved (8, 2) float32, expected (16, 2) float32",
-     foreign_checkpoint),
+    (
+        "checkpoint of another architecture",
+        ["--resume", "--run-dir", "r", "--hidden", "16", "--epochs", "2"],
+        "is of a different architecture: .model.layers[0].weight: saved (8, 2) float32, expected (16, 2) float32",
+        foreign_checkpoint,
+    ),
     ("run directory already used", ["--run-dir", "r"], "--run-dir r already holds a run", finished_run),
-    ("data of the wrong shape", [],
-     "the data does not fit the model: research.nn._mlp.MLP.__call__ parameter 'x' got f32[3]",
-     swap_dataset(ThreeFeatureXOR)),
-    ("labels of the wrong dtype", [], "the data does not fit the model: research.train._state.classification_metrics "
-     "parameter 'labels' got f32[32]", swap_dataset(FloatLabelXOR)),
+    (
+        "data of the wrong shape",
+        [],
+        "the data does not fit the model: research.nn._mlp.MLP.__call__ parameter 'x' got f32[3]",
+        swap_dataset(ThreeFeatureXOR),
+    ),
+    (
+        "labels of the wrong dtype",
+        [],
+        "the data does not fit the model: research.train._state.classification_metrics parameter 'labels' got f32[32]",
+        swap_dataset(FloatLabelXOR),
+    ),
     # in this process JAX has started with one CPU device: no more can be simulated
     ("more devices than exist", ["--devices", "4"], "--devices 4: JAX already started with 1 CPU device(s)", None),
-    ("batch not divisible by the devices", ["--devices", "3"], "--batch-size 32 is not divisible by the 3 devices",
-     None),
-    ("unknown model", ["--model", "vgg"], "argument --model: invalid choice: 'vgg' (choose from 'logistic', 'mlp'",
-     None, "mnist1d"),
+    (
+        "batch not divisible by the devices",
+        ["--devices", "3"],
+        "--batch-size 32 is not divisible by the 3 devices",
+        None,
+    ),
+    (
+        "unknown model",
+        ["--model", "vgg"],
+        "argument --model: invalid choice: 'vgg' (choose from 'logistic', 'mlp'",
+        None,
+        "mnist1d",
+    ),
     ("EMA decay of 1 or more", ["--ema-decay", "1.5"], "--ema-decay must be in [0, 1) (got 1.5)", None, "mnist1d"),
 ]
 

@@ -48,8 +48,10 @@ def single_file_checkpoint(path, tree, header):
     eqx.tree_serialise_leaves(buffer, tree)
     payload = buffer.getvalue()
     arrays = eqx.filter(tree, eqx.is_array)
-    leaves = [[jax.tree_util.keystr(p), list(x.shape), str(x.dtype)]
-              for p, x in jax.tree_util.tree_flatten_with_path(arrays)[0]]
+    leaves = [
+        [jax.tree_util.keystr(p), list(x.shape), str(x.dtype)]
+        for p, x in jax.tree_util.tree_flatten_with_path(arrays)[0]
+    ]
     full = {**header, "leaves": leaves, "sha256": hashlib.sha256(payload).hexdigest(), "payload_bytes": len(payload)}
     path.write_bytes(b"RESEARCH-CHECKPOINT 1\n" + json.dumps(full).encode() + b"\n" + payload)
 
@@ -168,7 +170,11 @@ def test_run_dir_falls_back_to_the_newest_valid_checkpoint_and_prunes(tmp_path):
     (run.checkpoint_path(40) / "d").mkdir(parents=True)  # an interrupted save: not a checkpoint
     (run.checkpoints / "step_000000050.orbax-checkpoint-tmp").mkdir()
     assert [p.name for p in run.checkpoint_paths()] == [
-        "step_000000005.ckpt", "step_000000010", "step_000000020", "step_000000030"]
+        "step_000000005.ckpt",
+        "step_000000010",
+        "step_000000020",
+        "step_000000030",
+    ]
     path, problems = run.latest_valid_checkpoint()
     assert path == run.checkpoint_path(20)
     assert problems == [f"checkpoint {run.checkpoint_path(30)} has a damaged header"]

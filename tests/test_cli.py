@@ -46,18 +46,26 @@ class Small(Training, Checkpointing):
 def test_defaults_and_overrides():
     config = parse_config(Config, [])
     assert config == Config()
-    config = parse_config(Config, ["--width", "3", "--kind", "b", "--lr", "0.5", "--sizes", "1", "2", "3",
-                                   "--resume", "--no-progress"])
+    config = parse_config(
+        Config, ["--width", "3", "--kind", "b", "--lr", "0.5", "--sizes", "1", "2", "3", "--resume", "--no-progress"]
+    )
     assert (config.width, config.kind, config.lr, config.sizes) == (3, "b", 0.5, (1, 2, 3))
     assert config.resume == "must" and not config.progress
 
 
-@pytest.mark.parametrize("argv, resume", [
-    ([], None), (["--resume"], "must"), (["--resume", "must"], "must"), (["--resume", "never"], None),
-    (["--no-resume"], None), (["--resume", "auto", "--run-dir", "r"], "auto"),
-    (["--resume=auto", "--run-dir", "r"], "auto"),
-    (["--resume", "--run-dir", "r"], "must"),
-])
+@pytest.mark.parametrize(
+    "argv, resume",
+    [
+        ([], None),
+        (["--resume"], "must"),
+        (["--resume", "must"], "must"),
+        (["--resume", "never"], None),
+        (["--no-resume"], None),
+        (["--resume", "auto", "--run-dir", "r"], "auto"),
+        (["--resume=auto", "--run-dir", "r"], "auto"),
+        (["--resume", "--run-dir", "r"], "must"),
+    ],
+)
 def test_resume_spellings(argv, resume):
     assert parse_config(Config, argv).resume == resume
 
@@ -117,8 +125,10 @@ def test_options_of_groups_not_taken_read_as_their_defaults():
         (["--resume", "auto"], "--resume auto needs --run-dir"),
         (["--devices", "3"], "--batch-size 128 is not divisible by the 3 devices"),
         (["--devices", "2", "--parallel", "none"], "--parallel none trains on one device, not 2"),
-        (["--num-processes", "2", "--process-id", "2", "--batch-size", "2"],
-         "--process-id must be below --num-processes 2"),
+        (
+            ["--num-processes", "2", "--process-id", "2", "--batch-size", "2"],
+            "--process-id must be below --num-processes 2",
+        ),
         (["--debug-nans", "--parallel", "pmap"], "--debug-nans replays steps op by op on one device"),
     ],
 )
@@ -154,7 +164,10 @@ def test_resumable_options_come_from_the_fields():
 def test_experiment_script_refuses_bad_values_before_any_work(tmp_path):
     result = subprocess.run(
         [sys.executable, str(ROOT / "experiments" / "xor.py"), "--batch-size", "0"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 2
     assert result.stderr.strip() == "xor.py: error: --batch-size must be positive (got 0)"
@@ -223,7 +236,8 @@ def test_resume_auto_completes_a_run_stopped_between_its_last_checkpoint_and_its
     again = json.loads(summary_file.read_text())
     measured = {"wall_seconds", "compile_seconds", "peak_host_memory_bytes"}  # of this run of the process
     assert {k: v for k, v in again.items() if k not in measured} == {
-        k: v for k, v in first.items() if k not in measured}
+        k: v for k, v in first.items() if k not in measured
+    }
     assert stamps(tmp_path / "r/checkpoints") == checkpoints and (tmp_path / "r/metrics.jsonl").read_bytes() == metrics
 
 
@@ -233,7 +247,8 @@ def test_resume_must_refuses_an_empty_run_dir_in_one_line(tmp_path, monkeypatch,
         run_xor(["--run-dir", "r", "--resume"])
     assert info.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        f"{Path(sys.argv[0]).name}: error: --resume: no run to resume in r; start one without --resume"]
+        f"{Path(sys.argv[0]).name}: error: --resume: no run to resume in r; start one without --resume"
+    ]
     assert not (tmp_path / "r").exists()
 
 

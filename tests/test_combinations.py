@@ -51,50 +51,109 @@ class Experiment:
 
 
 EXPERIMENTS = {  # state_passing is no training run
-    "xor": Experiment(("--epochs", "1", "--train-size", "256", "--test-size", "64", "--batch-size", "32"),
-                      ("--epochs", "2", "--train-size", "256", "--test-size", "64", "--batch-size", "32"),
-                      has_loader=True),
-    "circles": Experiment(("--epochs", "1", "--batch-size", "500", "--hidden", "8"),
-                          ("--epochs", "2", "--batch-size", "500", "--hidden", "8")),
-    "mnist1d": Experiment(("--model", "mlp", "--steps", "4", "--batch-size", "32"),
-                          ("--model", "mlp", "--steps", "8", "--batch-size", "32"), has_loader=True, data_dir=True),
+    "xor": Experiment(
+        ("--epochs", "1", "--train-size", "256", "--test-size", "64", "--batch-size", "32"),
+        ("--epochs", "2", "--train-size", "256", "--test-size", "64", "--batch-size", "32"),
+        has_loader=True,
+    ),
+    "circles": Experiment(
+        ("--epochs", "1", "--batch-size", "500", "--hidden", "8"),
+        ("--epochs", "2", "--batch-size", "500", "--hidden", "8"),
+    ),
+    "mnist1d": Experiment(
+        ("--model", "mlp", "--steps", "4", "--batch-size", "32"),
+        ("--model", "mlp", "--steps", "8", "--batch-size", "32"),
+        has_loader=True,
+        data_dir=True,
+    ),
     # 4 steps; the default --max-batch-size (expected + 4 std + 4) is rounded up to a multiple of the devices
-    "dp_sgd": Experiment(("--channels", "4", "--epochs", "1", "--batch-size", "1000"),
-                         ("--channels", "4", "--epochs", "2", "--batch-size", "1000"), data_dir=True),
+    "dp_sgd": Experiment(
+        ("--channels", "4", "--epochs", "1", "--batch-size", "1000"),
+        ("--channels", "4", "--epochs", "2", "--batch-size", "1000"),
+        data_dir=True,
+    ),
     "dp_sgd_oddbatch": Experiment(  # 1113 rows, which 4 devices cannot share: refused before any work
         ("--channels", "4", "--epochs", "1", "--batch-size", "1000", "--max-batch-size", "1113"),
         ("--channels", "4", "--epochs", "2", "--batch-size", "1000", "--max-batch-size", "1113"),
-        data_dir=True, script="dp_sgd", phases=("fresh",)),
+        data_dir=True,
+        script="dp_sgd",
+        phases=("fresh",),
+    ),
     # 24 training pairs a full batch (4 devices share it), evaluated every 2 steps for the grokking step; fresh
     # runs only: its transformer takes seconds to compile, and resume is the engine's, tested above
-    "grokking": Experiment(("--modulus", "7", "--train-fraction", "0.5", "--dim", "8", "--heads", "2", "--steps", "4",
-                            "--steps-per-call", "2", "--eval-every", "2", "--log-every", "2"),
-                           ("--modulus", "7", "--train-fraction", "0.5", "--dim", "8", "--heads", "2", "--steps", "8",
-                            "--steps-per-call", "2", "--eval-every", "2", "--log-every", "2"), phases=("fresh",)),
+    "grokking": Experiment(
+        (
+            "--modulus",
+            "7",
+            "--train-fraction",
+            "0.5",
+            "--dim",
+            "8",
+            "--heads",
+            "2",
+            "--steps",
+            "4",
+            "--steps-per-call",
+            "2",
+            "--eval-every",
+            "2",
+            "--log-every",
+            "2",
+        ),
+        (
+            "--modulus",
+            "7",
+            "--train-fraction",
+            "0.5",
+            "--dim",
+            "8",
+            "--heads",
+            "2",
+            "--steps",
+            "8",
+            "--steps-per-call",
+            "2",
+            "--eval-every",
+            "2",
+            "--log-every",
+            "2",
+        ),
+        phases=("fresh",),
+    ),
     # one width (the whole curve is a sweep of processes), on the published 4,000 / 1,000 signals: 4 steps
-    "double_descent": Experiment(("--width", "8", "--epochs", "1", "--batch-size", "1000", "--num-samples", "5000",
-                                  "--train-split", "0.8"),
-                                 ("--width", "8", "--epochs", "2", "--batch-size", "1000", "--num-samples", "5000",
-                                  "--train-split", "0.8"), data_dir=True),
+    "double_descent": Experiment(
+        ("--width", "8", "--epochs", "1", "--batch-size", "1000", "--num-samples", "5000", "--train-split", "0.8"),
+        ("--width", "8", "--epochs", "2", "--batch-size", "1000", "--num-samples", "5000", "--train-split", "0.8"),
+        data_dir=True,
+    ),
     # a ResNet of 4, 8, 16 channels on 32x32 digits, 4 steps of 64 an epoch (a small rate: BatchNorm amplifies
     # the rounding that differs between 1 and 4 devices). Its compilations take seconds: no requeue phase, and
     # the EMA on one device (it is the same hook everywhere: the other experiments cover it on every placement)
-    "images": Experiment(("--epochs", "1", "--features", "4", "--blocks", "1", "--batch-size", "64", "--lr", "0.01"),
-                         ("--epochs", "2", "--features", "4", "--blocks", "1", "--batch-size", "64", "--lr", "0.01"),
-                         images=True, phases=("fresh", "resumed"), ema_everywhere=False),
-    "ensemble": Experiment(("--num-members", "2", "--hidden", "8", "--epochs", "1", "--batch-size", "1000"),
-                           ("--num-members", "2", "--hidden", "8", "--epochs", "2", "--batch-size", "1000"),
-                           data_dir=True),
+    "images": Experiment(
+        ("--epochs", "1", "--features", "4", "--blocks", "1", "--batch-size", "64", "--lr", "0.01"),
+        ("--epochs", "2", "--features", "4", "--blocks", "1", "--batch-size", "64", "--lr", "0.01"),
+        images=True,
+        phases=("fresh", "resumed"),
+        ema_everywhere=False,
+    ),
+    "ensemble": Experiment(
+        ("--num-members", "2", "--hidden", "8", "--epochs", "1", "--batch-size", "1000"),
+        ("--num-members", "2", "--hidden", "8", "--epochs", "2", "--batch-size", "1000"),
+        data_dir=True,
+    ),
     # no --devices or --ema-decay (one unrolled run a step: nothing to split, no weights to average): refused
-    "metalearn_lr": Experiment(("--steps", "2", "--inner-steps", "3", "--hidden", "4", "--num-samples", "5000"),
-                               ("--steps", "3", "--inner-steps", "3", "--hidden", "4", "--num-samples", "5000"),
-                               data_dir=True),  # 5,000 signals: the data set tests/conftest.py generated
+    "metalearn_lr": Experiment(
+        ("--steps", "2", "--inner-steps", "3", "--hidden", "4", "--num-samples", "5000"),
+        ("--steps", "3", "--inner-steps", "3", "--hidden", "4", "--num-samples", "5000"),
+        data_dir=True,
+    ),  # 5,000 signals: the data set tests/conftest.py generated
     # one engine run a pruning round, in its own directory; resuming with more --rounds continues the schedule.
     # No --devices or --ema-decay (which weights would prune?): refused
     "lottery_ticket": Experiment(
         ("--rounds", "1", "--schedule-length", "2", "--hidden", "4", "--steps", "2", "--steps-per-call", "2"),
         ("--rounds", "2", "--schedule-length", "2", "--hidden", "4", "--steps", "2", "--steps-per-call", "2"),
-        data_dir=True),
+        data_dir=True,
+    ),
 }
 PLACEMENTS = {  # the first is the reference the others must match
     "1dev": (),
@@ -110,8 +169,11 @@ TRACKED_PHASES = ("fresh", "resumed")
 LOADERS = {"device": (), "torch": ("--loader", "torch")}  # only for experiments with --loader
 # Invocations in one run directory, in this order: the short run, `--resume` continuing it to the
 # longer run, `--resume auto` of that finished run (a requeued job: it reports the run and exits 0).
-PHASES = {"fresh": lambda e: e.short, "resumed": lambda e: ("--resume", *e.longer),
-          "resumed-finished": lambda e: ("--resume", "auto", *e.longer)}
+PHASES = {
+    "fresh": lambda e: e.short,
+    "resumed": lambda e: ("--resume", *e.longer),
+    "resumed-finished": lambda e: ("--resume", "auto", *e.longer),
+}
 COMMON = ("--no-progress",)
 EMA_KEYS = re.compile(r"test_raw_")  # with an EMA the summary also reports the raw (non-EMA) model
 COMPARED = re.compile(r"^(train|test|ensemble|member)")  # summary numbers that must match across placements
@@ -160,22 +222,33 @@ class Combination:
 
     def argv(self, root: Path, data_dir: Path, images: Path) -> list[str]:
         experiment = EXPERIMENTS[self.experiment]
-        return [*PHASES[self.phase](experiment), *PLACEMENTS[self.placement], *EMAS[self.ema], *LOADERS[self.loader],
-                *TRACKERS[self.tracker], *(("--data-dir", str(data_dir)) if experiment.data_dir else ()),
-                *(("--data", str(images)) if experiment.images else ()),
-                "--run-dir", str(root / "runs" / self.run_name), *COMMON]
+        return [
+            *PHASES[self.phase](experiment),
+            *PLACEMENTS[self.placement],
+            *EMAS[self.ema],
+            *LOADERS[self.loader],
+            *TRACKERS[self.tracker],
+            *(("--data-dir", str(data_dir)) if experiment.data_dir else ()),
+            *(("--data", str(images)) if experiment.images else ()),
+            "--run-dir",
+            str(root / "runs" / self.run_name),
+            *COMMON,
+        ]
 
 
 COMBINATIONS = [
     Combination(name, placement, ema, loader, phase)
     for name, experiment in EXPERIMENTS.items()
     for placement, ema, loader, phase in itertools.product(
-        PLACEMENTS, EMAS, LOADERS if experiment.has_loader else list(LOADERS)[:1], experiment.phases or PHASES)
+        PLACEMENTS, EMAS, LOADERS if experiment.has_loader else list(LOADERS)[:1], experiment.phases or PHASES
+    )
     if experiment.ema_everywhere or ema == "noema" or placement == next(iter(PLACEMENTS))
 ] + [
     Combination(name, "1dev", "noema", "device", phase, "tracked")
-    for name, experiment in EXPERIMENTS.items() if experiment.script is None
-    for phase in experiment.phases or PHASES if phase in TRACKED_PHASES
+    for name, experiment in EXPERIMENTS.items()
+    if experiment.script is None
+    for phase in experiment.phases or PHASES
+    if phase in TRACKED_PHASES
 ]
 
 
@@ -195,8 +268,14 @@ def run_worker(runs: list[dict], devices: int, root: Path) -> dict[str, dict]:
         spec.write_text(json.dumps(remaining))
         out.touch()
         with open(log, "w") as log_file:
-            process = subprocess.Popen([sys.executable, str(WORKER), str(spec), str(out)], cwd=root, env=env,
-                                       stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+            process = subprocess.Popen(
+                [sys.executable, str(WORKER), str(spec), str(out)],
+                cwd=root,
+                env=env,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         current, started, offset, finished = None, time.monotonic(), 0, 0
         try:
             while True:
@@ -220,7 +299,10 @@ def run_worker(runs: list[dict], devices: int, root: Path) -> dict[str, dict]:
                     os.killpg(process.pid, signal.SIGKILL)
                     process.wait()
                     results[current or next(r["id"] for r in remaining if r["id"] not in results)] = {
-                        "status": "timeout", "log": _tail(log), "seconds": time.monotonic() - started}
+                        "status": "timeout",
+                        "log": _tail(log),
+                        "seconds": time.monotonic() - started,
+                    }
                     break
                 time.sleep(0.1)
         finally:
@@ -246,20 +328,35 @@ def _tail(path: Path, lines: int = 15) -> str:
 def combination_results(request, tmp_path_factory, mnist1d_dir, digits_formats) -> dict[str, dict]:
     """The result of every combination this session selected (and the 1-device runs they compare with),
     run in one worker per device count."""
-    selected = {item.callspec.params["combination"] for item in request.session.items
-                if hasattr(item, "callspec") and "combination" in item.callspec.params}
+    selected = {
+        item.callspec.params["combination"]
+        for item in request.session.items
+        if hasattr(item, "callspec") and "combination" in item.callspec.params
+    }
     selected |= {c.reference() for c in selected}
     series = {c.run_name for c in selected}  # a resume needs the phases before it
     needed = [c for c in COMBINATIONS if c.run_name in series]
     root = tmp_path_factory.mktemp("combinations")
     digits = np.load(digits_formats["npz"])
     images = root / "digits-small.npz"
-    np.savez(images, x_train=digits["x_train"][::5][:256], y_train=digits["y_train"][::5][:256],
-             x_test=digits["x_test"][::5][:64], y_test=digits["y_test"][::5][:64])
+    np.savez(
+        images,
+        x_train=digits["x_train"][::5][:256],
+        y_train=digits["y_train"][::5][:256],
+        x_test=digits["x_test"][::5][:64],
+        y_test=digits["y_test"][::5][:64],
+    )
 
     def runs(devices: int) -> list[dict]:
-        return [{"id": c.id, "script": EXPERIMENTS[c.experiment].script or c.experiment,
-                 "argv": c.argv(root, mnist1d_dir, images)} for c in needed if c.devices == devices]
+        return [
+            {
+                "id": c.id,
+                "script": EXPERIMENTS[c.experiment].script or c.experiment,
+                "argv": c.argv(root, mnist1d_dir, images),
+            }
+            for c in needed
+            if c.devices == devices
+        ]
 
     with concurrent.futures.ThreadPoolExecutor(WORKERS_AT_ONCE) as pool:
         futures = [pool.submit(run_worker, runs(devices), devices, root) for devices in {c.devices for c in needed}]
@@ -318,8 +415,11 @@ def tracker_problems(run_dir: Path) -> list[str]:
     """What the trackers of each run in `run_dir` (itself, or its rounds) miss of its metrics.jsonl, the
     W&B and MLflow runs continued across the resume."""
     found = []
-    runs = [RunDir(p.parent) for p in sorted(run_dir.rglob("metrics.jsonl"))
-            if "wandb" not in p.parts and "trackers" in RunDir(p.parent).read_config()]
+    runs = [
+        RunDir(p.parent)
+        for p in sorted(run_dir.rglob("metrics.jsonl"))
+        if "wandb" not in p.parts and "trackers" in RunDir(p.parent).read_config()
+    ]
     for run in runs:
         expected, saved = jsonl_history(run), run.read_config()["trackers"]
         where = f"{run.path.relative_to(run_dir)}: " if run.path != run_dir else ""
@@ -347,8 +447,12 @@ def compare(summary: dict, reference: dict) -> list[str]:
         a, b = summary.get(key), reference.get(key)
         same_length_lists = isinstance(a, list) and isinstance(b, list) and len(a) == len(b)
         pairs = list(zip(a, b, strict=True)) if same_length_lists else [(a, b)]
-        if not all(isinstance(x, (int, float)) and isinstance(y, (int, float)) and
-                   math.isclose(x, y, rel_tol=TOLERANCE, abs_tol=TOLERANCE) for x, y in pairs):
+        if not all(
+            isinstance(x, (int, float))
+            and isinstance(y, (int, float))
+            and math.isclose(x, y, rel_tol=TOLERANCE, abs_tol=TOLERANCE)
+            for x, y in pairs
+        ):
             differences.append(f"{key} {_short(a)} vs {_short(b)}")
     for key in ("step",):
         if summary.get(key) != reference.get(key):

@@ -18,8 +18,14 @@ ARGS = ["--no-progress", "--epochs", "4", "--log-every", "19", "--eval-every", "
 def run_xor(cwd: Path, cache: Path, *args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RESEARCH_COMPILATION_CACHE", "JAX_COMPILATION_CACHE_DIR")}
     env["RESEARCH_COMPILATION_CACHE_DIR"] = str(cache)
-    result = subprocess.run([sys.executable, str(ROOT / "experiments/xor.py"), *ARGS, *args], cwd=cwd, env=env,
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "experiments/xor.py"), *ARGS, *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     return result
 

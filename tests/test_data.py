@@ -105,10 +105,14 @@ def test_torch_loader_resumes_at_any_step_with_the_same_batches():
 
 def test_the_library_and_an_experiment_on_device_data_do_not_import_torch(tmp_path):
     """torch takes ~2 s to import: only making a DataLoader (`--loader torch`) may pay for it."""
-    code = ("import sys, research, research.data, research.train, research.experiment, research.nn, "
-            "research.parallel, research.per_example, research.population; print('torch' in sys.modules)")
+    code = (
+        "import sys, research, research.data, research.train, research.experiment, research.nn, "
+        "research.parallel, research.per_example, research.population; print('torch' in sys.modules)"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.stdout.strip() == "False", result.stderr
     loader = make_dataloader(XORDataset(8, seed=0), 4, shuffle=False)  # this one needs torch, imported lazily
-    assert [labels.tolist() for _, labels in loader] == [XORDataset(8, seed=0).labels[:4].tolist(),
-                                                         XORDataset(8, seed=0).labels[4:].tolist()]
+    assert [labels.tolist() for _, labels in loader] == [
+        XORDataset(8, seed=0).labels[:4].tolist(),
+        XORDataset(8, seed=0).labels[4:].tolist(),
+    ]

@@ -22,11 +22,13 @@ def make_state(seed=0):
 
 def test_signature_names_each_leaf_and_the_changes_between_two():
     before = signature({"batch": Batch(jnp.ones((8, 2)), jnp.ones(8, jnp.int32)), "lr": 0.1, "n": jnp.float32(1)})
-    assert before == {"batch.inputs": "float32[8,2]", "batch.labels": "int32[8]", "lr": "static 0.1",
-                      "n": "float32[]"}
+    assert before == {"batch.inputs": "float32[8,2]", "batch.labels": "int32[8]", "lr": "static 0.1", "n": "float32[]"}
     after = signature({"batch": Batch(jnp.ones((4, 2)), jnp.ones(8, jnp.int32)), "lr": 0.2})
     assert signature_changes(before, after) == [
-        "batch.inputs: float32[8,2] -> float32[4,2]", "lr: static 0.1 -> static 0.2", "n disappeared (was float32[])"]
+        "batch.inputs: float32[8,2] -> float32[4,2]",
+        "lr: static 0.1 -> static 0.2",
+        "n disappeared (was float32[])",
+    ]
     # A Python scalar turned into an array is *weakly* typed: a different signature, a retrace.
     weak = signature({"step": jnp.asarray(1)})
     assert signature_changes(signature({"step": jnp.int32(1)}), weak) == ["step: int32[] -> ~int32[]"]
@@ -64,8 +66,9 @@ def test_explain_retraces_decorates_any_jitted_function_and_sees_static_values(c
         scale(jnp.ones(3), 3)  # a new static value retraces
         scale(jnp.ones(4), 3)  # so does a new shape, but only the first retrace is logged
     assert len(log.signatures["scale"]) == 3
-    assert log.explanations["scale"] == ("scale traced again (trace 2), which recompiles; "
-                                         "changed: factor: static 2 -> static 3")
+    assert log.explanations["scale"] == (
+        "scale traced again (trace 2), which recompiles; changed: factor: static 2 -> static 3"
+    )
     assert [r.getMessage() for r in caplog.records if r.name == "research"] == [log.explanations["scale"]]
 
 

@@ -34,9 +34,14 @@ ROOT = Path(__file__).parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"^```(\w*)([^\n]*)\n(.*?)^```\s*$", re.MULTILINE | re.DOTALL)
 RUN_BY_CI = {"./scripts/test", "./scripts/setup"}
-TOOLS = {"./scripts/plot_runs": plot_runs.main, "./scripts/compare_runs": compare_runs.main,
-         "./scripts/show_jaxpr": show_jaxpr.main, "./scripts/sweep": sweep.main, "./scripts/export": export.main,
-         "./scripts/sample": sample.main}
+TOOLS = {
+    "./scripts/plot_runs": plot_runs.main,
+    "./scripts/compare_runs": compare_runs.main,
+    "./scripts/show_jaxpr": show_jaxpr.main,
+    "./scripts/sweep": sweep.main,
+    "./scripts/export": export.main,
+    "./scripts/sample": sample.main,
+}
 
 
 def blocks(doc: Path) -> list[tuple[str, str, str]]:
@@ -151,8 +156,9 @@ def test_the_script_wrappers_run_their_tools():
     for name in ("plot_runs", "compare_runs", "show_jaxpr", "sweep", "export", "sample"):
         script = ROOT / "scripts" / name
         assert os.access(script, os.X_OK) and f"-m research.tools.{name} " in script.read_text(), name
-    result = subprocess.run(["scripts/show_jaxpr", "xor", "--hidden", "2"], cwd=ROOT, capture_output=True,
-                            text=True, timeout=300)
+    result = subprocess.run(
+        ["scripts/show_jaxpr", "xor", "--hidden", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("# one train step of xor: ")
     assert "#   1: state.model.layers[0].weight float32[2,2]" in result.stdout.splitlines()

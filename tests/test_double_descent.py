@@ -39,10 +39,16 @@ def test_a_run_trains_on_noisy_labels_and_tests_on_clean_ones(mnist1d_dir):
 
 
 def test_the_peak_is_after_the_underfitting_side():
-    notebook = double_descent.find_peak(double_descent.NOTEBOOK_WIDTHS, double_descent.PUBLISHED_TEST_ERROR,
-                                        double_descent.PUBLISHED_TRAIN_ERROR, 15.0)
-    assert notebook == {"peak_width": 47, "peak_test_error": 54.05, "interpolation_width": 61, "last_width": 300,
-                        "last_test_error": 45.47}
+    notebook = double_descent.find_peak(
+        double_descent.NOTEBOOK_WIDTHS, double_descent.PUBLISHED_TEST_ERROR, double_descent.PUBLISHED_TRAIN_ERROR, 15.0
+    )
+    assert notebook == {
+        "peak_width": 47,
+        "peak_test_error": 54.05,
+        "interpolation_width": 61,
+        "last_width": 300,
+        "last_test_error": 45.47,
+    }
     # A bump among the underfitting widths (4) is higher than the real peak (32) and must not count.
     widths, test, train = [2, 4, 8, 16, 32, 64], [60, 62, 40, 45, 50, 42], [60, 58, 30, 10, 0, 0]
     assert double_descent.find_peak(widths, test, train, 15.0)["peak_width"] == 32
@@ -50,8 +56,9 @@ def test_the_peak_is_after_the_underfitting_side():
 
 
 def test_each_run_gets_the_options_that_differ_from_the_defaults():
-    config = double_descent.Config(seed=2, epochs=10, widths=(4, 8), jobs=2, compilation_cache=False,
-                                   run_dir="somewhere", progress=False)
+    config = double_descent.Config(
+        seed=2, epochs=10, widths=(4, 8), jobs=2, compilation_cache=False, run_dir="somewhere", progress=False
+    )
     assert double_descent.forwarded_flags(config) == ["--no-compilation-cache", "--seed", "2", "--epochs", "10"]
 
 
@@ -61,7 +68,7 @@ def test_the_curve_comes_from_one_run_per_width(tmp_path, monkeypatch, capsys):
     def fake_sweep(argv):  # what scripts/sweep leaves behind: a finished run per width
         sweep_dir = tmp_path / "curve"
         assert argv[:4] == ["double_descent", "width=4,8,16,32", "--sweep-dir", str(sweep_dir)]
-        assert argv[argv.index("--") + 1:] == ["--epochs", "3"]
+        assert argv[argv.index("--") + 1 :] == ["--epochs", "3"]
         for width, (test, train) in errors.items():
             RunDir(sweep_dir / f"width={width}").write_summary({"test_accuracy": 1 - test, "train_accuracy": 1 - train})
 

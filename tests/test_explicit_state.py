@@ -31,8 +31,16 @@ class BatchNormNet(eqx.Module):
     dropout: eqx.nn.Dropout
     last: eqx.nn.Linear
 
-    def __init__(self, in_size: int, hidden: int, classes: int, *, key: PRNGKeyArray, dropout: float = 0.2,
-                 axis_name: str = "batch"):
+    def __init__(
+        self,
+        in_size: int,
+        hidden: int,
+        classes: int,
+        *,
+        key: PRNGKeyArray,
+        dropout: float = 0.2,
+        axis_name: str = "batch",
+    ):
         k1, k2 = jax.random.split(key)
         self.first = eqx.nn.Linear(in_size, hidden, key=k1)
         self.norm = eqx.nn.BatchNorm(hidden, axis_name, mode="batch")
@@ -40,8 +48,9 @@ class BatchNormNet(eqx.Module):
         self.last = eqx.nn.Linear(hidden, classes, key=k2)
 
     @typecheck
-    def __call__(self, x: Float[Array, " features"], state: eqx.nn.State, *, key: PRNGKeyArray | None = None
-                 ) -> tuple[Float[Array, " classes"], eqx.nn.State]:
+    def __call__(
+        self, x: Float[Array, " features"], state: eqx.nn.State, *, key: PRNGKeyArray | None = None
+    ) -> tuple[Float[Array, " classes"], eqx.nn.State]:
         h, state = self.norm(self.first(x), state)
         return self.last(self.dropout(jax.nn.relu(h), key=key)), state
 
@@ -179,7 +188,8 @@ def test_ema_follows_training_without_changing_it_and_is_what_fit_evaluates(load
 
     weights = decay ** np.arange(12)[::-1]  # debiased: the decay-weighted mean of the 12 models
     expected = jax.tree.map(
-        lambda *w: sum(c * np.asarray(x, np.float64) for c, x in zip(weights, w, strict=True)) / weights.sum(), *models)
+        lambda *w: sum(c * np.asarray(x, np.float64) for c, x in zip(weights, w, strict=True)) / weights.sum(), *models
+    )
     averaged_model, averaged_state = state.averaged_model()
     for x, y in zip(jax.tree.leaves(eqx.filter(averaged_model, eqx.is_array)), jax.tree.leaves(expected), strict=True):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
@@ -250,11 +260,16 @@ def test_an_experiment_with_ema_reports_both_models_and_resumes_bitwise(tmp_path
     assert last["test/accuracy"] == summary["test_accuracy"]
     assert last["test_raw/accuracy"] == summary["test_raw_accuracy"]
     config = xor.Config(epochs=4, **options)
-    restored, _ = load_checkpoint(tmp_path / "straight/checkpoints/step_000000076",
-                                  xor.build_state(config).with_ema(config.ema_decay))
+    restored, _ = load_checkpoint(
+        tmp_path / "straight/checkpoints/step_000000076", xor.build_state(config).with_ema(config.ema_decay)
+    )
     test = DeviceLoader.from_dataset(xor.XORDataset(500, seed=123), 128, shuffle=False)
-    assert evaluate(*restored.averaged_model(), test) == {"loss": summary["test_loss"],
-                                                          "accuracy": summary["test_accuracy"]}
-    assert evaluate(restored.model, None, test) == {"loss": summary["test_raw_loss"],
-                                                    "accuracy": summary["test_raw_accuracy"]}
+    assert evaluate(*restored.averaged_model(), test) == {
+        "loss": summary["test_loss"],
+        "accuracy": summary["test_accuracy"],
+    }
+    assert evaluate(restored.model, None, test) == {
+        "loss": summary["test_raw_loss"],
+        "accuracy": summary["test_raw_accuracy"],
+    }
     assert int(restored.ema.count) == 76

@@ -28,9 +28,11 @@ def test_array_names_follow_fields_indices_and_state_owners(getkey):
     names = array_names(model)
     assert names[:3] == ["stem.weight", "stem_norm.weight", "stem_norm.bias"]
     assert "blocks.1.shortcut.weight" in names and names[-2:] == ["head.weight", "head.bias"]
-    assert array_names(state)[:3] == ["ImageResNet.stem_norm.batch_counter",
-                                      "ImageResNet.stem_norm.batch_state_index.0",
-                                      "ImageResNet.stem_norm.batch_state_index.1"]
+    assert array_names(state)[:3] == [
+        "ImageResNet.stem_norm.batch_counter",
+        "ImageResNet.stem_norm.batch_state_index.0",
+        "ImageResNet.stem_norm.batch_state_index.1",
+    ]
     train_state = TrainState.create(model, optax.adam(1e-3), key=getkey(), model_state=state)
     assert "opt_state.0.mu.blocks.0.conv1.weight" in array_names(train_state)
     assert len(named_arrays(train_state)) == len(jax.tree.leaves(eqx.filter(train_state, eqx.is_array)))
@@ -57,8 +59,10 @@ def test_a_checkpoint_of_the_first_unnamed_format_still_loads(tmp_path, getkey):
     checkpointer.save(path, jax.tree.leaves(state))
     checkpointer.wait_until_finished()
     checkpointer.close()
-    leaves = [[jax.tree_util.keystr(p), list(x.shape), str(x.dtype)]
-              for p, x in jax.tree_util.tree_flatten_with_path(state)[0]]
+    leaves = [
+        [jax.tree_util.keystr(p), list(x.shape), str(x.dtype)]
+        for p, x in jax.tree_util.tree_flatten_with_path(state)[0]
+    ]
     record = {"format": "research-orbax 1", "header": {"step": 5, "leaves": leaves}, "files": _file_digests(path)}
     write_atomic(path / COMMIT_FILE, json.dumps(record).encode())
     loaded, header = load_checkpoint(path, state)
@@ -107,8 +111,7 @@ def test_a_stateful_model_exports_its_batchnorm_statistics_and_loads_back(tmp_pa
     model, state = build_model("image_resnet", height=8, width=8, channels=1, features=2, blocks=1, key=getkey())
     state = jax.tree.map(lambda x: x + 1, state)  # statistics that are not the initial ones
     save_weights(tmp_path / "w.safetensors", model, state)
-    fresh, fresh_state = build_model("image_resnet", height=8, width=8, channels=1, features=2, blocks=1,
-                                     key=getkey())
+    fresh, fresh_state = build_model("image_resnet", height=8, width=8, channels=1, features=2, blocks=1, key=getkey())
     loaded, loaded_state = load_weights(tmp_path / "w.safetensors", fresh, fresh_state)
     assert tree_digest(loaded) == tree_digest(model) and tree_digest(loaded_state) == tree_digest(state)
 

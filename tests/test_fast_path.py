@@ -43,8 +43,12 @@ def step_metrics(loss, accuracy, grad_norm):
 
 
 def test_packed_statistics_are_the_running_mean_of_the_finite_steps_and_flag_the_first_bad_one():
-    steps = [step_metrics(0.5, 0.25, 1.0), step_metrics(np.inf, 0.5, 2.0), step_metrics(0.25, 0.75, np.nan),
-             step_metrics(0.125, 1.0, 3.0)]
+    steps = [
+        step_metrics(0.5, 0.25, 1.0),
+        step_metrics(np.inf, 0.5, 2.0),
+        step_metrics(0.25, 0.75, np.nan),
+        step_metrics(0.125, 1.0, 3.0),
+    ]
     stats = StepStats.init(layout_of(steps[0]))
     reference = RunningMean.init(steps[0])
     for i, metrics in enumerate(steps):
@@ -80,8 +84,14 @@ def test_statistics_refuse_metrics_they_were_not_laid_out_for():
 
 
 def test_packing_round_trips_every_leaf_bitwise_and_leaves_other_dtypes_out_of_the_buffer():
-    leaves = [jnp.float32(-0.0), jnp.asarray([[1.5, np.nan], [np.inf, -2.0]], jnp.float32), jnp.int32(-7),
-              jnp.asarray([3, 2**32 - 1], jnp.uint32), jnp.asarray([1, 2], jnp.bfloat16), jnp.asarray([True, False])]
+    leaves = [
+        jnp.float32(-0.0),
+        jnp.asarray([[1.5, np.nan], [np.inf, -2.0]], jnp.float32),
+        jnp.int32(-7),
+        jnp.asarray([3, 2**32 - 1], jnp.uint32),
+        jnp.asarray([1, 2], jnp.bfloat16),
+        jnp.asarray([True, False]),
+    ]
     packing = Packing.of(leaves)
     packed = jax.jit(packing.pack)(leaves)
     assert packed[0].dtype == jnp.uint32 and packed[0].shape == (1 + 4 + 1 + 2,)
@@ -148,8 +158,13 @@ def test_a_packed_trainer_names_the_leaf_whose_shape_or_dtype_does_not_fit():
 
 
 def test_packing_on_the_host_gives_the_traced_packing_bit_for_bit():
-    leaves = [jnp.float32(-0.0), jnp.asarray([[1.5, np.nan], [np.inf, -2.0]], jnp.float32), jnp.int32(-7),
-              jnp.asarray([3, 2**32 - 1], jnp.uint32), jnp.asarray([1, 2], jnp.bfloat16)]
+    leaves = [
+        jnp.float32(-0.0),
+        jnp.asarray([[1.5, np.nan], [np.inf, -2.0]], jnp.float32),
+        jnp.int32(-7),
+        jnp.asarray([3, 2**32 - 1], jnp.uint32),
+        jnp.asarray([1, 2], jnp.bfloat16),
+    ]
     packing = Packing.of(leaves)
     on_host, traced = packing.pack_on_host(leaves), jax.jit(packing.pack)(leaves)
     for a, b in zip(on_host, traced, strict=True):

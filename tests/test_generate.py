@@ -84,7 +84,7 @@ def test_greedy_generation_equals_a_loop_that_reruns_the_model(model):
                 start = len(stream) - CONTEXT // 2
             stream.append(int(jnp.argmax(last_logits(model, stream[start:]))))
         generated = generate(model, prompt, LENGTH, key=jax.random.key(0), temperature=0)
-        assert np.asarray(generated).tolist() == stream[len(prompt):]
+        assert np.asarray(generated).tolist() == stream[len(prompt) :]
 
 
 def test_keys_temperature_and_top_k(model):
@@ -117,15 +117,18 @@ def test_bf16_compute_gives_the_whole_models_logits_to_bf16_rounding():
     assert logits.dtype == jnp.float32
 
 
-@pytest.mark.parametrize("arguments, message", [
-    ({"length": 0}, "length must be at least 1"),
-    ({"temperature": -0.5}, "temperature must be >= 0"),
-    ({"temperature": float("nan")}, "temperature must be >= 0"),
-    ({"top_k": 0}, r"top_k must be in 1..256"),
-    ({"top_k": 257}, r"top_k must be in 1..256"),
-    ({"prompt": jnp.asarray([104, 300, 105])}, r"prompt token 300 at position 1 is outside .* 0..255"),
-    ({"prompt": jnp.asarray([-1])}, r"prompt token -1 at position 0"),
-])
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        ({"length": 0}, "length must be at least 1"),
+        ({"temperature": -0.5}, "temperature must be >= 0"),
+        ({"temperature": float("nan")}, "temperature must be >= 0"),
+        ({"top_k": 0}, r"top_k must be in 1..256"),
+        ({"top_k": 257}, r"top_k must be in 1..256"),
+        ({"prompt": jnp.asarray([104, 300, 105])}, r"prompt token 300 at position 1 is outside .* 0..255"),
+        ({"prompt": jnp.asarray([-1])}, r"prompt token -1 at position 0"),
+    ],
+)
 def test_bad_arguments_are_refused_saying_what_and_where(arguments, message):
     # refused before any computation: a model of shapes alone will do (building arrays costs seconds)
     model = eqx.filter_eval_shape(lambda: build_model("lm", key=jax.random.key(0), **SHAPE)[0])
@@ -142,8 +145,22 @@ def lm_run(tmp_path_factory) -> tuple[Path, str]:
     (root / "text.txt").write_bytes("the quick brown fox jumps over the lazy dog. é ".encode() * 100)
     module = load_experiment("lm")
     shape = [f"--{name}={value}" for name, value in SHAPE.items()]
-    flags = ["--text", str(root / "text.txt"), *shape, "--steps", "2", "--batch-size", "8", "--steps-per-call", "2",
-             "--log-every", "2", "--no-progress", "--run-dir", str(root / "lm")]
+    flags = [
+        "--text",
+        str(root / "text.txt"),
+        *shape,
+        "--steps",
+        "2",
+        "--batch-size",
+        "8",
+        "--steps-per-call",
+        "2",
+        "--log-every",
+        "2",
+        "--no-progress",
+        "--run-dir",
+        str(root / "lm"),
+    ]
     with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.redirect_stderr(io.StringIO()):
         main_entry(module.main, module.Config, flags)
     return root / "lm", out.getvalue()
@@ -155,8 +172,14 @@ def test_the_experiment_ends_with_a_sample_of_its_final_model(lm_run):
     run_dir, printed = lm_run
     line = printed.splitlines()[-1]
     held_out = split_held_out(read_text_bytes(run_dir.parent / "text.txt"), 0.05)[1]
-    expected = sample.sample_bytes(sample.load_language_model(run_dir), bytes(held_out[:32]), 200,
-                                   key=jax.random.fold_in(jax.random.key(0), 1), temperature=0.8, top_k=40)
+    expected = sample.sample_bytes(
+        sample.load_language_model(run_dir),
+        bytes(held_out[:32]),
+        200,
+        key=jax.random.fold_in(jax.random.key(0), 1),
+        temperature=0.8,
+        top_k=40,
+    )
     shown = [repr(text.decode("utf-8", errors="replace")) for text in (expected.prompt, expected.text)]
     assert line.startswith(f"lm: sample: {shown[0]} + {shown[1]} (200 bytes at temperature 0.8, top-k 40: "), line
     assert re.fullmatch(r".*: [\d,]+ bytes/s with the key-value cache\)", line)
@@ -183,13 +206,15 @@ def test_sample_refuses_in_one_line_with_status_2(lm_run, tmp_path, capsys):
     (tmp_path / "xor").mkdir()
     record = json.loads((run_dir / "config.json").read_text())
     (tmp_path / "xor/config.json").write_text(json.dumps({**record, "experiment": "xor"}))
-    cases = {(str(tmp_path / "xor"),): "is a run of xor, not of lm",
-             (str(tmp_path / "no_checkpoint"),): "no checkpoint to load",
-             (str(run_dir), "--ema"): "kept no EMA of its weights",
-             (str(tmp_path / "nothing"),): "is not a run directory",
-             (str(run_dir), "--top-k", "300"): "invalid int in 0..256 value: '300'",
-             (str(run_dir), "--bytes", "0"): "invalid int in 1..1000000000 value: '0'",
-             (str(run_dir), "--temperature", "-1"): "invalid float in 0..inf value: '-1'"}
+    cases = {
+        (str(tmp_path / "xor"),): "is a run of xor, not of lm",
+        (str(tmp_path / "no_checkpoint"),): "no checkpoint to load",
+        (str(run_dir), "--ema"): "kept no EMA of its weights",
+        (str(tmp_path / "nothing"),): "is not a run directory",
+        (str(run_dir), "--top-k", "300"): "invalid int in 0..256 value: '300'",
+        (str(run_dir), "--bytes", "0"): "invalid int in 1..1000000000 value: '0'",
+        (str(run_dir), "--temperature", "-1"): "invalid float in 0..inf value: '-1'",
+    }
     for argv, message in cases.items():
         with pytest.raises(SystemExit) as exit_info:
             sample.main(list(argv))

@@ -23,8 +23,9 @@ from research.typing import Array, Float, PRNGKeyArray, typecheck
 
 
 def assert_trees_close(a, b, rtol=1e-5, atol=1e-7):
-    for x, y in zip(jax.tree.leaves(eqx.filter(a, eqx.is_array)), jax.tree.leaves(eqx.filter(b, eqx.is_array)),
-                    strict=True):
+    for x, y in zip(
+        jax.tree.leaves(eqx.filter(a, eqx.is_array)), jax.tree.leaves(eqx.filter(b, eqx.is_array)), strict=True
+    ):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
 
 
@@ -116,10 +117,12 @@ def both_ways(model, model_state, batch, key, weights, clip_norm):
         out[method] = dict(
             norms=per_example_norms(model, model_state, batch, key, method=method),
             chunked_norms=per_example_norms(model, model_state, batch, key, method=method, chunk_size=4)[0],
-            summed=clipped_gradient_sum(model, model_state, batch, key, clip_norm=clip_norm, weights=weights,
-                                        method=method),
-            chunked=clipped_gradient_sum(model, model_state, batch, key, clip_norm=clip_norm, weights=weights,
-                                         method=method, chunk_size=5),  # 5 does not divide 13
+            summed=clipped_gradient_sum(
+                model, model_state, batch, key, clip_norm=clip_norm, weights=weights, method=method
+            ),
+            chunked=clipped_gradient_sum(
+                model, model_state, batch, key, clip_norm=clip_norm, weights=weights, method=method, chunk_size=5
+            ),  # 5 does not divide 13
         )
     grads, _ = per_example_grads(model, model_state, batch, key)
     return out, per_example_grad_norms(grads)
@@ -160,9 +163,13 @@ def test_uncovered_models_fall_back_to_vmap_with_the_same_result(name, getkey):
     batch, key = batch_of(getkey(), size=4), getkey()
     problem = ghost_problem(model, state, batch)
     assert problem, name
-    expected = {"per_position": "inner transformation", "scaled": "outside eqx.nn.Linear",
-                "gru": "outside eqx.nn.Linear", "transformer": "outside eqx.nn.Linear",
-                "resnet": "outside eqx.nn.Linear"}[name]
+    expected = {
+        "per_position": "inner transformation",
+        "scaled": "outside eqx.nn.Linear",
+        "gru": "outside eqx.nn.Linear",
+        "transformer": "outside eqx.nn.Linear",
+        "resnet": "outside eqx.nn.Linear",
+    }[name]
     assert expected in problem
     with pytest.raises(ValueError, match="method='ghost' cannot"):
         clipped_gradient_sum(model, state, batch, key, clip_norm=1.0, method="ghost")
@@ -203,8 +210,10 @@ def test_dp_sgd_loss_is_the_same_either_way_with_padding_and_noise(getkey):
 
     @eqx.filter_jit
     def steps(model):
-        return [DPSGDLoss(0.5, 1.0, 10, method=m, chunk_size=c).value_and_grad(model, None, batch, key)
-                for m, c in (("ghost", None), ("vmap", None), ("auto", 5))]
+        return [
+            DPSGDLoss(0.5, 1.0, 10, method=m, chunk_size=c).value_and_grad(model, None, batch, key)
+            for m, c in (("ghost", None), ("vmap", None), ("auto", 5))
+        ]
 
     (ghost, ghost_grads), (vmap, vmap_grads), (auto, auto_grads) = steps(model)
     assert_trees_close(ghost_grads, vmap_grads)  # the same noise (same key) on the same clipped sum

@@ -29,13 +29,19 @@ def test_the_split_is_a_reproducible_partition_of_all_pairs():
 
 
 def test_steps_come_from_the_logged_metrics():
-    records = [{"step": 100, "train/accuracy": 0.6, "test/accuracy": 0.1},
-               {"step": 200, "train/accuracy": 0.995, "test/accuracy": 0.2},
-               {"step": 300, "train/accuracy": 0.98},  # a dip after memorizing does not move the step
-               {"step": 400, "train/accuracy": 1.0, "test/accuracy": 0.99},
-               {"step": 500, "train/accuracy": 1.0, "test/accuracy": 0.97}]
-    assert grokking.grokking_steps(records) == {"memorization_step": 200, "grokking_step": 400,
-                                                "best_test_accuracy": 0.99, "min_test_accuracy_after_grokking": 0.97}
+    records = [
+        {"step": 100, "train/accuracy": 0.6, "test/accuracy": 0.1},
+        {"step": 200, "train/accuracy": 0.995, "test/accuracy": 0.2},
+        {"step": 300, "train/accuracy": 0.98},  # a dip after memorizing does not move the step
+        {"step": 400, "train/accuracy": 1.0, "test/accuracy": 0.99},
+        {"step": 500, "train/accuracy": 1.0, "test/accuracy": 0.97},
+    ]
+    assert grokking.grokking_steps(records) == {
+        "memorization_step": 200,
+        "grokking_step": 400,
+        "best_test_accuracy": 0.99,
+        "min_test_accuracy_after_grokking": 0.97,
+    }
     never = grokking.grokking_steps(records[:2])
     assert never["grokking_step"] is None and never["best_test_accuracy"] == 0.2
     assert never["min_test_accuracy_after_grokking"] is None
@@ -43,10 +49,33 @@ def test_steps_come_from_the_logged_metrics():
 
 def test_a_tiny_run_records_its_steps_and_plot(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    main_entry(grokking.main, grokking.Config, ["--modulus", "7", "--train-fraction", "0.5", "--dim", "16",
-                                                "--heads", "2", "--lr", "1e-2", "--steps", "120", "--eval-every",
-                                                "20", "--log-every", "20", "--steps-per-call", "20",
-                                                "--run-dir", str(run_dir), "--no-progress"])
+    main_entry(
+        grokking.main,
+        grokking.Config,
+        [
+            "--modulus",
+            "7",
+            "--train-fraction",
+            "0.5",
+            "--dim",
+            "16",
+            "--heads",
+            "2",
+            "--lr",
+            "1e-2",
+            "--steps",
+            "120",
+            "--eval-every",
+            "20",
+            "--log-every",
+            "20",
+            "--steps-per-call",
+            "20",
+            "--run-dir",
+            str(run_dir),
+            "--no-progress",
+        ],
+    )
     summary = json.loads((run_dir / "summary.json").read_text())
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert {k: summary[k] for k in grokking.grokking_steps(records)} == grokking.grokking_steps(records)

@@ -33,8 +33,11 @@ def test_every_format_reads_the_same_pixels_and_labels(formats):
 
 
 def test_idx_of_every_type_gz_or_not_and_memory_mapped(tmp_path):
-    for array in (np.arange(24, dtype=np.uint8).reshape(2, 3, 4), np.arange(-6, 6, dtype=np.int32),
-                  np.linspace(0, 1, 10, dtype=np.float32).reshape(5, 2)):
+    for array in (
+        np.arange(24, dtype=np.uint8).reshape(2, 3, 4),
+        np.arange(-6, 6, dtype=np.int32),
+        np.linspace(0, 1, 10, dtype=np.float32).reshape(5, 2),
+    ):
         for compress in (False, True):
             path = write_idx(tmp_path / f"a{compress}.idx", array, compress=compress)
             read = read_idx(path)
@@ -61,8 +64,15 @@ def test_a_memory_mapped_idx_directory_reads_the_same_images(formats, tmp_path):
 def damage(tmp_path, formats, kind):
     """A copy of one format, damaged as `kind` says; returns (path to read, what the error must say)."""
     _, _, paths = formats
-    name = {"magic": "idx", "truncated idx": "idx", "label": "idx", "truncated cifar": "cifar", "sizes": "folder",
-            "pickle": "npz", "npz keys": "npz"}[kind]
+    name = {
+        "magic": "idx",
+        "truncated idx": "idx",
+        "label": "idx",
+        "truncated cifar": "cifar",
+        "sizes": "folder",
+        "pickle": "npz",
+        "npz keys": "npz",
+    }[kind]
     path = tmp_path / paths[name].name
     (shutil.copytree if paths[name].is_dir() else shutil.copy)(paths[name], path)
     if kind == "magic":
@@ -72,8 +82,10 @@ def damage(tmp_path, formats, kind):
     if kind == "truncated idx":
         images = path / "train-images-idx3-ubyte.gz"
         images.write_bytes(gzip.compress(gzip.decompress(images.read_bytes())[:-100]))
-        return path, "train-images-idx3-ubyte.gz: truncated: (1437, 32, 32, 3) of uint8 is 4414464 bytes of data, " \
-                     "found 4414364"
+        return (
+            path,
+            "train-images-idx3-ubyte.gz: truncated: (1437, 32, 32, 3) of uint8 is 4414464 bytes of data, found 4414364",
+        )
     if kind == "label":
         labels = read_idx(path / "train-labels-idx1-ubyte").copy()
         labels[7] = 200
@@ -99,8 +111,7 @@ def damage(tmp_path, formats, kind):
     return path, "no x_test, y_test (a .npz of x_train, y_train, x_test, y_test; it has x_train, y_train)"
 
 
-@pytest.mark.parametrize("kind", ["magic", "truncated idx", "label", "truncated cifar", "sizes", "pickle",
-                                  "npz keys"])
+@pytest.mark.parametrize("kind", ["magic", "truncated idx", "label", "truncated cifar", "sizes", "pickle", "npz keys"])
 def test_a_damaged_file_is_refused_naming_it(tmp_path, formats, kind):
     path, message = damage(tmp_path, formats, kind)
     with pytest.raises(DataError) as info:
@@ -112,8 +123,11 @@ def test_a_path_of_no_known_format_lists_the_formats(tmp_path):
     for path in (tmp_path / "missing", tmp_path, tmp_path / "a.txt"):
         if path.name == "a.txt":
             path.write_text("x")
-        with pytest.raises(DataError, match="it takes an IDX directory .* a CIFAR-10 or CIFAR-100 binary directory .* "
-                                            "an image folder .* a .npz .* or a directory of those four as .npy"):
+        with pytest.raises(
+            DataError,
+            match="it takes an IDX directory .* a CIFAR-10 or CIFAR-100 binary directory .* "
+            "an image folder .* a .npz .* or a directory of those four as .npy",
+        ):
             detect_format(path)
 
 

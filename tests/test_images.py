@@ -15,8 +15,21 @@ from research.nn import ImageResNet, build_model, conv2d_as_matmul
 from research.train import RunDir, forward
 
 # Digits need no crops or flips; a small ResNet (8, 16, 32 channels, one block a stage) for 3 epochs.
-DIGITS = ["--epochs", "3", "--features", "8", "--blocks", "1", "--batch-size", "32", "--lr", "0.05",
-          "--crop-padding", "0", "--no-progress"]
+DIGITS = [
+    "--epochs",
+    "3",
+    "--features",
+    "8",
+    "--blocks",
+    "1",
+    "--batch-size",
+    "32",
+    "--lr",
+    "0.05",
+    "--crop-padding",
+    "0",
+    "--no-progress",
+]
 
 
 def run_images(argv):
@@ -32,8 +45,9 @@ def test_digits_in_every_format_reach_97_percent_with_the_same_numbers(digits_fo
     for name, path in digits_formats.items():
         assert run_images([*DIGITS, "--data", str(path), "--run-dir", name]) == 0
         summaries[name] = RunDir(tmp_path / name).read_summary()
-        records[name] = [{k: v for k, v in r.items() if k != "steps_per_s"}
-                         for r in RunDir(tmp_path / name).read_metrics()]
+        records[name] = [
+            {k: v for k, v in r.items() if k != "steps_per_s"} for r in RunDir(tmp_path / name).read_metrics()
+        ]
     measured = {"wall_seconds", "compile_seconds", "peak_host_memory_bytes"}
     first = {k: v for k, v in summaries["npz"].items() if k not in measured}
     assert first["test_accuracy"] >= 0.97 and first["step"] == 3 * (1437 // 32)
@@ -41,15 +55,22 @@ def test_digits_in_every_format_reach_97_percent_with_the_same_numbers(digits_fo
         assert {k: v for k, v in summaries[name].items() if k not in measured} == first, name
         assert records[name] == records["npz"], name
     config = json.loads((tmp_path / "npz" / "config.json").read_text())
-    assert config["parameters"] == {"total": 19_954,
-                                    "by_field": {"stem": 216, "stem_norm": 16, "blocks": 19_392, "head": 330}}
+    assert config["parameters"] == {
+        "total": 19_954,
+        "by_field": {"stem": 216, "stem_norm": 16, "blocks": 19_392, "head": 330},
+    }
 
 
 def test_without_data_it_names_the_formats_in_one_line(capsys):
     assert run_images([]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("images.py: error: --data names the images to train on: an IDX directory") and \
-        err.count("\n") == 1 and "CIFAR-10 or CIFAR-100" in err and "image folder" in err and ".npz" in err
+    assert (
+        err.startswith("images.py: error: --data names the images to train on: an IDX directory")
+        and err.count("\n") == 1
+        and "CIFAR-10 or CIFAR-100" in err
+        and "image folder" in err
+        and ".npz" in err
+    )
 
 
 def test_conv2d_as_matmul_is_conv2d_in_values_and_gradients(getkey):
@@ -57,14 +78,26 @@ def test_conv2d_as_matmul_is_conv2d_in_values_and_gradients(getkey):
     for kernel, stride, padding in ((3, 1, 1), (3, 2, 1), (1, 2, 0), (2, 1, 0)):
         conv = eqx.nn.Conv2d(3, 5, kernel, stride=stride, padding=padding, key=getkey())
         np.testing.assert_allclose(conv2d_as_matmul(conv, x), conv(x), atol=1e-5)
-        grads = [eqx.filter_grad(lambda c, f=f: jnp.sum(jnp.sin(f(c, x))))(conv)
-                 for f in (conv2d_as_matmul, lambda c, x: c(x))]
+        grads = [
+            eqx.filter_grad(lambda c, f=f: jnp.sum(jnp.sin(f(c, x))))(conv)
+            for f in (conv2d_as_matmul, lambda c, x: c(x))
+        ]
         np.testing.assert_allclose(grads[0].weight, grads[1].weight, atol=1e-4)
 
 
 def test_image_resnet_normalises_uint8_and_float_images_alike_and_names_a_wrong_size(getkey):
-    model, state = build_model("image_resnet", height=28, width=28, channels=1, classes=10, features=4, blocks=1,
-                               mean=[0.1307], std=[0.3081], key=getkey())
+    model, state = build_model(
+        "image_resnet",
+        height=28,
+        width=28,
+        channels=1,
+        classes=10,
+        features=4,
+        blocks=1,
+        mean=[0.1307],
+        std=[0.3081],
+        key=getkey(),
+    )
     assert isinstance(model, ImageResNet)
     pixels = jax.random.randint(getkey(), (6, 28, 28, 1), 0, 256).astype(jnp.uint8)
     inference = eqx.nn.inference_mode(model)
@@ -84,7 +117,7 @@ def test_random_crop_flip_moves_each_image_by_its_own_key(getkey):
     assert out.shape == batch.shape and out.dtype == batch.dtype
     for image, moved in zip(np.asarray(batch), np.asarray(out), strict=True):
         padded = np.pad(image, ((2, 2), (2, 2), (0, 0)))
-        windows = [padded[i:i + 6, j:j + 6] for i in range(5) for j in range(5)]
+        windows = [padded[i : i + 6, j : j + 6] for i in range(5) for j in range(5)]
         assert any(np.array_equal(moved, w) or np.array_equal(moved, w[:, ::-1]) for w in windows)
     np.testing.assert_array_equal(out, random_crop_flip(batch, keys, padding=2, flip=True))  # a pure function
     np.testing.assert_array_equal(random_crop_flip(batch, keys, padding=0, flip=False), batch)

@@ -37,20 +37,33 @@ def test_every_package_of_the_source_tree_is_installed():
 def test_pip_install_into_a_fresh_venv_runs_an_experiment_and_loads_it_back(tmp_path):
     source = tmp_path / "source"  # a copy: pip builds in the tree it is given
     top_level = {".git", ".venv", "runs", "data", "build", ".pytest_cache"}  # the checkout's own, and what it made
-    shutil.copytree(ROOT, source, ignore=lambda where, names: [
-        n for n in names if (Path(where) == ROOT and n in top_level) or n == "__pycache__" or n.endswith(".egg-info")])
+    shutil.copytree(
+        ROOT,
+        source,
+        ignore=lambda where, names: [
+            n
+            for n in names
+            if (Path(where) == ROOT and n in top_level) or n == "__pycache__" or n.endswith(".egg-info")
+        ],
+    )
     subprocess.run([sys.executable, "-m", "venv", str(tmp_path / "venv")], check=True)
     python = str(tmp_path / "venv" / "bin" / "python")
     # --no-compile: no bytecode for the thousands of modules this test never imports (35 s -> 15 s of install)
     pip = [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-compile"]
     subprocess.run([*pip, "torch==2.13.0"], check=True, capture_output=True)  # the CPU build on disk
-    installed = subprocess.run([*pip, "-c", str(ROOT / "requirements" / "constraints.txt"), str(source)],
-                               capture_output=True, text=True)
+    installed = subprocess.run(
+        [*pip, "-c", str(ROOT / "requirements" / "constraints.txt"), str(source)], capture_output=True, text=True
+    )
     assert installed.returncode == 0, installed.stderr[-3000:]
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    ran = subprocess.run([python, "-m", "research.run", "xor", "--epochs", "1", "--run-dir", "r", "--no-progress"],
-                         cwd=elsewhere, capture_output=True, text=True, timeout=300)
+    ran = subprocess.run(
+        [python, "-m", "research.run", "xor", "--epochs", "1", "--run-dir", "r", "--no-progress"],
+        cwd=elsewhere,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.startswith("xor: MLP, 33 parameters")
     check = """
@@ -65,6 +78,11 @@ assert metadata("research")["License-Expression"] == "Apache-2.0"
 """
     loaded = subprocess.run([python, "-c", check], cwd=elsewhere, capture_output=True, text=True, timeout=300)
     assert loaded.returncode == 0, loaded.stderr
-    swept = subprocess.run([python, "-m", "research.tools.sweep", "xor", "lr=0.1,0.3", "--dry-run"], cwd=elsewhere,
-                           capture_output=True, text=True, timeout=300)
+    swept = subprocess.run(
+        [python, "-m", "research.tools.sweep", "xor", "lr=0.1,0.3", "--dry-run"],
+        cwd=elsewhere,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert swept.returncode == 0 and len(swept.stdout.splitlines()) == 2, swept.stderr

@@ -30,21 +30,25 @@ def job_process(job) -> int:
 
 @pytest.mark.slow
 def test_a_grid_of_jobs_trains_every_run_and_prints_the_table(tmp_path, capsys):
-    code, out, err = run_sweep(["xor", "lr=0.1,0.3", "--executor", "submitit-local", "--sweep-dir",
-                                str(tmp_path / "s"), *TINY], capsys)
+    code, out, err = run_sweep(
+        ["xor", "lr=0.1,0.3", "--executor", "submitit-local", "--sweep-dir", str(tmp_path / "s"), *TINY], capsys
+    )
     assert code == 0, err
     assert "sweep: 2 job(s) submitted, 0 collected (submitit-local: " in err
     ids = json.loads((tmp_path / "s" / "jobs.json").read_text())
     assert sorted(ids) == ["lr=0.1", "lr=0.3"] and all(RunDir(tmp_path / "s" / n).read_summary() for n in ids)
     assert out.splitlines()[0] == "| run | lr | test_accuracy | test_loss | train_loss | step | wall_seconds |"
-    code, out, err = run_sweep(["xor", "lr=0.1,0.3", "--executor", "submitit-local", "--sweep-dir",
-                                str(tmp_path / "s"), *TINY], capsys)
+    code, out, err = run_sweep(
+        ["xor", "lr=0.1,0.3", "--executor", "submitit-local", "--sweep-dir", str(tmp_path / "s"), *TINY], capsys
+    )
     assert code == 0 and err.count("already finished") == 2 and "submitted" not in err  # nothing to submit
 
 
 def test_options_the_jobs_cannot_take_are_refused_in_one_line(tmp_path, capsys):
-    for args, message in ((["--search", "random", "lr=0.1:1"], "--executor submitit-local takes a grid"),
-                          (["--no-wait", "lr=0.1"], "--no-wait needs jobs that outlive the sweep: --executor slurm")):
+    for args, message in (
+        (["--search", "random", "lr=0.1:1"], "--executor submitit-local takes a grid"),
+        (["--no-wait", "lr=0.1"], "--no-wait needs jobs that outlive the sweep: --executor slurm"),
+    ):
         code, _, err = run_sweep(["xor", *args, "--executor", "submitit-local", "--sweep-dir", str(tmp_path)], capsys)
         assert code == 2 and err.count("\n") == 1 and message in err, err
 
@@ -59,15 +63,31 @@ def test_a_job_stopped_by_its_signal_checkpoints_requeues_and_finishes_the_run_b
     it saves a checkpoint and stops; submitit requeues the same command, which resumes it; a sweep run
     again meanwhile collects the job instead of submitting another."""
     # 40,000 steps, one a call: seconds to stop it in (a first record comes after a tenth of a second)
-    args = ["--epochs", "5000", "--train-size", "256", "--test-size", "64", "--batch-size", "32", "--log-every",
-            "2000", "--steps-per-call", "1", "--checkpoint-minutes", "0"]
+    args = [
+        "--epochs",
+        "5000",
+        "--train-size",
+        "256",
+        "--test-size",
+        "64",
+        "--batch-size",
+        "32",
+        "--log-every",
+        "2000",
+        "--steps-per-call",
+        "1",
+        "--checkpoint-minutes",
+        "0",
+    ]
     module, script = sweep._experiment("xor")
     axes = [sweep.parse_axis("lr=0.3", sweep.sweepable_fields(module.Config))]
     runs = [sweep._make_run(script, tmp_path / name, args, axes, {"lr": "0.3"}) for name in ("cut", "straight")]
-    [straight] = submit_and_collect(runs[1:], "submitit-local", tmp_path / "straight", Options(), wait=True,
-                                    finished=lambda outcome: None)
-    [job] = submit_and_collect(runs[:1], "submitit-local", tmp_path / "cut", Options(), wait=False,
-                               finished=lambda outcome: None)
+    [straight] = submit_and_collect(
+        runs[1:], "submitit-local", tmp_path / "straight", Options(), wait=True, finished=lambda outcome: None
+    )
+    [job] = submit_and_collect(
+        runs[:1], "submitit-local", tmp_path / "cut", Options(), wait=False, finished=lambda outcome: None
+    )
     metrics = runs[0].path / "metrics.jsonl"
     deadline = time.monotonic() + 120
     while not metrics.exists() or not metrics.read_text().endswith("\n"):
@@ -75,8 +95,9 @@ def test_a_job_stopped_by_its_signal_checkpoints_requeues_and_finishes_the_run_b
         time.sleep(0.05)
     os.kill(job_process(job), submitit.JobEnvironment._usr_sig())  # what SLURM sends the job before its end
     outcomes = []
-    [again] = submit_and_collect(runs[:1], "submitit-local", tmp_path / "cut", Options(), wait=True,
-                                 finished=outcomes.append)
+    [again] = submit_and_collect(
+        runs[:1], "submitit-local", tmp_path / "cut", Options(), wait=True, finished=outcomes.append
+    )
     assert again.job_id == job.job_id and outcomes[0].ok, outcomes  # collected, not submitted twice
     err = (tmp_path / "cut" / "logs" / f"{runs[0].name}.err").read_text()
     assert "stopped by SIGTERM at step" in err and "resuming" in err  # the requeued command resumed the run

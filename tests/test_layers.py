@@ -69,13 +69,16 @@ def private_imports(source: str, module: str, is_package: bool) -> list[tuple[in
     return found
 
 
-@pytest.mark.parametrize(("source", "expected"), [
-    ("from ..train._compiled import static_key", [(1, "research.train._compiled.static_key")]),
-    ("import research.train._keys", [(1, "research.train._keys")]),
-    ("from research.train import _copy", [(1, "research.train._copy")]),
-    ("from ..experiment import _versions", [(1, "research.experiment._versions")]),
-    ("from ._devices import check_device_count\nfrom ..train import fit\nfrom jax._src import xla_bridge", []),
-])
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("from ..train._compiled import static_key", [(1, "research.train._compiled.static_key")]),
+        ("import research.train._keys", [(1, "research.train._keys")]),
+        ("from research.train import _copy", [(1, "research.train._copy")]),
+        ("from ..experiment import _versions", [(1, "research.experiment._versions")]),
+        ("from ._devices import check_device_count\nfrom ..train import fit\nfrom jax._src import xla_bridge", []),
+    ],
+)
 def test_private_imports_finds_imports_across_packages(source, expected):
     assert private_imports(source, "research.parallel._strategies", is_package=False) == expected
 

@@ -37,12 +37,13 @@ def tiny_model(key, **overrides) -> LanguageModel:
     return build_model("lm", key=key, **{**TINY, **overrides})[0]
 
 
-TEXT = np.frombuffer(b"the quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs. " * 40,
-                     np.uint8)
+TEXT = np.frombuffer(
+    b"the quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs. " * 40, np.uint8
+)
 
 
 def tiny_batch(rows: int, seed: int = 0) -> Batch:
-    data = TEXT[seed * 7:][: rows * 16 + 1]
+    data = TEXT[seed * 7 :][: rows * 16 + 1]
     inputs, labels = next_byte_windows(data, 16)
     return Batch(jnp.asarray(inputs), jnp.asarray(labels))
 
@@ -125,8 +126,9 @@ def value_and_grad(loss: NextTokenLoss, model: LanguageModel, batch: Batch, key,
 
 
 def _assert_same_model(a, b, tolerance: float) -> None:
-    for x, y in zip(jax.tree.leaves(eqx.filter(a, eqx.is_array)), jax.tree.leaves(eqx.filter(b, eqx.is_array)),
-                    strict=True):
+    for x, y in zip(
+        jax.tree.leaves(eqx.filter(a, eqx.is_array)), jax.tree.leaves(eqx.filter(b, eqx.is_array)), strict=True
+    ):
         np.testing.assert_allclose(x, y, atol=tolerance, rtol=tolerance)
 
 
@@ -152,8 +154,9 @@ def test_grad_accum_combines_over_a_device_axis(getkey):
     loss = NextTokenLoss(grad_accum=2)
     (whole, _), whole_grads = value_and_grad(loss, model, batch, key)
     per_device = jax.tree.map(lambda x: x.reshape(2, 4, *x.shape[1:]), batch)
-    on_devices = eqx.filter_vmap(lambda b: value_and_grad(loss, model, Batch(*b), key, axis_name="devices"),
-                                 axis_name="devices")
+    on_devices = eqx.filter_vmap(
+        lambda b: value_and_grad(loss, model, Batch(*b), key, axis_name="devices"), axis_name="devices"
+    )
     (mapped, _), grads = on_devices(per_device)
     np.testing.assert_allclose(mapped, jnp.stack([whole, whole]), rtol=1e-6)
     _assert_same_model(jax.tree.map(lambda g: g[0], grads), whole_grads, 1e-6)
@@ -164,11 +167,38 @@ def test_fsdp_with_grad_accum_splits_micro_batches_where_the_rows_live(tmp_path)
     """Four FSDP devices, two micro-batches: the micro-batch split keeps the batch's row sharding, so XLA
     compiles it without resharding ("Involuntary full rematerialization ... replicate the tensor")."""
     (tmp_path / "text.txt").write_bytes(b"sphinx of black quartz, judge my vow. " * 200)
-    flags = ["--text", "text.txt", "--steps", "2", "--context", "16", "--dim", "32", "--depth", "1", "--heads", "2",
-             "--batch-size", "8", "--grad-accum", "2", "--devices", "4", "--parallel", "fsdp", "--no-progress",
-             "--run-dir", "r"]
-    result = subprocess.run([sys.executable, str(ROOT / "experiments" / "lm.py"), *flags], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=300)
+    flags = [
+        "--text",
+        "text.txt",
+        "--steps",
+        "2",
+        "--context",
+        "16",
+        "--dim",
+        "32",
+        "--depth",
+        "1",
+        "--heads",
+        "2",
+        "--batch-size",
+        "8",
+        "--grad-accum",
+        "2",
+        "--devices",
+        "4",
+        "--parallel",
+        "fsdp",
+        "--no-progress",
+        "--run-dir",
+        "r",
+    ]
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "experiments" / "lm.py"), *flags],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "rematerialization" not in result.stderr, result.stderr[-2000:]
     assert "4 cpu devices" in result.stdout
@@ -213,9 +243,31 @@ def test_experiment_trains_and_reports_bits_per_byte(tmp_path, monkeypatch, caps
     (tmp_path / "text.txt").write_bytes(b"the quick brown fox jumps over the lazy dog. " * 200)
     monkeypatch.chdir(tmp_path)
     module = load_experiment("lm")
-    flags = ["--text", "text.txt", "--steps", "6", "--context", "16", "--dim", "16", "--depth", "1", "--heads", "2",
-             "--batch-size", "8", "--grad-accum", "2", "--steps-per-call", "3", "--log-every", "3", "--run-dir", "r",
-             "--no-progress"]
+    flags = [
+        "--text",
+        "text.txt",
+        "--steps",
+        "6",
+        "--context",
+        "16",
+        "--dim",
+        "16",
+        "--depth",
+        "1",
+        "--heads",
+        "2",
+        "--batch-size",
+        "8",
+        "--grad-accum",
+        "2",
+        "--steps-per-call",
+        "3",
+        "--log-every",
+        "3",
+        "--run-dir",
+        "r",
+        "--no-progress",
+    ]
     main_entry(module.main, module.Config, flags)
     summary = json.loads((tmp_path / "r/summary.json").read_text())
     assert summary["step"] == 6 and summary["bytes_per_s"] > 0
@@ -232,13 +284,35 @@ def test_resumed_run_ends_where_an_uninterrupted_one_does(tmp_path, monkeypatch)
     (tmp_path / "text.txt").write_bytes(b"pack my box with five dozen liquor jugs. " * 200)
     monkeypatch.chdir(tmp_path)
     module = load_experiment("lm")
-    flags = ["--text", "text.txt", "--context", "16", "--dim", "16", "--depth", "1", "--heads", "2", "--batch-size",
-             "8", "--steps-per-call", "2", "--log-every", "2", "--no-progress"]
+    flags = [
+        "--text",
+        "text.txt",
+        "--context",
+        "16",
+        "--dim",
+        "16",
+        "--depth",
+        "1",
+        "--heads",
+        "2",
+        "--batch-size",
+        "8",
+        "--steps-per-call",
+        "2",
+        "--log-every",
+        "2",
+        "--no-progress",
+    ]
     main_entry(module.main, module.Config, [*flags, "--steps", "8", "--run-dir", "whole"])
     main_entry(module.main, module.Config, [*flags, "--steps", "8", "--run-dir", "parts", "--checkpoint-every", "4"])
     shutil.rmtree(tmp_path / "parts/checkpoints/step_000000008")  # as if killed between steps 4 and 8
-    main_entry(module.main, module.Config, [*flags, "--steps", "8", "--run-dir", "parts", "--checkpoint-every", "4",
-                                            "--resume"])
-    losses = {name: [json.loads(line)["train/loss"] for line in (tmp_path / name / "metrics.jsonl").open()]
-              for name in ("whole", "parts")}
+    main_entry(
+        module.main,
+        module.Config,
+        [*flags, "--steps", "8", "--run-dir", "parts", "--checkpoint-every", "4", "--resume"],
+    )
+    losses = {
+        name: [json.loads(line)["train/loss"] for line in (tmp_path / name / "metrics.jsonl").open()]
+        for name in ("whole", "parts")
+    }
     assert len(losses["whole"]) == 4 and losses["whole"] == losses["parts"]

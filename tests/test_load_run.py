@@ -51,7 +51,9 @@ def test_a_loaded_xor_run_is_its_last_checkpoint_and_scores_its_summary(tmp_path
     if ema_decay:
         assert loaded.state.ema is not None and loaded.ema_model is not None
         assert evaluate(loaded.ema_model, loaded.ema_model_state, test) == {
-            "loss": summary["test_loss"], "accuracy": summary["test_accuracy"]}
+            "loss": summary["test_loss"],
+            "accuracy": summary["test_accuracy"],
+        }
         assert trained == {"loss": summary["test_raw_loss"], "accuracy": summary["test_raw_accuracy"]}
     else:
         assert loaded.ema_model is None and loaded.ema_model_state is None
@@ -93,26 +95,30 @@ def test_a_config_json_the_script_no_longer_fits_is_refused(tmp_path, monkeypatc
 def test_a_loaded_ensemble_is_its_stacked_population(tmp_path, monkeypatch, mnist1d_dir):
     monkeypatch.chdir(tmp_path)
     ensemble = load_experiment("ensemble")
-    config = ensemble.Config(num_members=3, epochs=1, hidden=16, data_dir=str(mnist1d_dir), run_dir="ens",
-                             progress=False, ema_decay=0.5)
+    config = ensemble.Config(
+        num_members=3, epochs=1, hidden=16, data_dir=str(mnist1d_dir), run_dir="ens", progress=False, ema_decay=0.5
+    )
     summary = ensemble.main(config)
     loaded = load_run("ens")
 
     assert loaded.step == summary["step"] == 40 and loaded.state.step.shape == (3,)
     assert serialised(loaded.state) == payload(loaded.checkpoint)
     metrics, raw = evaluate_population(loaded.state, loaded.setup.eval_data)
-    assert {f"test_{k}": v for k, v in metrics.items()} == {k: summary[k] for k in summary if k.startswith("test_")
-                                                            and not k.startswith("test_raw_")}
-    assert {f"test_raw_{k}": v for k, v in raw.items()} == {k: summary[k] for k in summary
-                                                            if k.startswith("test_raw_")}
+    assert {f"test_{k}": v for k, v in metrics.items()} == {
+        k: summary[k] for k in summary if k.startswith("test_") and not k.startswith("test_raw_")
+    }
+    assert {f"test_raw_{k}": v for k, v in raw.items()} == {k: summary[k] for k in summary if k.startswith("test_raw_")}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("experiment, options", [
-    ("circles", {"epochs": 1}),
-    ("mnist1d", {"model": "resnet", "steps": 3, "ema_decay": 0.5}),  # stateful: BatchNorm statistics
-    ("dp_sgd", {"epochs": 1, "batch_size": 500, "steps_per_call": 8}),
-])
+@pytest.mark.parametrize(
+    "experiment, options",
+    [
+        ("circles", {"epochs": 1}),
+        ("mnist1d", {"model": "resnet", "steps": 3, "ema_decay": 0.5}),  # stateful: BatchNorm statistics
+        ("dp_sgd", {"epochs": 1, "batch_size": 500, "steps_per_call": 8}),
+    ],
+)
 def test_every_other_experiment_loads_bit_for_bit(tmp_path, monkeypatch, mnist1d_dir, experiment, options):
     monkeypatch.chdir(tmp_path)
     module = load_experiment(experiment)
@@ -121,7 +127,10 @@ def test_every_other_experiment_loads_bit_for_bit(tmp_path, monkeypatch, mnist1d
     summary = module.main(module.Config(run_dir="run", progress=False, **options))
     loaded = load_run("run")
     assert loaded.step == summary["step"] and serialised(loaded.state) == payload(loaded.checkpoint)
-    model, model_state = (loaded.ema_model, loaded.ema_model_state) if loaded.state.ema else (
-        loaded.model, loaded.model_state)
+    model, model_state = (
+        (loaded.ema_model, loaded.ema_model_state) if loaded.state.ema else (loaded.model, loaded.model_state)
+    )
     assert evaluate(model, model_state, loaded.setup.eval_data) == {
-        "loss": summary["test_loss"], "accuracy": summary["test_accuracy"]}
+        "loss": summary["test_loss"],
+        "accuracy": summary["test_accuracy"],
+    }

@@ -45,8 +45,9 @@ def test_rewinding_restores_the_initial_weights_bitwise():
     masks = lottery.magnitude_masks(lottery.initial_model(config), 0.5)
     initial = lottery.initial_model(config)
     rewound = lottery.build_state(config, masks).model
-    for layer, start, (weight_mask, bias_mask) in zip(rewound.model.layers, initial.layers, layer_masks(masks),
-                                                      strict=True):
+    for layer, start, (weight_mask, bias_mask) in zip(
+        rewound.model.layers, initial.layers, layer_masks(masks), strict=True
+    ):
         assert np.array_equal(np.asarray(layer.weight), np.where(weight_mask, start.weight, 0.0))
         assert np.array_equal(np.asarray(layer.bias), np.where(bias_mask, start.bias, 0.0))
     reinit = lottery.build_state(config, masks, reinit=True).model
@@ -60,16 +61,24 @@ def test_pruned_weights_stay_exactly_zero_through_training(mnist1d_dir):
     run = lottery.setup(config, masks)
     start = run.build_state()
     trained = fit(start, run.train_data, num_steps=12, steps_per_call=4, progress=False).state.model
-    for layer, before, (weight_mask, _) in zip(trained.model.layers, start.model.model.layers, layer_masks(masks),
-                                               strict=True):
+    for layer, before, (weight_mask, _) in zip(
+        trained.model.layers, start.model.model.layers, layer_masks(masks), strict=True
+    ):
         weight = np.asarray(layer.weight)
         assert np.all(weight[~weight_mask] == 0.0)  # no gradient reaches them: Adam leaves them at zero
         assert np.mean(weight[weight_mask] != np.asarray(before.weight)[weight_mask]) > 0.5  # the others train
 
 
 def test_each_round_prunes_the_previous_rounds_trained_weights(mnist1d_dir, tmp_path):
-    config = lottery.Config(**TINY, rounds=2, schedule_length=4, eval_every=2, data_dir=str(mnist1d_dir),
-                            run_dir=str(tmp_path / "run"), progress=False)
+    config = lottery.Config(
+        **TINY,
+        rounds=2,
+        schedule_length=4,
+        eval_every=2,
+        data_dir=str(mnist1d_dir),
+        run_dir=str(tmp_path / "run"),
+        progress=False,
+    )
     summary = lottery.main(config)
 
     def final_model(name):

@@ -63,10 +63,14 @@ def test_the_cache_is_read_back_and_a_bad_one_is_refused(data_dir, tmp_path):
     np.testing.assert_array_equal(train.labels, fresh_train.labels)
 
     bad = cache_path(tmp_path)
-    np.savez(bad, train_inputs=train.inputs[:10], train_labels=train.labels, test_inputs=test.inputs,
-             test_labels=test.labels)
-    with pytest.raises(DataError, match=r"'train_inputs' should be float32\[4000, 40\], found float32\[10, 40\]; "
-                                         "delete the file"):
+    np.savez(
+        bad, train_inputs=train.inputs[:10], train_labels=train.labels, test_inputs=test.inputs, test_labels=test.labels
+    )
+    with pytest.raises(
+        DataError,
+        match=r"'train_inputs' should be float32\[4000, 40\], found float32\[10, 40\]; "
+        "delete the file",
+    ):
         load_mnist1d(tmp_path)
     np.savez(bad, train_inputs=np.array([object()], dtype=object))
     with pytest.raises(DataError, match="allow_pickle"):  # object arrays are never unpickled
@@ -116,7 +120,13 @@ def test_loaders_serve_the_same_examples_on_the_device_and_through_torch(data_di
 def test_config_resolves_the_per_model_recipe_and_refuses_unknown_models():
     cnn = mnist1d.Config(model="cnn").resolved()
     assert (cnn.lr, cnn.batch_size, cnn.steps, cnn.weight_decay, cnn.schedule, cnn.steps_per_call) == (
-        1e-2, 32, 16000, 0.1, "cosine", 100)
+        1e-2,
+        32,
+        16000,
+        0.1,
+        "cosine",
+        100,
+    )
     mine = mnist1d.Config(model="transformer", lr=3e-4, steps=10).resolved()
     assert (mine.lr, mine.steps, mine.batch_size) == (3e-4, 10, 100)
     with pytest.raises(ConfigError, match="--model must be one of logistic, mlp, cnn, gru, resnet, transformer"):
@@ -157,9 +167,21 @@ def test_each_model_learns_mnist1d(model, data_dir, tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_the_script_generates_the_data_trains_the_cnn_and_prints_the_summary(data_dir, tmp_path):
     result = subprocess.run(  # from the script's default data dir (./data), so it generates the data
-        [sys.executable, str(ROOT / "experiments/mnist1d.py"), "--model", "cnn", "--steps", "400",
-         "--run-dir", "r", "--no-progress"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            str(ROOT / "experiments/mnist1d.py"),
+            "--model",
+            "cnn",
+            "--steps",
+            "400",
+            "--run-dir",
+            "r",
+            "--no-progress",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr
     assert cache_path(tmp_path / "data").read_bytes() == cache_path(data_dir).read_bytes()

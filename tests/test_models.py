@@ -135,14 +135,16 @@ def test_parameter_counts(getkey):
     # The CNN is MNIST-1D's ConvBase: 25*1*5+25 + 2*(25*25*3+25) + 125*10+10; logistic 40*10+10;
     # the MLP 40-100-100-10; the GRU 3*16*(1+16+1) + 16 + 16*10+10 (like torch's GRU, a separate bias
     # inside the reset gate's product).
-    assert counts == {"logistic": 410, "mlp": 15_210, "cnn": 5_210, "gru": 1_050, "resnet": 2_002,
-                      "transformer": 4_762}
+    assert counts == {"logistic": 410, "mlp": 15_210, "cnn": 5_210, "gru": 1_050, "resnet": 2_002, "transformer": 4_762}
 
 
 def test_cnn_equals_the_torch_reference_convbase(getkey):
     model = CNN1d(key=getkey())
-    convs = [torch.nn.Conv1d(1, 25, 5, stride=2, padding=1), torch.nn.Conv1d(25, 25, 3, stride=2, padding=1),
-             torch.nn.Conv1d(25, 25, 3, stride=2, padding=1)]
+    convs = [
+        torch.nn.Conv1d(1, 25, 5, stride=2, padding=1),
+        torch.nn.Conv1d(25, 25, 3, stride=2, padding=1),
+        torch.nn.Conv1d(25, 25, 3, stride=2, padding=1),
+    ]
     linear = torch.nn.Linear(125, 10)
     with torch.no_grad():
         for ours, theirs in zip(model.convs, convs, strict=True):
@@ -158,8 +160,10 @@ def test_cnn_equals_the_torch_reference_convbase(getkey):
     np.testing.assert_allclose(jax.vmap(model)(jnp.asarray(x)), expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize(("channels", "out", "kernel", "stride", "padding", "length"),
-                         [(1, 25, 5, 2, 1, 40), (25, 25, 3, 2, 1, 19), (3, 4, 3, 1, 0, 10), (2, 3, 4, 3, 2, 11)])
+@pytest.mark.parametrize(
+    ("channels", "out", "kernel", "stride", "padding", "length"),
+    [(1, 25, 5, 2, 1, 40), (25, 25, 3, 2, 1, 19), (3, 4, 3, 1, 0, 10), (2, 3, 4, 3, 2, 11)],
+)
 def test_conv1d_as_matmul_equals_eqx_conv1d_and_its_gradient(getkey, channels, out, kernel, stride, padding, length):
     conv = eqx.nn.Conv1d(channels, out, kernel, stride=stride, padding=padding, key=getkey())
     x = jax.random.normal(getkey(), (channels, length))
@@ -233,8 +237,7 @@ def test_resnet_reduces_batch_statistics_over_several_named_axes(getkey):
     model, state = build_model("resnet", widths=(4,), axis_name=("devices", "batch"), key=key)
     inputs = jax.random.normal(getkey(), (2, 3, 40))
     per_device = jax.vmap(lambda x, s: model(x, s), in_axes=(0, None), out_axes=(0, None), axis_name="batch")
-    logits, _ = jax.jit(jax.vmap(per_device, in_axes=(0, None), out_axes=(0, None), axis_name="devices"))(
-        inputs, state)
+    logits, _ = jax.jit(jax.vmap(per_device, in_axes=(0, None), out_axes=(0, None), axis_name="devices"))(inputs, state)
     # Statistics over all 6 examples: the same as one vmap over a flat batch with a single-name model.
     flat_model, flat_state = build_model("resnet", widths=(4,), key=key)  # the same parameters
     flat, _ = forward(flat_model, flat_state, inputs.reshape(6, 40), key=None)

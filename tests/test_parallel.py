@@ -52,8 +52,9 @@ def worker_args(*groups: list[str]) -> list[str]:
 
 
 def run_worker(cwd: Path, *groups: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, str(WORKER), *worker_args(*groups)], cwd=cwd, capture_output=True,
-                            text=True, timeout=timeout)
+    result = subprocess.run(
+        [sys.executable, str(WORKER), *worker_args(*groups)], cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 
@@ -74,16 +75,28 @@ def assert_same_run(run: Path, reference: Path, model: str) -> None:
     np.testing.assert_allclose(losses(run), losses(reference), rtol=0, atol=TOLERANCE)
     a, b = final_state(run, model), final_state(reference, model)
     assert int(a.step) == int(b.step) == 20
-    for x, y in zip(jax.tree.leaves(eqx.filter(a, eqx.is_array)), jax.tree.leaves(eqx.filter(b, eqx.is_array)),
-                    strict=True):
+    for x, y in zip(
+        jax.tree.leaves(eqx.filter(a, eqx.is_array)), jax.tree.leaves(eqx.filter(b, eqx.is_array)), strict=True
+    ):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=TOLERANCE)
 
 
-def group(model: str, parallel: str, devices: int, run_dir: Path, *extra: str,
-          loader: str | None = None) -> list[str]:
+def group(model: str, parallel: str, devices: int, run_dir: Path, *extra: str, loader: str | None = None) -> list[str]:
     loader = loader or ("torch" if model in ("mlp", "wide") else "device")  # host batches and device-resident data
-    return ["--model", model, "--loader", loader, "--parallel", parallel, "--devices", str(devices),
-            "--run-dir", str(run_dir), "--no-progress", *extra]
+    return [
+        "--model",
+        model,
+        "--loader",
+        loader,
+        "--parallel",
+        parallel,
+        "--devices",
+        str(devices),
+        "--run-dir",
+        str(run_dir),
+        "--no-progress",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -128,8 +141,11 @@ def test_a_checkpoint_continues_on_another_number_of_devices(one_process_runs, r
     if run == "8-4-1":  # the 64x64 arrays were saved in 8 shards, then in 4 (Orbax's record of the shardings)
         for step, devices in ((8, 8), (14, 4)):
             shardings = json.loads((one_process_runs / run / f"checkpoints/step_{step:09d}/_sharding").read_text())
-            split = [len(s["device_mesh"]["mesh"]) for s in map(json.loads, shardings.values())
-                     if s["partition_spec"] == ["data"]]
+            split = [
+                len(s["device_mesh"]["mesh"])
+                for s in map(json.loads, shardings.values())
+                if s["partition_spec"] == ["data"]
+            ]
             assert split and set(split) == {devices}
 
 
@@ -149,9 +165,21 @@ def test_two_processes_give_the_same_numbers_and_stop_together_when_one_dies(one
         group("mlp", "sharded", 1, tmp_path / "endless", "--steps", "10000000", "--log-every", "20"),
     ]
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "research.tools.launch", "--num-processes", "2", "--", str(WORKER),
-         *worker_args(*groups)],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "research.tools.launch",
+            "--num-processes",
+            "2",
+            "--",
+            str(WORKER),
+            *worker_args(*groups),
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 600
         while not (tmp_path / "endless" / "metrics.jsonl").exists():
@@ -176,7 +204,13 @@ def test_two_processes_give_the_same_numbers_and_stop_together_when_one_dies(one
     assert_same_run(tmp_path / "dpsgd-pmap", one_process_runs / "dpsgd-none", "dpsgd")
     assert_same_run(tmp_path / "wide-fsdp", one_process_runs / "wide-none", "wide")
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "batchnorm-sharded", "dpsgd-pmap", "endless", "mlp-grain", "mlp-pmap", "wide-fsdp"]
+        "batchnorm-sharded",
+        "dpsgd-pmap",
+        "endless",
+        "mlp-grain",
+        "mlp-pmap",
+        "wide-fsdp",
+    ]
     assert out.count("test accuracy") == 6  # only process 0 reports
 
 
@@ -187,16 +221,34 @@ def test_two_processes_stop_together_on_sigterm_and_resume_to_the_same_bits(one_
     checkpoint there is committed, every process exits 143, and the same command with
     `--resume auto` ends where an uninterrupted two-process run ends, bit for bit. Its trackers are
     process 0's alone: one W&B run (started twice) and one MLflow run, holding metrics.jsonl's records."""
-    args = ["--model", "mlp", "--loader", "device", "--parallel", "sharded", "--devices", "1", "--steps", "400",
-            "--log-every", "20", "--checkpoint-every", "20", "--checkpoint-minutes", "0", "--no-progress"]
+    args = [
+        "--model",
+        "mlp",
+        "--loader",
+        "device",
+        "--parallel",
+        "sharded",
+        "--devices",
+        "1",
+        "--steps",
+        "400",
+        "--log-every",
+        "20",
+        "--checkpoint-every",
+        "20",
+        "--checkpoint-minutes",
+        "0",
+        "--no-progress",
+    ]
     launch_cmd = [sys.executable, "-m", "research.tools.launch", "--num-processes", "2", "--", str(WORKER)]
     # No --run-dir: the processes must agree on the default one (named after the time) to save into it
     straight = subprocess.run([*launch_cmd, *args], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert straight.returncode == 0, straight.stderr[-3000:]
     [straight_dir] = (tmp_path / "runs" / "worker").iterdir()
     tracked = [*args, "--run-dir", str(tmp_path / "stopped"), "--tracker", "wandb,mlflow"]
-    launcher = subprocess.Popen([*launch_cmd, *tracked], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)
+    launcher = subprocess.Popen(
+        [*launch_cmd, *tracked], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     metrics = tmp_path / "stopped" / "metrics.jsonl"
     deadline = time.monotonic() + 600
     while not metrics.exists() or len(metrics.read_text().splitlines()) < 2:
@@ -210,8 +262,9 @@ def test_two_processes_stop_together_on_sigterm_and_resume_to_the_same_bits(one_
     step = steps.pop()
     assert 0 < step < 400 and step % 20 == 0
     assert (tmp_path / "stopped" / "checkpoints" / f"step_{step:09d}" / "checkpoint.json").exists()
-    resumed = subprocess.run([*launch_cmd, *tracked, "--resume", "auto"], cwd=tmp_path, capture_output=True,
-                             text=True, timeout=600)
+    resumed = subprocess.run(
+        [*launch_cmd, *tracked, "--resume", "auto"], cwd=tmp_path, capture_output=True, text=True, timeout=600
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
     def records(run):
@@ -242,18 +295,29 @@ def _environ(pid: int) -> bytes:
 
 # -- in this process (one device) ----------------------------------------------------------------------
 
+
 def test_each_strategy_on_one_device_matches_the_plain_fast_path():
     train = XORDataset(256, seed=42)
     results = {}
     for name, placement in (("none", OneDevice()), ("pmap", Pmap(1)), ("sharded", Sharded(1))):
         config = worker.Config(model="batchnorm", parallel=name)
-        results[name] = fit(worker.build_state(config), DeviceLoader.from_dataset(train, 32, seed=0), num_steps=4,
-                            log_every=2, steps_per_call=2, progress=False, placement=placement)
+        results[name] = fit(
+            worker.build_state(config),
+            DeviceLoader.from_dataset(train, 32, seed=0),
+            num_steps=4,
+            log_every=2,
+            steps_per_call=2,
+            progress=False,
+            placement=placement,
+        )
     for result in results.values():
         assert result.train_metrics == pytest.approx(results["none"].train_metrics, abs=1e-6)
         assert int(result.state.step) == 4
-        for x, y in zip(jax.tree.leaves(eqx.filter(result.state, eqx.is_array)),
-                        jax.tree.leaves(eqx.filter(results["none"].state, eqx.is_array)), strict=True):
+        for x, y in zip(
+            jax.tree.leaves(eqx.filter(result.state, eqx.is_array)),
+            jax.tree.leaves(eqx.filter(results["none"].state, eqx.is_array)),
+            strict=True,
+        ):
             np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=1e-6)
 
 
@@ -291,11 +355,17 @@ def test_more_devices_than_exist_are_refused_before_any_work(tmp_path):
 
 
 def test_the_script_refuses_an_indivisible_batch_in_one_line(tmp_path):
-    result = subprocess.run([sys.executable, str(ROOT / "experiments" / "xor.py"), "--devices", "3"],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "experiments" / "xor.py"), "--devices", "3"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2
     assert result.stderr.strip() == (
-        "xor.py: error: --batch-size 128 is not divisible by the 3 devices; pick a multiple of 3")
+        "xor.py: error: --batch-size 128 is not divisible by the 3 devices; pick a multiple of 3"
+    )
     assert not (tmp_path / "runs").exists()
 
 
@@ -324,8 +394,14 @@ def test_a_slurm_job_step_of_several_tasks_is_found_by_jaxs_own_slurm_detection(
 
     for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_STEP_NUM_TASKS"):
         monkeypatch.delenv(name, raising=False)
-    slurm = {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_LOCALID": "0",
-             "SLURM_STEP_NODELIST": "gpu[017-018]", "SLURM_STEP_NUM_NODES": "2"}
+    slurm = {
+        "SLURM_JOB_ID": "4242",
+        "SLURM_NTASKS": "2",
+        "SLURM_PROCID": "1",
+        "SLURM_LOCALID": "0",
+        "SLURM_STEP_NODELIST": "gpu[017-018]",
+        "SLURM_STEP_NUM_NODES": "2",
+    }
     for name, value in slurm.items():
         monkeypatch.setenv(name, value)
     assert process_group() is None  # the batch script itself

@@ -63,8 +63,9 @@ def test_one_step_per_call_on_four_cpu_devices_does_not_deadlock(tmp_path, start
     env = {k: v for k, v in os.environ.items() if k not in ("PJRT_NPROC", "NPROC")}
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"  # before JAX starts, as in a real run
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
-    result = subprocess.run([sys.executable, "-c", SCRIPT, started_by], cwd=tmp_path, env=env, capture_output=True,
-                            text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT, started_by], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     runs = json.loads(result.stdout.strip().splitlines()[-1])
     for loader, parallel in (("torch", "pmap"), ("device", "sharded")):

@@ -120,7 +120,8 @@ def test_chunked_equals_direct(getkey):
     batch = Batch(batch.inputs, batch.labels % 3)
     weights = jnp.asarray(np.r_[np.ones(20), np.zeros(10)], jnp.float32)  # the last chunk is all padding
     (direct, direct_metrics), (chunked, chunked_metrics), losses, summed, summed_chunked = direct_and_chunked(
-        model, batch, key, weights)
+        model, batch, key, weights
+    )
     assert_trees_close(chunked, direct)
     np.testing.assert_allclose(chunked_metrics["loss"], direct_metrics["loss"], rtol=1e-6)
     np.testing.assert_allclose(losses, direct_metrics["loss"], rtol=1e-6)
@@ -156,14 +157,19 @@ def test_dp_gradient_is_the_clipped_mean_plus_noise_of_the_promised_scale(getkey
 
 def test_padding_rows_change_nothing(getkey):
     model, batch, key = MLP(2, 1, hidden=(8,), key=getkey()), xor_batch(20), getkey()
-    padded = Batch(jnp.concatenate([batch.inputs, jnp.zeros((12, 2))]),
-                   jnp.concatenate([batch.labels, jnp.full(12, PADDING_LABEL, batch.labels.dtype)]))
+    padded = Batch(
+        jnp.concatenate([batch.inputs, jnp.zeros((12, 2))]),
+        jnp.concatenate([batch.labels, jnp.full(12, PADDING_LABEL, batch.labels.dtype)]),
+    )
     loss = DPSGDLoss(0.3, 0.0, 20, chunk_size=8)
 
     @eqx.filter_jit
     def both(model):
-        return loss.value_and_grad(model, None, batch, key), loss.value_and_grad(model, None, padded, key), loss(
-            model, None, padded, key)
+        return (
+            loss.value_and_grad(model, None, batch, key),
+            loss.value_and_grad(model, None, padded, key),
+            loss(model, None, padded, key),
+        )
 
     ((value, _), grads), ((padded_value, (padded_metrics, _)), padded_grads), (called, _) = both(model)
     assert_trees_close(padded_grads, grads, rtol=1e-4, atol=1e-6)  # keys differ by position: no dropout here
@@ -179,8 +185,14 @@ def test_without_clipping_or_noise_dp_training_is_ordinary_training():
     model_key, train_key = jax.random.split(jax.random.key(3))
     state = TrainState.create(MLP(2, 1, hidden=(8,), key=model_key), optax.sgd(0.3), key=train_key)
     ordinary = fit(state, loader, num_steps=40, steps_per_call=20, progress=False)
-    private = fit(state, loader, num_steps=40, steps_per_call=20, progress=False,
-                  loss_fn=DPSGDLoss(clip_norm=1e6, noise_multiplier=0.0, expected_batch_size=32))
+    private = fit(
+        state,
+        loader,
+        num_steps=40,
+        steps_per_call=20,
+        progress=False,
+        loss_fn=DPSGDLoss(clip_norm=1e6, noise_multiplier=0.0, expected_batch_size=32),
+    )
     assert_trees_close(private.state.model, ordinary.state.model, rtol=1e-5, atol=1e-6)
 
 

@@ -26,8 +26,17 @@ def arrays(tree):
 
 
 def population_fit(states, train, test, num_steps, **kwargs):
-    return fit(states, train, num_steps=num_steps, steps_per_call=25, progress=False, population=True,
-               eval_data=test, evaluator=evaluate_population, **kwargs)
+    return fit(
+        states,
+        train,
+        num_steps=num_steps,
+        steps_per_call=25,
+        progress=False,
+        population=True,
+        eval_data=test,
+        evaluator=evaluate_population,
+        **kwargs,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -100,8 +109,9 @@ def test_a_population_keeps_an_ema_per_member_and_resumes_from_its_checkpoint(xo
 def test_a_population_skips_a_non_finite_member_step_member_by_member(xor):
     train, _ = xor
     states = stack_states(build_state, jax.random.split(jax.random.key(3), 2))
-    poisoned = eqx.tree_at(lambda s: s.model.layers[0].weight, states,
-                           states.model.layers[0].weight.at[1, 0, 0].set(np.nan))
+    poisoned = eqx.tree_at(
+        lambda s: s.model.layers[0].weight, states, states.model.layers[0].weight.at[1, 0, 0].set(np.nan)
+    )
     result = fit(poisoned, train, num_steps=4, progress=False, population=True, skip_nonfinite=True, log_every=4)
     assert result.train_metrics["skipped"] == 4
     healthy = fit(member(states, 0), train, num_steps=4, progress=False)

@@ -39,8 +39,13 @@ TIMING_KEYS = {"steps_per_s"}
 
 
 def run_script(cwd, *args, name="xor", timeout=600):
-    return subprocess.run([sys.executable, str(ROOT / "experiments" / f"{name}.py"), "--no-progress", *args],
-                          cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "experiments" / f"{name}.py"), "--no-progress", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def payload(path):
@@ -69,9 +74,12 @@ def test_two_runs_of_the_same_command_are_bit_identical(tmp_path):
 # -- kill and resume --------------------------------------------------------------------------------
 def kill_when_checkpointed(cwd, run_dir, args, name="xor", min_checkpoints=2, timeout=300):
     """Start a run, SIGKILL it once it has written `min_checkpoints` checkpoints; return its run dir."""
-    process = subprocess.Popen([sys.executable, str(ROOT / "experiments" / f"{name}.py"), "--no-progress",
-                                "--run-dir", run_dir, *args], cwd=cwd, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [sys.executable, str(ROOT / "experiments" / f"{name}.py"), "--no-progress", "--run-dir", run_dir, *args],
+        cwd=cwd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     run = RunDir(Path(cwd) / run_dir)
     deadline = time.monotonic() + timeout
     try:
@@ -87,15 +95,63 @@ def kill_when_checkpointed(cwd, run_dir, args, name="xor", min_checkpoints=2, ti
 
 KILL_CASES = {
     # name: (experiment, args); MNIST-1D cases also get `--data-dir` of the session's generated data.
-    "xor": ("xor", ["--epochs", "300", "--steps-per-call", "5", "--log-every", "50", "--eval-every", "570",
-                    "--checkpoint-every", "190", "--keep-checkpoints", "2"]),
+    "xor": (
+        "xor",
+        [
+            "--epochs",
+            "300",
+            "--steps-per-call",
+            "5",
+            "--log-every",
+            "50",
+            "--eval-every",
+            "570",
+            "--checkpoint-every",
+            "190",
+            "--keep-checkpoints",
+            "2",
+        ],
+    ),
     # the reference CNN, several steps per compiled call, checkpoints between evaluations
-    "mnist1d-cnn": ("mnist1d", ["--model", "cnn", "--steps", "800", "--steps-per-call", "10", "--log-every", "50",
-                                "--eval-every", "400", "--checkpoint-every", "100", "--keep-checkpoints", "2"]),
+    "mnist1d-cnn": (
+        "mnist1d",
+        [
+            "--model",
+            "cnn",
+            "--steps",
+            "800",
+            "--steps-per-call",
+            "10",
+            "--log-every",
+            "50",
+            "--eval-every",
+            "400",
+            "--checkpoint-every",
+            "100",
+            "--keep-checkpoints",
+            "2",
+        ],
+    ),
     # BatchNorm running statistics (model state) and an EMA of the weights in the checkpoint
-    "mnist1d-resnet-ema": ("mnist1d", ["--model", "resnet", "--ema-decay", "0.99", "--steps", "160",
-                                       "--log-every", "20", "--eval-every", "80", "--checkpoint-every", "40",
-                                       "--keep-checkpoints", "2"]),
+    "mnist1d-resnet-ema": (
+        "mnist1d",
+        [
+            "--model",
+            "resnet",
+            "--ema-decay",
+            "0.99",
+            "--steps",
+            "160",
+            "--log-every",
+            "20",
+            "--eval-every",
+            "80",
+            "--checkpoint-every",
+            "40",
+            "--keep-checkpoints",
+            "2",
+        ],
+    ),
 }
 
 
@@ -117,9 +173,13 @@ def test_a_run_killed_with_sigkill_resumes_to_bit_identical_results(tmp_path, ca
 
 def stop_with_signal_mid_run(cwd, run_dir, args, number, after_records=2, timeout=300):
     """Start a run, send it `number` (SIGTERM, SIGINT) once it has logged `after_records` records."""
-    process = subprocess.Popen([sys.executable, str(ROOT / "experiments" / "xor.py"), "--no-progress",
-                                "--run-dir", run_dir, *args], cwd=cwd, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, str(ROOT / "experiments" / "xor.py"), "--no-progress", "--run-dir", run_dir, *args],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     metrics = Path(cwd) / run_dir / "metrics.jsonl"
     deadline = time.monotonic() + timeout
     while not metrics.exists() or len(metrics.read_text().splitlines()) < after_records:
@@ -138,8 +198,22 @@ def test_a_signal_stops_the_run_after_a_checkpoint_and_it_resumes_bit_identical(
     checkpoint is written at that step (between two step cadences: its metric window is saved too), the
     script exits with 128 + the signal in one line, and rerunning with --resume auto continues to the
     same bits as a run never stopped."""
-    args = ["--epochs", "400", "--train-size", "1024", "--batch-size", "32", "--steps-per-call", "7",
-            "--log-every", "100", "--eval-every", "3200", "--checkpoint-minutes", "0"]
+    args = [
+        "--epochs",
+        "400",
+        "--train-size",
+        "1024",
+        "--batch-size",
+        "32",
+        "--steps-per-call",
+        "7",
+        "--log-every",
+        "100",
+        "--eval-every",
+        "3200",
+        "--checkpoint-minutes",
+        "0",
+    ]
     assert run_script(tmp_path, *args, "--run-dir", "straight").returncode == 0
     code, err = stop_with_signal_mid_run(tmp_path, "stopped", args, number)
     lines = err.strip().splitlines()
@@ -158,11 +232,28 @@ def test_a_time_cadence_checkpoints_at_the_first_stop_after_it(tmp_path, monkeyp
     """--checkpoint-minutes: a checkpoint at the first logging stop once that much time has passed since
     the last one (here 60 ns, so every stop), beside the step cadence and the final one."""
     monkeypatch.chdir(tmp_path)
-    main_entry(xor.main, xor.Config, ["--epochs", "2", "--train-size", "256", "--batch-size", "32", "--log-every",
-                                      "4", "--no-progress", "--run-dir", "r", "--checkpoint-minutes", "1e-9",
-                                      "--keep-checkpoints", "10"])
-    assert [p.name for p in RunDir(tmp_path / "r").checkpoint_paths()] == [
-        f"step_{s:09d}" for s in (4, 8, 12, 16)]
+    main_entry(
+        xor.main,
+        xor.Config,
+        [
+            "--epochs",
+            "2",
+            "--train-size",
+            "256",
+            "--batch-size",
+            "32",
+            "--log-every",
+            "4",
+            "--no-progress",
+            "--run-dir",
+            "r",
+            "--checkpoint-minutes",
+            "1e-9",
+            "--keep-checkpoints",
+            "10",
+        ],
+    )
+    assert [p.name for p in RunDir(tmp_path / "r").checkpoint_paths()] == [f"step_{s:09d}" for s in (4, 8, 12, 16)]
 
 
 @pytest.mark.slow
@@ -188,8 +279,18 @@ def test_pruning_keeps_the_newest_and_the_best(tmp_path):
     train = DeviceLoader.from_dataset(XORDataset(256, seed=0), 32, seed=0)
     test = DeviceLoader.from_dataset(XORDataset(128, seed=1), 64, shuffle=False)
     run = RunDir(tmp_path / "run").create()
-    fit(make_state(), train, num_steps=64, eval_data=test, eval_every=8, checkpoint_every=8, keep_checkpoints=2,
-        log_every=8, run=run, progress=False)
+    fit(
+        make_state(),
+        train,
+        num_steps=64,
+        eval_data=test,
+        eval_every=8,
+        checkpoint_every=8,
+        keep_checkpoints=2,
+        log_every=8,
+        run=run,
+        progress=False,
+    )
     kept = run.checkpoint_paths()
     evals = {r["step"]: r["test/accuracy"] for r in run.read_metrics()}
     best_step = max(evals, key=lambda s: (evals[s], -s))
@@ -200,8 +301,18 @@ def test_pruning_keeps_the_newest_and_the_best(tmp_path):
 # -- asynchronous saves -----------------------------------------------------------------------------
 def xor_fit(run, num_steps, state=None, window=None, **options):
     train = DeviceLoader.from_dataset(XORDataset(256, seed=0), 32, seed=0)
-    return fit(state if state is not None else make_state(), train, num_steps=num_steps, log_every=8,
-               checkpoint_every=16, checkpoint_seconds=None, run=run, progress=False, resume_window=window, **options)
+    return fit(
+        state if state is not None else make_state(),
+        train,
+        num_steps=num_steps,
+        log_every=8,
+        checkpoint_every=16,
+        checkpoint_seconds=None,
+        run=run,
+        progress=False,
+        resume_window=window,
+        **options,
+    )
 
 
 def test_sigterm_while_a_save_is_in_flight_commits_it_and_the_run_resumes_bit_identical(tmp_path, monkeypatch):
@@ -300,8 +411,13 @@ writer.wait()
 @pytest.mark.parametrize("when", ["writing", "committing"])
 def test_sigkill_during_a_save_leaves_the_previous_checkpoint_usable(tmp_path, when):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    result = subprocess.run([sys.executable, "-c", KILLED_DURING_A_SAVE, str(tmp_path / "r"), when], env=env,
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", KILLED_DURING_A_SAVE, str(tmp_path / "r"), when],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
     run = RunDir(tmp_path / "r")
     assert any(p.name.startswith("step_000000016") for p in run.checkpoints.iterdir())  # what the save left
@@ -335,8 +451,16 @@ def test_a_nan_stops_the_run_naming_the_step_and_keeps_the_good_checkpoints(tmp_
     bad_step = first_step_using(loader, 100, 64)
     run = RunDir(tmp_path / "run").create()
     with pytest.raises(NonFiniteError, match=f"non-finite loss at step {bad_step};") as info:
-        fit(make_state(), loader, num_steps=64, checkpoint_every=2, log_every=2, steps_per_call=2, run=run,
-            progress=False)
+        fit(
+            make_state(),
+            loader,
+            num_steps=64,
+            checkpoint_every=2,
+            log_every=2,
+            steps_per_call=2,
+            run=run,
+            progress=False,
+        )
     good = run.checkpoint_paths()
     assert good and int(good[-1].stem.split("_")[1]) < bad_step
     assert str(good[-1]) in str(info.value)

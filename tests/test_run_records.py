@@ -19,8 +19,19 @@ from research.run import command
 from research.train import RunDir, TrainState
 
 ROOT = Path(__file__).parent.parent
-QUICK = ["--no-progress", "--train-size", "256", "--test-size", "64", "--batch-size", "32", "--log-every", "4",
-         "--steps-per-call", "4"]
+QUICK = [
+    "--no-progress",
+    "--train-size",
+    "256",
+    "--test-size",
+    "64",
+    "--batch-size",
+    "32",
+    "--log-every",
+    "4",
+    "--steps-per-call",
+    "4",
+]
 
 
 def run(argv, name="xor"):
@@ -41,11 +52,19 @@ def test_a_run_records_its_parameters_machine_versions_and_commit_and_prints_the
     # 2 -> 5 -> 1: weights 10 + 5, biases 5 + 1
     assert record["parameters"] == {"total": 21, "by_field": {"layers": 21}}
     assert out.startswith("xor: MLP, 21 parameters (layers 21); 8 steps on 1 cpu device; run directory r\n")
-    assert record["machine"] == {"host": record["machine"]["host"], "platform": "cpu", "device_kind": "cpu",
-                                 "devices": 1, "devices_available": jax.device_count(), "processes": 1}
+    assert record["machine"] == {
+        "host": record["machine"]["host"],
+        "platform": "cpu",
+        "device_kind": "cpu",
+        "devices": 1,
+        "devices_available": jax.device_count(),
+        "processes": 1,
+    }
     assert record["versions"]["jax"] == jax.__version__ and record["versions"]["research"] == "0.1.0"
-    assert record["git"] == {"commit": git(ROOT, "rev-parse", "HEAD"),
-                             "dirty": bool(git(ROOT, "status", "--porcelain", "--untracked-files=no"))}
+    assert record["git"] == {
+        "commit": git(ROOT, "rev-parse", "HEAD"),
+        "dirty": bool(git(ROOT, "status", "--porcelain", "--untracked-files=no")),
+    }
     summary = RunDir(tmp_path / "r").read_summary()
     assert 0 < summary["compile_seconds"] < summary["wall_seconds"]
     assert summary["peak_host_memory_bytes"] > 100e6  # JAX alone takes more
@@ -58,8 +77,10 @@ def test_parameter_counts_by_field_and_per_member_of_a_population(getkey):
     assert counts["total"] == 4 * 8 + 8 + 8 * 3 + 3 == sum(x.size for x in jax.tree.leaves(model))
     import optax
 
-    population = stack_states(lambda key: TrainState.create(MLP(4, 3, hidden=(8,), key=key), optax.sgd(0.1), key=key),
-                              jax.random.split(getkey(), 3))
+    population = stack_states(
+        lambda key: TrainState.create(MLP(4, 3, hidden=(8,), key=key), optax.sgd(0.1), key=key),
+        jax.random.split(getkey(), 3),
+    )
     assert parameter_counts(population.model, members=3) == counts
 
 
@@ -107,21 +128,25 @@ def test_a_profile_window_past_the_run_is_refused_before_any_work(tmp_path, monk
 # -- --config FILE and --from RUN_DIR -------------------------------------------------------------------
 def test_a_yaml_file_gives_the_defaults_and_flags_override_it(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "c.yaml").write_text("lr: 3e-1  # YAML reads this as text: it is a number here\nhidden: 4\n"
-                                     "epochs: 2\nbatch-size: 32\n")
+    (tmp_path / "c.yaml").write_text(
+        "lr: 3e-1  # YAML reads this as text: it is a number here\nhidden: 4\nepochs: 2\nbatch-size: 32\n"
+    )
     assert run([*QUICK, "--config", "c.yaml", "--epochs", "1", "--run-dir", "r"]) == 0
     config = RunDir(tmp_path / "r").read_config()["config"]
     assert (config["lr"], config["hidden"], config["epochs"], config["batch_size"]) == (0.3, 4, 1, 32)
 
 
-@pytest.mark.parametrize("text, message", [
-    ("lrate: 0.1\n", "--config c.yaml: 'lrate' is not an option of xor; its options: batch_size, "),
-    ("hiden: 4\n", "--config c.yaml: 'hiden' is not an option of xor (did you mean hidden?)"),
-    ("lr: -1\n", "--config c.yaml: --lr must be positive (got -1)"),
-    ("loader: disk\n", "--config c.yaml: --loader must be one of device, torch (got 'disk')"),
-    ("- 1\n", "--config c.yaml: expected option: value pairs, found a list"),
-    ("lr: [1\n", "--config c.yaml: not valid YAML: "),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("lrate: 0.1\n", "--config c.yaml: 'lrate' is not an option of xor; its options: batch_size, "),
+        ("hiden: 4\n", "--config c.yaml: 'hiden' is not an option of xor (did you mean hidden?)"),
+        ("lr: -1\n", "--config c.yaml: --lr must be positive (got -1)"),
+        ("loader: disk\n", "--config c.yaml: --loader must be one of device, torch (got 'disk')"),
+        ("- 1\n", "--config c.yaml: expected option: value pairs, found a list"),
+        ("lr: [1\n", "--config c.yaml: not valid YAML: "),
+    ],
+)
 def test_a_bad_config_file_is_refused_in_one_line_naming_it(tmp_path, monkeypatch, capsys, text, message):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "c.yaml").write_text(text)
@@ -152,12 +177,18 @@ def test_from_a_run_reruns_it_into_a_new_directory_and_forks_it_with_flags(tmp_p
 
 
 def test_scripts_run_names_the_experiments_and_refuses_an_unknown_one_or_run(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "research.run", "nope"], capture_output=True, text=True,
-                            cwd=tmp_path, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "research.run", "nope"], capture_output=True, text=True, cwd=tmp_path, timeout=120
+    )
     assert result.returncode == 2 and result.stderr.startswith("run: error: no experiment 'nope'")
     assert "xor" in result.stderr and result.stderr.count("\n") == 1
-    result = subprocess.run([sys.executable, "-m", "research.run", "--from", str(tmp_path)], capture_output=True,
-                            text=True, cwd=tmp_path, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "research.run", "--from", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert result.returncode == 2
     assert result.stderr == f"run: error: --from: no run in {tmp_path}: it has no config.json\n"
     assert command(["xor", "--epochs", "2"]) == (ROOT / "experiments" / "xor.py", ["--epochs", "2"])

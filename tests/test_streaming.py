@@ -45,8 +45,10 @@ def loaders(dataset):
 def test_every_loader_serves_the_device_loaders_batches_across_epochs():
     inputs, labels = np.arange(50 * 2, dtype=np.float32).reshape(50, 2), np.arange(50) % 3
     device = DeviceLoader(inputs, labels, 8, seed=3)
-    streams = {"torch": TorchLoader(ArrayDataset(inputs, labels), 8, seed=3, num_workers=2),
-               "grain": GrainLoader(ArrayDataset(inputs, labels), 8, seed=3, workers=2)}
+    streams = {
+        "torch": TorchLoader(ArrayDataset(inputs, labels), 8, seed=3, num_workers=2),
+        "grain": GrainLoader(ArrayDataset(inputs, labels), 8, seed=3, workers=2),
+    }
     for name, loader in streams.items():
         batches = list(itertools.islice(loader.batches(0), 20))  # 6 steps an epoch: three epochs and more
         for step, batch in enumerate(batches):
@@ -86,15 +88,35 @@ def test_grain_keeps_its_iterator_state_in_the_checkpoint_and_resumes_from_it(di
     npz = np.load(digits_formats["npz"])
     for key in npz.files:  # every third image: 479 training ones, 14 steps of 32 an epoch
         np.save(data / f"{key}.npy", npz[key][::3])
-    argv = ["--data", str(data), "--loader", "grain", "--epochs", "2", "--features", "4", "--blocks", "1",
-            "--batch-size", "32", "--checkpoint-every", "10", "--log-every", "10", "--no-progress"]
+    argv = [
+        "--data",
+        str(data),
+        "--loader",
+        "grain",
+        "--epochs",
+        "2",
+        "--features",
+        "4",
+        "--blocks",
+        "1",
+        "--batch-size",
+        "32",
+        "--checkpoint-every",
+        "10",
+        "--log-every",
+        "10",
+        "--no-progress",
+    ]
     argv0, sys.argv[0] = sys.argv[0], "images.py"
     try:
         main_entry(images.main, images.Config, [*argv, "--run-dir", "straight"])
         main_entry(images.main, images.Config, [*argv, "--run-dir", "cut"])
         run = RunDir(tmp_path / "cut")
         assert [read_header(p)["data"] for p in run.checkpoint_paths()] == [
-            {"next_index": 10}, {"next_index": 20}, {"next_index": 28}]
+            {"next_index": 10},
+            {"next_index": 20},
+            {"next_index": 28},
+        ]
         shutil.rmtree(run.checkpoint_paths()[-1])  # as if killed after step 20's checkpoint
         run.summary_file.unlink()
         main_entry(images.main, images.Config, [*argv, "--run-dir", "cut", "--resume", "auto"])
@@ -105,5 +127,7 @@ def test_grain_keeps_its_iterator_state_in_the_checkpoint_and_resumes_from_it(di
         return [{k: v for k, v in r.items() if k != "steps_per_s"} for r in RunDir(tmp_path / path).read_metrics()]
 
     assert untimed("cut") == untimed("straight")
-    assert RunDir(tmp_path / "cut").read_summary()["test_accuracy"] == \
-        RunDir(tmp_path / "straight").read_summary()["test_accuracy"]
+    assert (
+        RunDir(tmp_path / "cut").read_summary()["test_accuracy"]
+        == RunDir(tmp_path / "straight").read_summary()["test_accuracy"]
+    )

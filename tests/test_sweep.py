@@ -29,17 +29,23 @@ def mtimes(paths) -> dict[Path, int]:
     return {p: p.stat().st_mtime_ns for path in paths for p in [path, *path.rglob("*")]}
 
 
-@pytest.mark.parametrize("args, message", [
-    (["lrr=0.1"], "sweep: error: 'lrr' is not an option of this experiment; valid keys: epochs, hidden, train_size, "),
-    (["run_dir=a,b"], "sweep: error: 'run_dir' is set by the sweep; valid keys: epochs,"),
-    (["lr=0.1,abc"], "sweep: error: lr=abc: argument --lr: invalid float value: 'abc'"),
-    (["lr=0.1,-1"], "sweep: error: lr=-1: --lr must be positive (got -1.0)"),
-    (["lr=1e-3:1e-1:log"], "sweep: error: lr: a range is for --search random or tpe"),
-    (["lr=1:0.1", "--search", "random"], "sweep: error: lr=1:0.1: LOW must be below HIGH"),
-    (["lr=0.1", "--", "--lr", "0.3"], "sweep: error: --lr after '--': lr is swept"),
-    (["lr=0.1", "--", "--run-dir", "x"], "sweep: error: --run-dir after '--': run_dir is set by the sweep"),
-    (["lr=0.1", "--", "--epochs", "zero"], "sweep: error: lr=0.1: argument --epochs: invalid int value: 'zero'"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["lrr=0.1"],
+            "sweep: error: 'lrr' is not an option of this experiment; valid keys: epochs, hidden, train_size, ",
+        ),
+        (["run_dir=a,b"], "sweep: error: 'run_dir' is set by the sweep; valid keys: epochs,"),
+        (["lr=0.1,abc"], "sweep: error: lr=abc: argument --lr: invalid float value: 'abc'"),
+        (["lr=0.1,-1"], "sweep: error: lr=-1: --lr must be positive (got -1.0)"),
+        (["lr=1e-3:1e-1:log"], "sweep: error: lr: a range is for --search random or tpe"),
+        (["lr=1:0.1", "--search", "random"], "sweep: error: lr=1:0.1: LOW must be below HIGH"),
+        (["lr=0.1", "--", "--lr", "0.3"], "sweep: error: --lr after '--': lr is swept"),
+        (["lr=0.1", "--", "--run-dir", "x"], "sweep: error: --run-dir after '--': run_dir is set by the sweep"),
+        (["lr=0.1", "--", "--epochs", "zero"], "sweep: error: lr=0.1: argument --epochs: invalid int value: 'zero'"),
+    ],
+)
 def test_a_bad_key_or_value_is_refused_in_one_line_before_anything_starts(args, message, tmp_path, capsys):
     code, out, err = run_sweep(["xor", *args[:1], "--sweep-dir", str(tmp_path / "sweep"), *args[1:]], capsys)
     assert (code, out) == (2, "")
@@ -48,12 +54,15 @@ def test_a_bad_key_or_value_is_refused_in_one_line_before_anything_starts(args, 
 
 
 def test_a_dry_run_prints_each_run_of_the_grid_as_its_command(tmp_path, capsys):
-    code, out, _ = run_sweep(["xor", "lr=0.1,0.3", "tensorboard=false", "--dry-run", "--sweep-dir", "s",
-                              "--", "--epochs", "2"], capsys)
+    code, out, _ = run_sweep(
+        ["xor", "lr=0.1,0.3", "tensorboard=false", "--dry-run", "--sweep-dir", "s", "--", "--epochs", "2"], capsys
+    )
     assert code == 0
     assert out.splitlines() == [
         f"scripts/run xor --epochs 2 --group s --lr {lr} --no-tensorboard --run-dir s/lr={lr},tensorboard=false "
-        "--resume auto --no-progress" for lr in ("0.1", "0.3")]
+        "--resume auto --no-progress"
+        for lr in ("0.1", "0.3")
+    ]
 
 
 @pytest.mark.slow
@@ -62,8 +71,12 @@ def test_a_grid_runs_every_combination_resumes_after_a_kill_then_skips_every_fin
     args = ["xor", "lr=0.1,0.3,1.0", "seed=0,1", "--sweep-dir", str(sweep_dir)]
     # One run at a time, killed (SIGKILL: no chance to clean up) once the first run has ended and the
     # second has started (its log file is there).
-    killed = subprocess.Popen([sys.executable, "-m", "research.tools.sweep", *args, *TINY], cwd=ROOT,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    killed = subprocess.Popen(
+        [sys.executable, "-m", "research.tools.sweep", *args, *TINY],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 120
     while len(list(sweep_dir.glob("logs/*.err"))) < 2 and killed.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -110,9 +123,13 @@ def processes_running(word: str) -> list[str]:
 @pytest.mark.slow
 def test_sigterm_stops_the_sweep_and_its_running_runs(tmp_path):
     sweep_dir = tmp_path / "sweep"
-    process = subprocess.Popen([sys.executable, "-m", "research.tools.sweep", "xor", "lr=0.1,0.3", "--sweep-dir",
-                                str(sweep_dir), *TINY], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "research.tools.sweep", "xor", "lr=0.1,0.3", "--sweep-dir", str(sweep_dir), *TINY],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 120
     while not list(sweep_dir.glob("logs/*.err")) and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -125,8 +142,24 @@ def test_sigterm_stops_the_sweep_and_its_running_runs(tmp_path):
 
 @pytest.mark.slow
 def test_a_failing_run_is_reported_with_its_last_line_and_the_others_finish(tmp_path, capsys):
-    code, out, err = run_sweep(["xor", "batch_size=32,512", "--jobs", "2", "--sweep-dir", str(tmp_path),
-                                "--", "--epochs", "1", "--train-size", "256", "--test-size", "64"], capsys)
+    code, out, err = run_sweep(
+        [
+            "xor",
+            "batch_size=32,512",
+            "--jobs",
+            "2",
+            "--sweep-dir",
+            str(tmp_path),
+            "--",
+            "--epochs",
+            "1",
+            "--train-size",
+            "256",
+            "--test-size",
+            "64",
+        ],
+        capsys,
+    )
     assert code == 1
     problem = "xor.py: error: batch size must be between 1 and the dataset size 256, got 512"
     assert f"FAILED (exit 2): {problem}" in err and f"sweep: batch_size=512 failed: {problem}" in err
@@ -135,8 +168,24 @@ def test_a_failing_run_is_reported_with_its_last_line_and_the_others_finish(tmp_
 
     # Another --keep-checkpoints (an option a run resumes with) starts the finished run: it only says so.
     before = mtimes([tmp_path / "batch_size=32"])
-    code, _, err = run_sweep(["xor", "batch_size=32", "--sweep-dir", str(tmp_path), "--", "--epochs", "1",
-                              "--train-size", "256", "--test-size", "64", "--keep-checkpoints", "2"], capsys)
+    code, _, err = run_sweep(
+        [
+            "xor",
+            "batch_size=32",
+            "--sweep-dir",
+            str(tmp_path),
+            "--",
+            "--epochs",
+            "1",
+            "--train-size",
+            "256",
+            "--test-size",
+            "64",
+            "--keep-checkpoints",
+            "2",
+        ],
+        capsys,
+    )
     assert code == 0 and "[sweep] 1/1 done: batch_size=32 already finished" in err
     assert mtimes([tmp_path / "batch_size=32"]) == before
 

@@ -21,15 +21,25 @@ def make_run(path, lr, losses, *, hidden=8, finished=True, experiment="xor"):
             record.update({"test/loss": loss * 1.1, "test/accuracy": 1 - loss})
         run.log(record)
     if finished:
-        run.write_summary({"experiment": experiment, "test_accuracy": 1 - losses[-1], "test_loss": losses[-1] * 1.1,
-                           "train_loss": losses[-1], "step": 50 * len(losses), "wall_seconds": 2.25})
+        run.write_summary(
+            {
+                "experiment": experiment,
+                "test_accuracy": 1 - losses[-1],
+                "test_loss": losses[-1] * 1.1,
+                "train_loss": losses[-1],
+                "step": 50 * len(losses),
+                "wall_seconds": 2.25,
+            }
+        )
     return run
 
 
 @pytest.fixture
 def runs(tmp_path):
-    return [make_run(tmp_path / "runs/xor/lr0.1", 0.1, [0.7, 0.4]),
-            make_run(tmp_path / "runs/xor/lr0.3", 0.3, [0.6, 0.05], hidden=8)]
+    return [
+        make_run(tmp_path / "runs/xor/lr0.1", 0.1, [0.7, 0.4]),
+        make_run(tmp_path / "runs/xor/lr0.3", 0.3, [0.6, 0.05], hidden=8),
+    ]
 
 
 def test_compare_runs_prints_only_the_differing_options_and_the_final_numbers(runs):
@@ -127,8 +137,10 @@ def test_progress_iter_yields_everything_and_reports_every_n_items_off_a_termina
     monkeypatch.setenv("CI", "true")
     assert list(progress_iter(range(10), total=10, desc="generate", unit="example", report_every=4)) == list(range(10))
     lines = capsys.readouterr().err.splitlines()
-    assert [line.split(") ")[0] + ")" for line in lines] == ["[generate] example 4/10 (40%)",
-                                                             "[generate] example 8/10 (80%)"]
+    assert [line.split(") ")[0] + ")" for line in lines] == [
+        "[generate] example 4/10 (40%)",
+        "[generate] example 8/10 (80%)",
+    ]
     assert all("examples/s, ETA " in line for line in lines)
 
 

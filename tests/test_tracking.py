@@ -36,14 +36,33 @@ def test_fit_logs_the_same_records_to_jsonl_and_tensorboard_with_lr_from_the_sch
     test = DeviceLoader.from_dataset(XORDataset(100, seed=2), 50, shuffle=False)
     run = RunDir(tmp_path / "run").create()
     tensorboard = TensorBoardTracker(tmp_path / "tb")
-    fit(state, train, num_steps=40, log_every=10, eval_every=20, eval_data=test, run=run, tracker=tensorboard,
-        lr_schedule=schedule, steps_per_call=5, progress=False)
+    fit(
+        state,
+        train,
+        num_steps=40,
+        log_every=10,
+        eval_every=20,
+        eval_data=test,
+        run=run,
+        tracker=tensorboard,
+        lr_schedule=schedule,
+        steps_per_call=5,
+        progress=False,
+    )
     tensorboard.finish()
 
     records = run.read_metrics()
     assert [r["step"] for r in records] == [10, 20, 30, 40]
-    assert set(records[1]) == {"step", "train/loss", "train/accuracy", "train/grad_norm", "lr", "steps_per_s",
-                               "test/loss", "test/accuracy"}
+    assert set(records[1]) == {
+        "step",
+        "train/loss",
+        "train/accuracy",
+        "train/grad_norm",
+        "lr",
+        "steps_per_s",
+        "test/loss",
+        "test/accuracy",
+    }
     assert "test/loss" not in records[0]
     np.testing.assert_allclose([r["lr"] for r in records], [float(schedule(s - 1)) for s in (10, 20, 30, 40)])
 
@@ -92,11 +111,12 @@ def test_tensorboard_purge_step_is_written_for_a_resumed_run(tmp_path):
     events = []
     while data:
         length = int.from_bytes(data[:8], "little")
-        events.append(event_pb2.Event.FromString(data[12:12 + length]))
-        data = data[12 + length + 4:]
+        events.append(event_pb2.Event.FromString(data[12 : 12 + length]))
+        data = data[12 + length + 4 :]
     # TensorBoard drops earlier points at step >= 11 when it meets this SessionLog.START at step 11.
-    assert any(e.HasField("session_log") and e.session_log.status == e.session_log.START and e.step == 11
-               for e in events)
+    assert any(
+        e.HasField("session_log") and e.session_log.status == e.session_log.START and e.step == 11 for e in events
+    )
 
 
 def test_tensorboard_flag_without_the_package_is_one_line_exit_2(monkeypatch, capsys):
@@ -111,8 +131,25 @@ def test_tensorboard_flag_without_the_package_is_one_line_exit_2(monkeypatch, ca
 
 
 # -- the run's trackers: W&B and MLflow, read back through their own readers ----------------------------
-XOR = ["--no-progress", "--train-size", "256", "--test-size", "64", "--batch-size", "32", "--log-every", "4",
-       "--eval-every", "8", "--steps-per-call", "4", "--checkpoint-every", "8", "--checkpoint-minutes", "0"]
+XOR = [
+    "--no-progress",
+    "--train-size",
+    "256",
+    "--test-size",
+    "64",
+    "--batch-size",
+    "32",
+    "--log-every",
+    "4",
+    "--eval-every",
+    "8",
+    "--steps-per-call",
+    "4",
+    "--checkpoint-every",
+    "8",
+    "--checkpoint-minutes",
+    "0",
+]
 
 
 def run_xor(argv):
@@ -177,13 +214,15 @@ def assert_same_history(got, expected):
     assert sorted(got) == sorted(expected)
     for step, values in expected.items():
         assert sorted(got[step]) == sorted(values), step
-        np.testing.assert_allclose([got[step][k] for k in sorted(values)], [values[k] for k in sorted(values)],
-                                   rtol=1e-6)
+        np.testing.assert_allclose(
+            [got[step][k] for k in sorted(values)], [values[k] for k in sorted(values)], rtol=1e-6
+        )
 
 
 @pytest.mark.slow
 def test_wandb_mlflow_and_tensorboard_hold_every_record_the_summary_and_files_through_sigterm_and_resume(
-        tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
     """A run stopped by SIGTERM after step 12's record and resumed with --resume auto: one W&B run (two
     offline files of one id), one MLflow run and the TensorBoard events hold exactly metrics.jsonl's
     records, the config, the summary and the files; config.json says which runs they are."""
@@ -211,7 +250,9 @@ def test_wandb_mlflow_and_tensorboard_hold_every_record_the_summary_and_files_th
     assert_same_history(wandb_history(wandb_runs), expected)
     assert wandb_runs[0]["config"]["lr"] == 0.1 and wandb_runs[0]["config"]["epochs"] == 4
     assert {k: wandb_runs[-1]["summary"][k] for k in ("test_accuracy", "step")} == {
-        "test_accuracy": pytest.approx(summary["test_accuracy"]), "step": 32}
+        "test_accuracy": pytest.approx(summary["test_accuracy"]),
+        "step": 32,
+    }
     assert {"config.json", "summary.json", "curves.png"} <= set(wandb_runs[-1]["files"])
 
     uri = saved["trackers"]["mlflow"]["uri"]
@@ -232,7 +273,8 @@ def test_wandb_mlflow_and_tensorboard_hold_every_record_the_summary_and_files_th
 
 
 def test_a_resume_after_a_kill_logs_each_step_once_and_a_tracker_added_then_gets_the_records_before(
-        tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
     """A run killed after logging steps past its last checkpoint (as SIGKILL leaves it): its resume
     redoes those steps, and MLflow keeps one value a step; W&B, added at the resume, gets every record."""
     monkeypatch.chdir(tmp_path)
@@ -253,8 +295,7 @@ def test_a_resume_after_a_kill_logs_each_step_once_and_a_tracker_added_then_gets
 
 
 @pytest.mark.parametrize("tracker, module", [("wandb", "wandb"), ("mlflow", "mlflow"), ("jsonl,wandb", "wandb")])
-def test_a_tracker_without_its_library_is_refused_in_one_line_naming_the_install(tracker, module, monkeypatch,
-                                                                                    capsys):
+def test_a_tracker_without_its_library_is_refused_in_one_line_naming_the_install(tracker, module, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, module, None)
     with pytest.raises(SystemExit) as info:
         parse_config(TrainConfig, ["--tracker", tracker], prog="xor.py")
@@ -272,13 +313,19 @@ def test_tracker_names_are_checked_and_tensorboard_is_a_spelling_of_one(capsys):
 
     assert trackers_of(parse_config(TrainConfig, [])) == ("jsonl",)
     assert trackers_of(parse_config(TrainConfig, ["--tensorboard", "--tracker", "mlflow"])) == (
-        "jsonl", "tensorboard", "mlflow")
+        "jsonl",
+        "tensorboard",
+        "mlflow",
+    )
     assert parse_trackers(" mlflow , wandb,jsonl") == ("jsonl", "wandb", "mlflow")
 
 
 def test_a_population_sends_one_scalar_a_member():
     assert scalars({"train/loss": 0.5, "train/member_loss": [0.25, 0.75], "note": "x", "ok": True}) == {
-        "train/loss": 0.5, "train/member_loss/0": 0.25, "train/member_loss/1": 0.75}
+        "train/loss": 0.5,
+        "train/member_loss/0": 0.25,
+        "train/member_loss/1": 0.75,
+    }
 
 
 def test_a_tracker_that_cannot_start_is_refused_in_one_line_and_leaves_no_run(tmp_path, monkeypatch, capsys):

@@ -136,8 +136,14 @@ def test_fit_is_independent_of_steps_per_call_and_leaves_the_input_state_usable(
 def test_fit_learns_xor_with_the_torch_loader(xor):
     train, _ = xor
     loader = TorchLoader(train, 64, seed=0)
-    result = fit(make_state(lr=0.5), loader, num_steps=400, log_every=100,
-                 eval_data=DeviceLoader.from_dataset(train, 100, shuffle=False), progress=False)
+    result = fit(
+        make_state(lr=0.5),
+        loader,
+        num_steps=400,
+        log_every=100,
+        eval_data=DeviceLoader.from_dataset(train, 100, shuffle=False),
+        progress=False,
+    )
     assert result.eval_metrics["accuracy"] > 0.95
     assert result.train_metrics["loss"] < 0.3
 
@@ -164,8 +170,18 @@ def test_fit_evaluates_and_checkpoints_at_its_cadences_and_at_the_end_only(tmp_p
     state = TrainState.create(MLP(2, 1, hidden=(4,), key=jax.random.key(0)), optax.sgd(0.1), key=jax.random.key(1))
     for eval_every, checkpoint_every, evaluated, saved in ((None, None, [50], [50]), (20, 25, [20, 40, 50], [25, 50])):
         run = RunDir(tmp_path / f"run{eval_every}").create()
-        fit(state, train, num_steps=50, eval_data=test, eval_every=eval_every, log_every=10, run=run,
-            checkpoint_every=checkpoint_every, keep_checkpoints=10, progress=False)
+        fit(
+            state,
+            train,
+            num_steps=50,
+            eval_data=test,
+            eval_every=eval_every,
+            log_every=10,
+            run=run,
+            checkpoint_every=checkpoint_every,
+            keep_checkpoints=10,
+            progress=False,
+        )
         records = run.read_metrics()
         assert [r["step"] for r in records] == [10, 20, 30, 40, 50]
         assert [r["step"] for r in records if "test/accuracy" in r] == evaluated

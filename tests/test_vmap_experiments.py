@@ -29,13 +29,28 @@ def data_dir(mnist1d_dir):
 def test_dp_sgd_reports_accuracy_and_the_accountants_epsilon(data_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     dp_sgd = load("dp_sgd")
-    config = dp_sgd.Config(data_dir=data_dir, run_dir="run", epochs=2, batch_size=256, lr=1e-2, channels=8,
-                           noise_multiplier=2.0, chunk_size=128, progress=False)
+    config = dp_sgd.Config(
+        data_dir=data_dir,
+        run_dir="run",
+        epochs=2,
+        batch_size=256,
+        lr=1e-2,
+        channels=8,
+        noise_multiplier=2.0,
+        chunk_size=128,
+        progress=False,
+    )
     summary = dp_sgd.main(config)
     steps = 2 * round(4000 / 256)
     assert summary["step"] == steps and summary["test_accuracy"] > 0.15  # 10 classes: chance is 0.1
-    expected = dp_sgd_epsilon(noise_multiplier=2.0, dataset_size=4000, expected_batch_size=256,
-                              max_batch_size=default_max_batch_size(4000, 256), steps=steps, delta=1e-5)
+    expected = dp_sgd_epsilon(
+        noise_multiplier=2.0,
+        dataset_size=4000,
+        expected_batch_size=256,
+        max_batch_size=default_max_batch_size(4000, 256),
+        steps=steps,
+        delta=1e-5,
+    )
     assert summary["epsilon"] == pytest.approx(expected) and summary["delta"] == 1e-5
     assert json.loads((tmp_path / "run/summary.json").read_text()) == summary
     out = capsys.readouterr().out
@@ -48,8 +63,9 @@ def test_dp_sgd_reports_accuracy_and_the_accountants_epsilon(data_dir, tmp_path,
 def test_ensemble_members_match_sequential_runs_and_the_ensemble_is_reported(data_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     ensemble = load("ensemble")
-    config = ensemble.Config(data_dir=data_dir, run_dir="run", num_members=3, epochs=1, hidden=32,
-                             compare_sequential=True, progress=False)
+    config = ensemble.Config(
+        data_dir=data_dir, run_dir="run", num_members=3, epochs=1, hidden=32, compare_sequential=True, progress=False
+    )
     summary = ensemble.main(config)
     assert len(summary["test_member_accuracy"]) == 3 and summary["test_ensemble_accuracy"] > 0.15
     # The population's members == the members trained alone (tests/test_population.py compares parameters).

@@ -43,8 +43,17 @@ def swept(tmp_path_factory):
     xor = load_experiment("xor")
     for lr in ("0.1", "0.5"):
         for seed in ("0", "1"):
-            config = xor.Config(epochs=7, train_size=256, test_size=64, batch_size=32, log_every=8, lr=float(lr),
-                                seed=int(seed), run_dir=str(root / "alone" / f"lr={lr},seed={seed}"), progress=False)
+            config = xor.Config(
+                epochs=7,
+                train_size=256,
+                test_size=64,
+                batch_size=32,
+                log_every=8,
+                lr=float(lr),
+                seed=int(seed),
+                run_dir=str(root / "alone" / f"lr={lr},seed={seed}"),
+                progress=False,
+            )
             xor.main(config)
     return root
 
@@ -66,15 +75,19 @@ def test_each_member_equals_its_run_trained_alone(swept, name):
     np.testing.assert_array_equal(predict(a.model), predict(b.model))
     summary = json.loads((together / "summary.json").read_text())
     assert summary["test_accuracy"] == pytest.approx(a.summary["test_accuracy"])
-    assert json.loads((together / "config.json").read_text())["config"] == \
-        {**json.loads((alone / "config.json").read_text())["config"], "run_dir": str(together), "resume": "auto",
-         "group": "v"}  # the sweep groups its runs in the trackers
+    assert json.loads((together / "config.json").read_text())["config"] == {
+        **json.loads((alone / "config.json").read_text())["config"],
+        "run_dir": str(together),
+        "resume": "auto",
+        "group": "v",
+    }  # the sweep groups its runs in the trackers
 
 
 def test_rerunning_skips_the_finished_runs_with_or_without_vmapped(swept, capsys):
     for extra in (["--vmapped"], []):
-        code, out, err = run_sweep(["xor", "lr=0.1,0.5", "seed=0,1", *extra, "--sweep-dir", str(swept / "v"),
-                                    "--", *FLAGS], capsys)
+        code, out, err = run_sweep(
+            ["xor", "lr=0.1,0.5", "seed=0,1", *extra, "--sweep-dir", str(swept / "v"), "--", *FLAGS], capsys
+        )
         assert code == 0
         assert err.count("already finished") == 4 and "population" not in err
         assert "| 2 | 0.5 |" in out
@@ -86,8 +99,9 @@ def test_a_population_killed_before_its_members_were_written_is_completed(swept,
     (population / "summary.json").unlink()  # stopped after its last checkpoint, before its members were written
     for name in NAMES:
         shutil.rmtree(copy / name)
-    code, _, err = run_sweep(["xor", "lr=0.1,0.5", "seed=0,1", "--vmapped", "--sweep-dir", str(copy),
-                              "--", *FLAGS], capsys)
+    code, _, err = run_sweep(
+        ["xor", "lr=0.1,0.5", "seed=0,1", "--vmapped", "--sweep-dir", str(copy), "--", *FLAGS], capsys
+    )
     assert code == 0 and "already finished" not in err and "nothing to train" not in err
     for name in NAMES:
         assert metrics(copy / name) == metrics(swept / "v" / name)
@@ -95,22 +109,29 @@ def test_a_population_killed_before_its_members_were_written_is_completed(swept,
     # Stopped while it wrote its members: the same population (trained) writes the missing ones.
     shutil.rmtree(copy / NAMES[1])
     before = mtimes(copy / NAMES[0])
-    code, _, err = run_sweep(["xor", "lr=0.1,0.5", "seed=0,1", "--vmapped", "--sweep-dir", str(copy),
-                              "--", *FLAGS], capsys)
+    code, _, err = run_sweep(
+        ["xor", "lr=0.1,0.5", "seed=0,1", "--vmapped", "--sweep-dir", str(copy), "--", *FLAGS], capsys
+    )
     assert code == 0 and err.count("already finished") == 3 and "nothing to train" in err
     assert metrics(copy / NAMES[1]) == metrics(swept / "v" / NAMES[1])
     assert mtimes(copy / NAMES[0]) == before
 
 
-@pytest.mark.parametrize("args, message", [
-    (["hidden=4,8"], "sweep: error: --vmapped: hidden cannot vary inside one program (this experiment's vmappable "
-                     "options: lr, seed); sweep it without --vmapped"),
-    (["lr=0.1", "--", "--devices", "2"], "sweep: error: --vmapped trains its population on one device"),
-    (["lr=0.1", "--", "--loader", "torch"], "sweep: error: --vmapped gathers each member's batches on the device"),
-    (["lr=0.1,1", "--search", "random"], "sweep: error: --vmapped trains a grid's runs as one population"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["hidden=4,8"],
+            "sweep: error: --vmapped: hidden cannot vary inside one program (this experiment's vmappable "
+            "options: lr, seed); sweep it without --vmapped",
+        ),
+        (["lr=0.1", "--", "--devices", "2"], "sweep: error: --vmapped trains its population on one device"),
+        (["lr=0.1", "--", "--loader", "torch"], "sweep: error: --vmapped gathers each member's batches on the device"),
+        (["lr=0.1,1", "--search", "random"], "sweep: error: --vmapped trains a grid's runs as one population"),
+    ],
+)
 def test_what_one_program_cannot_train_is_refused_in_one_line(args, message, tmp_path, capsys):
-    own, rest = (args[: args.index("--")], args[args.index("--"):]) if "--" in args else (args, [])
+    own, rest = (args[: args.index("--")], args[args.index("--") :]) if "--" in args else (args, [])
     code, out, err = run_sweep(["xor", *own, "--vmapped", "--sweep-dir", str(tmp_path / "s"), *rest], capsys)
     assert (code, out) == (2, "")
     assert err.startswith(message) and err.count("\n") == 1, err
@@ -118,8 +139,15 @@ def test_what_one_program_cannot_train_is_refused_in_one_line(args, message, tmp
 
 
 def test_member_values_takes_one_members_numbers_out():
-    record = {"step": 8, "train/loss": 0.5, "train/member_loss": [0.4, 0.6], "test/ensemble_accuracy": 0.9,
-              "test_raw/member_accuracy": [0.7, 0.8], "test_raw/accuracy": 0.75, "val/member_loss": [1.0, 2.0]}
+    record = {
+        "step": 8,
+        "train/loss": 0.5,
+        "train/member_loss": [0.4, 0.6],
+        "test/ensemble_accuracy": 0.9,
+        "test_raw/member_accuracy": [0.7, 0.8],
+        "test_raw/accuracy": 0.75,
+        "val/member_loss": [1.0, 2.0],
+    }
     assert member_values(record, 1) == {"step": 8, "train/loss": 0.6, "test_raw/accuracy": 0.8, "val/loss": 2.0}
 
 
@@ -162,8 +190,21 @@ def test_the_validation_split_is_the_same_for_every_seed_and_disjoint_from_train
 
 def test_a_vmapped_sweep_tracks_each_member_as_its_own_run_grouped_by_the_sweep(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # MLflow's default store: runs/mlflow.db here
-    sweep.main(["xor", "seed=0,1", "--vmapped", "--sweep-dir", "v", "--", "--epochs", "2", *FLAGS[2:],
-                "--tracker", "mlflow,wandb"])
+    sweep.main(
+        [
+            "xor",
+            "seed=0,1",
+            "--vmapped",
+            "--sweep-dir",
+            "v",
+            "--",
+            "--epochs",
+            "2",
+            *FLAGS[2:],
+            "--tracker",
+            "mlflow,wandb",
+        ]
+    )
     runs = {run.info.run_name: run for run in mlflow_runs(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")}
     assert sorted(runs) == ["seed=0", "seed=1"]  # the members, not their population
     for name, found in runs.items():
@@ -171,8 +212,7 @@ def test_a_vmapped_sweep_tracks_each_member_as_its_own_run_grouped_by_the_sweep(
         expected, saved = jsonl_history(member), member.read_config()["trackers"]
         assert found.data.tags["group"] == "v" and found.info.run_id == saved["mlflow"]["run_id"]
         history = mlflow_history(saved["mlflow"]["uri"], found.info.run_id)
-        assert_same_history({s: {k: v for k, v in h.items() if k in expected[s]} for s, h in history.items()},
-                            expected)
+        assert_same_history({s: {k: v for k, v in h.items() if k in expected[s]} for s, h in history.items()}, expected)
         [wandb_run] = read_wandb_runs(member.path)
         assert wandb_run["group"] == "v" and wandb_run["run_id"] == saved["wandb"]["run_id"]
         assert_same_history(wandb_history([wandb_run]), expected)

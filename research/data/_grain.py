@@ -30,9 +30,11 @@ class GrainLoader:
         try:
             import grain  # noqa: F401
         except ImportError:
-            raise DataError("--loader grain needs the grain package, which is not installed; install it with "
-                            "`pip install '.[grain]'` (in this repository: `.venv/bin/pip install -c "
-                            "requirements/constraints.txt -e '.[grain]'`), or `pip install grain`") from None
+            raise DataError(
+                "--loader grain needs the grain package, which is not installed; install it with "
+                "`pip install '.[grain]'` (in this repository: `.venv/bin/pip install -c "
+                "requirements/constraints.txt -e '.[grain]'`), or `pip install grain`"
+            ) from None
         self.dataset = dataset
         self.order = BatchOrder(len(dataset), batch_size, seed=seed)
         self.batch_size, self.seed, self.workers = batch_size, seed, workers

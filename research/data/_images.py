@@ -23,13 +23,21 @@ from ..typing import typecheck
 from ._loaders import Batch
 
 Format = Literal["idx", "cifar", "folder", "npz", "npy"]
-FORMATS_HELP = ("an IDX directory (MNIST-style *-images-idx3-ubyte[.gz] and *-labels-idx1-ubyte[.gz]), a CIFAR-10 "
-                "or CIFAR-100 binary directory (data_batch_*.bin + test_batch.bin, or train.bin + test.bin), an image "
-                "folder (DIR/train/<class>/*.png|jpg, DIR/test/<class>/...), a .npz with x_train, y_train, x_test, "
-                "y_test, or a directory of those four as .npy files")
+FORMATS_HELP = (
+    "an IDX directory (MNIST-style *-images-idx3-ubyte[.gz] and *-labels-idx1-ubyte[.gz]), a CIFAR-10 "
+    "or CIFAR-100 binary directory (data_batch_*.bin + test_batch.bin, or train.bin + test.bin), an image "
+    "folder (DIR/train/<class>/*.png|jpg, DIR/test/<class>/...), a .npz with x_train, y_train, x_test, "
+    "y_test, or a directory of those four as .npy files"
+)
 NPY_FILES = ("x_train.npy", "y_train.npy", "x_test.npy", "y_test.npy")
-IDX_TYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: np.dtype(">i2"), 0x0C: np.dtype(">i4"), 0x0D: np.dtype(">f4"),
-             0x0E: np.dtype(">f8")}
+IDX_TYPES = {
+    0x08: np.uint8,
+    0x09: np.int8,
+    0x0B: np.dtype(">i2"),
+    0x0C: np.dtype(">i4"),
+    0x0D: np.dtype(">f4"),
+    0x0E: np.dtype(">f8"),
+}
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp"}
 
 
@@ -58,11 +66,14 @@ class ImageData:
                 raise DataError(f"{self.path}: {len(part.inputs)} {name} images but {len(part.labels)} labels")
             bad = np.flatnonzero((part.labels < 0) | (part.labels >= len(self.classes)))
             if bad.size:
-                raise DataError(f"{self.path}: {name} label {int(part.labels[bad[0]])} (example {bad[0]}) is out of "
-                                f"range for {len(self.classes)} classes")
+                raise DataError(
+                    f"{self.path}: {name} label {int(part.labels[bad[0]])} (example {bad[0]}) is out of "
+                    f"range for {len(self.classes)} classes"
+                )
         if self.train.inputs.shape[1:] != self.test.inputs.shape[1:]:
-            raise DataError(f"{self.path}: training images are {_size(self.train.inputs)}, test images "
-                            f"{_size(self.test.inputs)}")
+            raise DataError(
+                f"{self.path}: training images are {_size(self.train.inputs)}, test images {_size(self.test.inputs)}"
+            )
 
     @property
     def image_shape(self) -> tuple[int, int, int]:
@@ -76,8 +87,10 @@ def _size(images: np.ndarray) -> str:
 
 def _check_images(images: np.ndarray, where: str) -> None:
     if images.dtype != np.uint8 or images.ndim != 4:
-        raise DataError(f"{where}: expected uint8 images [examples, height, width, channels], got {images.dtype} "
-                        f"{list(images.shape)}")
+        raise DataError(
+            f"{where}: expected uint8 images [examples, height, width, channels], got {images.dtype} "
+            f"{list(images.shape)}"
+        )
 
 
 def detect_format(path: str | Path) -> Format:
@@ -134,13 +147,15 @@ def read_idx(path: str | Path, *, mmap: bool = False) -> Shaped[np.ndarray, "...
         with opener(path, "rb") as f:
             head = f.read(4)
             if len(head) < 4 or head[:2] != b"\0\0" or head[2] not in IDX_TYPES:
-                raise DataError(f"{path}: not an IDX file (wrong magic number {head.hex() or 'none'}: expected 00 00, "
-                                "a type code (08 for uint8), then the number of dimensions)")
+                raise DataError(
+                    f"{path}: not an IDX file (wrong magic number {head.hex() or 'none'}: expected 00 00, "
+                    "a type code (08 for uint8), then the number of dimensions)"
+                )
             dtype, ndim = np.dtype(IDX_TYPES[head[2]]), head[3]
             dims = f.read(4 * ndim)
             if len(dims) < 4 * ndim:
                 raise DataError(f"{path}: truncated IDX header ({ndim} dimensions announced)")
-            shape = tuple(int.from_bytes(dims[4 * i:4 * i + 4], "big") for i in range(ndim))
+            shape = tuple(int.from_bytes(dims[4 * i : 4 * i + 4], "big") for i in range(ndim))
             expected = int(np.prod(shape)) * dtype.itemsize
             if mmap and opener is open:
                 size = path.stat().st_size - 4 - 4 * ndim
@@ -172,18 +187,24 @@ def read_idx_directory(path: str | Path, *, mmap: bool = False) -> ImageData:
         missing = [kind for kind in ("images", "labels") if (split, kind) not in found]
         if missing:
             prefix, rank = "train" if split == "train" else "t10k", 3 if missing[0] == "images" else 1
-            raise DataError(f"{path}: no {split} {' or '.join(missing)} IDX file (expected names like "
-                            f"{prefix}-{missing[0]}-idx{rank}-ubyte[.gz])")
+            raise DataError(
+                f"{path}: no {split} {' or '.join(missing)} IDX file (expected names like "
+                f"{prefix}-{missing[0]}-idx{rank}-ubyte[.gz])"
+            )
         images = read_idx(found[split, "images"], mmap=mmap)
         labels = read_idx(found[split, "labels"])
         if images.ndim == 3:
             images = images[..., None]
         if images.dtype != np.uint8 or images.ndim != 4:
-            raise DataError(f"{found[split, 'images']}: expected uint8 images of 3 or 4 dimensions, got "
-                            f"{images.dtype} {list(images.shape)}")
+            raise DataError(
+                f"{found[split, 'images']}: expected uint8 images of 3 or 4 dimensions, got "
+                f"{images.dtype} {list(images.shape)}"
+            )
         if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
-            raise DataError(f"{found[split, 'labels']}: expected one integer label an example, got {labels.dtype} "
-                            f"{list(labels.shape)}")
+            raise DataError(
+                f"{found[split, 'labels']}: expected one integer label an example, got {labels.dtype} "
+                f"{list(labels.shape)}"
+            )
         parts[split] = Batch(images, labels.astype(np.int32))
     return ImageData(parts["train"], parts["test"], _numbered_classes(parts["train"].labels), "idx", path)
 
@@ -214,9 +235,12 @@ def _cifar_records(files: list[Path], label_bytes: int) -> Batch:
     for file in files:
         data = np.fromfile(file, np.uint8)
         if data.size % record:
-            raise DataError(f"{file}: truncated: {data.size} bytes is not a whole number of {record}-byte CIFAR "
-                            "records (a label byte" + (", a fine label byte" if label_bytes == 2 else "")
-                            + " and a 3x32x32 image each)")
+            raise DataError(
+                f"{file}: truncated: {data.size} bytes is not a whole number of {record}-byte CIFAR "
+                "records (a label byte"
+                + (", a fine label byte" if label_bytes == 2 else "")
+                + " and a 3x32x32 image each)"
+            )
         parts.append(data.reshape(-1, record))
     rows = np.concatenate(parts)
     images = rows[:, label_bytes:].reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)  # channels last
@@ -239,9 +263,15 @@ def read_image_folder(path: str | Path) -> ImageData:
     extra = sorted(d.name for d in (path / "test").iterdir() if d.is_dir() and d.name not in classes)
     if extra:
         raise DataError(f"{path}/test/{extra[0]}: a class the training set does not have")
-    files = {split: [(f, label) for label, name in enumerate(classes)
-                     for f in sorted((path / split / name).glob("*")) if f.suffix.lower() in IMAGE_SUFFIXES]
-             for split in ("train", "test")}
+    files = {
+        split: [
+            (f, label)
+            for label, name in enumerate(classes)
+            for f in sorted((path / split / name).glob("*"))
+            if f.suffix.lower() in IMAGE_SUFFIXES
+        ]
+        for split in ("train", "test")
+    }
     opened = {}
     for split, items in files.items():
         if not items:
@@ -256,8 +286,10 @@ def read_image_folder(path: str | Path) -> ImageData:
     first_file, (_, size) = next(iter(opened.items()))
     for file, (_, other) in opened.items():
         if other != size:
-            raise DataError(f"{file} is {other[0]}x{other[1]} pixels, {first_file} {size[0]}x{size[1]}: images of "
-                            "different sizes (resize them to one size first)")
+            raise DataError(
+                f"{file} is {other[0]}x{other[1]} pixels, {first_file} {size[0]}x{size[1]}: images of "
+                "different sizes (resize them to one size first)"
+            )
     parts = {}
     for split, items in files.items():
         images = np.stack([_pixels(f, "L" if grey else "RGB") for f, _ in items])
@@ -285,8 +317,10 @@ def read_npz(path: str | Path) -> ImageData:
         with np.load(path, allow_pickle=False) as npz:
             missing = [k for k in NPZ_KEYS if k not in npz.files]
             if missing:
-                raise DataError(f"{path}: no {', '.join(missing)} (a .npz of x_train, y_train, x_test, y_test; it has "
-                                f"{', '.join(npz.files) or 'nothing'})")
+                raise DataError(
+                    f"{path}: no {', '.join(missing)} (a .npz of x_train, y_train, x_test, y_test; it has "
+                    f"{', '.join(npz.files) or 'nothing'})"
+                )
             arrays = {k: npz[k] for k in NPZ_KEYS}
     except ValueError as e:  # an object array, which only pickle could read
         raise DataError(f"{path}: cannot read it without unpickling ({e})") from None
@@ -298,8 +332,9 @@ def read_npz(path: str | Path) -> ImageData:
         if images.ndim == 3:
             images = images[..., None]
         if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
-            raise DataError(f"{path}: y_{split} must be one integer label an example, got {labels.dtype} "
-                            f"{list(labels.shape)}")
+            raise DataError(
+                f"{path}: y_{split} must be one integer label an example, got {labels.dtype} {list(labels.shape)}"
+            )
         parts[split] = Batch(images, labels.astype(np.int32))
     return ImageData(parts["train"], parts["test"], _numbered_classes(parts["train"].labels), "npz", path)
 
@@ -316,8 +351,10 @@ def read_npy_directory(path: str | Path, *, mmap: bool = False) -> ImageData:
     for split in ("train", "test"):
         images, labels = arrays[f"x_{split}"], arrays[f"y_{split}"]
         if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
-            raise DataError(f"{path / f'y_{split}.npy'}: must be one integer label an example, got {labels.dtype} "
-                            f"{list(labels.shape)}")
+            raise DataError(
+                f"{path / f'y_{split}.npy'}: must be one integer label an example, got {labels.dtype} "
+                f"{list(labels.shape)}"
+            )
         parts[split] = Batch(images[..., None] if images.ndim == 3 else images, np.asarray(labels, np.int32))
     return ImageData(parts["train"], parts["test"], _numbered_classes(parts["train"].labels), "npy", path)
 
@@ -341,4 +378,3 @@ def read_array(path: str | Path, *, mmap: bool = True) -> Shaped[np.ndarray, "..
         except ValueError as e:
             raise DataError(f"{path}: not a .npy of numbers ({e})") from None
     return read_idx(path, mmap=mmap)
-

@@ -119,8 +119,8 @@ class BatchOrder:
         while done < num_steps:  # a slice per epoch touched: host time per step is what a tiny model pays
             epoch, offset = divmod(start_step + done, self.steps_per_epoch)
             count = min(self.steps_per_epoch - offset, num_steps - done)
-            order = self.epoch_order(epoch)[offset * self.batch_size:(offset + count) * self.batch_size]
-            rows[done:done + count] = order.reshape(count, self.batch_size)
+            order = self.epoch_order(epoch)[offset * self.batch_size : (offset + count) * self.batch_size]
+            rows[done : done + count] = order.reshape(count, self.batch_size)
             done += count
         return rows
 
@@ -149,8 +149,13 @@ class TorchLoader:
 
         steps = _StepRows(self.order, start_step)
         dataset: Any = self.dataset  # torch takes any map-style dataset, its stub only its own class
-        loader = torch.utils.data.DataLoader(dataset, batch_sampler=steps, collate_fn=numpy_collate,
-                                             num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
+        loader = torch.utils.data.DataLoader(
+            dataset,
+            batch_sampler=steps,
+            collate_fn=numpy_collate,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
         for inputs, labels in loader:
             yield Batch(inputs, labels)
 
@@ -186,8 +191,7 @@ class DeviceLoader:
     - `shuffle`: shuffle each epoch (training) or keep the order (evaluation).
     """
 
-    def __init__(self, inputs: np.ndarray, labels: np.ndarray, batch_size: int, *, seed: int = 0,
-                 shuffle: bool = True):
+    def __init__(self, inputs: np.ndarray, labels: np.ndarray, batch_size: int, *, seed: int = 0, shuffle: bool = True):
         if len(inputs) != len(labels):
             raise DataError(f"inputs and labels differ in length: {len(inputs)} vs {len(labels)}")
         self.order = BatchOrder(len(labels), batch_size, seed=seed, shuffle=shuffle)
@@ -213,12 +217,16 @@ class DeviceLoader:
         first = loaders[0]
         for k, other in enumerate(loaders[1:], start=1):
             if other.batch_size != first.batch_size or other.shuffle != first.shuffle:
-                raise DataError(f"member {k} takes batches of {other.batch_size}, member 0 of {first.batch_size}: "
-                                "the members of one population step through their data together")
+                raise DataError(
+                    f"member {k} takes batches of {other.batch_size}, member 0 of {first.batch_size}: "
+                    "the members of one population step through their data together"
+                )
             same = zip(other.host, first.host, strict=True)  # the inputs and the labels
             if not all(a.shape == b.shape and np.array_equal(a, b) for a, b in same):
-                raise DataError(f"member {k} trains on other examples than member 0: one population trains on "
-                                "one data set (only the order may differ)")
+                raise DataError(
+                    f"member {k} trains on other examples than member 0: one population trains on "
+                    "one data set (only the order may differ)"
+                )
         loader = copy.copy(first)
         loader.members = tuple(loaders)
         return loader

@@ -47,8 +47,9 @@ def _import_mnist1d_data():
 
 
 @typecheck
-def generate_mnist1d(seed: int = MNIST1D_SEED, *, num_samples: int = MNIST1D_SAMPLES,
-                     train_split: float = MNIST1D_TRAIN_SPLIT) -> tuple[Batch, Batch]:
+def generate_mnist1d(
+    seed: int = MNIST1D_SEED, *, num_samples: int = MNIST1D_SAMPLES, train_split: float = MNIST1D_TRAIN_SPLIT
+) -> tuple[Batch, Batch]:
     """Generate MNIST-1D with the `mnist1d` package's default arguments (as published) and `seed`;
     `num_samples` signals of which the first `int(num_samples * train_split)` are the training set
     (the package's defaults, 5,000 and 0.8, give the published 4,000 / 1,000).
@@ -71,16 +72,28 @@ def generate_mnist1d(seed: int = MNIST1D_SEED, *, num_samples: int = MNIST1D_SAM
     return train, test
 
 
-def cache_path(data_dir: str | os.PathLike, seed: int = MNIST1D_SEED, num_samples: int = MNIST1D_SAMPLES,
-               train_split: float = MNIST1D_TRAIN_SPLIT) -> Path:
-    size = "" if (num_samples, train_split) == (MNIST1D_SAMPLES, MNIST1D_TRAIN_SPLIT) else \
-        f"-{num_samples}x{train_split:g}"
+def cache_path(
+    data_dir: str | os.PathLike,
+    seed: int = MNIST1D_SEED,
+    num_samples: int = MNIST1D_SAMPLES,
+    train_split: float = MNIST1D_TRAIN_SPLIT,
+) -> Path:
+    size = (
+        ""
+        if (num_samples, train_split) == (MNIST1D_SAMPLES, MNIST1D_TRAIN_SPLIT)
+        else f"-{num_samples}x{train_split:g}"
+    )
     return Path(data_dir) / f"mnist1d-seed{seed}{size}.npz"
 
 
 @typecheck
-def load_mnist1d(data_dir: str | os.PathLike = "data", *, seed: int = MNIST1D_SEED, num_samples: int = MNIST1D_SAMPLES,
-                 train_split: float = MNIST1D_TRAIN_SPLIT) -> tuple[Batch, Batch]:
+def load_mnist1d(
+    data_dir: str | os.PathLike = "data",
+    *,
+    seed: int = MNIST1D_SEED,
+    num_samples: int = MNIST1D_SAMPLES,
+    train_split: float = MNIST1D_TRAIN_SPLIT,
+) -> tuple[Batch, Batch]:
     """MNIST-1D's `(train, test)` numpy arrays, generated on first use and cached in `data_dir`.
 
     **Arguments:**
@@ -112,9 +125,7 @@ def load_mnist1d(data_dir: str | os.PathLike = "data", *, seed: int = MNIST1D_SE
 
 
 @typecheck
-def _as_batch(
-    inputs: Float[np.ndarray, "examples 40"], labels: Int[np.ndarray, " examples"]
-) -> Batch:
+def _as_batch(inputs: Float[np.ndarray, "examples 40"], labels: Int[np.ndarray, " examples"]) -> Batch:
     return Batch(inputs, labels)
 
 

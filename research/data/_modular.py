@@ -15,8 +15,9 @@ def modular_addition(modulus: int, train_fraction: float, *, seed: int) -> tuple
     training set, the rest the test set: a partition of all pairs that depends on `seed` only.
     """
     if modulus < 2 or not 0 < train_fraction < 1:
-        raise DataError(f"modular addition needs a modulus >= 2 and a train fraction in (0, 1), got {modulus} "
-                        f"and {train_fraction}")
+        raise DataError(
+            f"modular addition needs a modulus >= 2 and a train fraction in (0, 1), got {modulus} and {train_fraction}"
+        )
     pairs = modulus * modulus
     a, b = np.divmod(np.arange(pairs), modulus)
     inputs = np.stack([a, b, np.full_like(a, modulus)], axis=1).astype(np.int32)

@@ -57,7 +57,7 @@ def next_byte_windows(data: np.ndarray, context: int) -> Batch:
     if count < 1:
         raise DataError(f"{len(data)} bytes hold no window of --context {context} plus one byte to predict")
     inputs = data[: count * context].reshape(count, context).astype(np.int32)
-    labels = data[1: count * context + 1].reshape(count, context).astype(np.int32)
+    labels = data[1 : count * context + 1].reshape(count, context).astype(np.int32)
     return Batch(inputs, labels)
 
 

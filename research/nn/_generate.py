@@ -55,8 +55,11 @@ def _block(
     attention = block.attention
     heads = lambda linear, h: jax.vmap(linear)(h).reshape(h.shape[0], attention.num_heads, -1)  # noqa: E731
     h = jax.vmap(block.attention_norm)(x)
-    query, new_keys, new_values = (heads(attention.query_proj, h), heads(attention.key_proj, h),
-                                   heads(attention.value_proj, h))
+    query, new_keys, new_values = (
+        heads(attention.query_proj, h),
+        heads(attention.key_proj, h),
+        heads(attention.value_proj, h),
+    )
     keys = jax.lax.dynamic_update_slice_in_dim(keys, new_keys, start, axis=0)
     values = jax.lax.dynamic_update_slice_in_dim(values, new_values, start, axis=0)
     positions = start + jnp.arange(x.shape[0])
@@ -116,9 +119,15 @@ def _pick(
 
 
 @eqx.filter_jit
-def _sample_loop(model: LanguageModel, window: Int[Array, " context"], count: Int[Array, ""],
-                 keys: Shaped[Array, "length ..."], temperature: Float[Array, ""], top_k: Int[Array, ""],
-                 with_logits: bool) -> tuple[Int[Array, " length"], Float[Array, "length vocab"] | None]:
+def _sample_loop(
+    model: LanguageModel,
+    window: Int[Array, " context"],
+    count: Int[Array, ""],
+    keys: Shaped[Array, "length ..."],
+    temperature: Float[Array, ""],
+    top_k: Int[Array, ""],
+    with_logits: bool,
+) -> tuple[Int[Array, " length"], Float[Array, "length vocab"] | None]:
     """The compiled loop. Each step brings the cache up to date with the window (the whole window
     after a re-fill, else its last token), picks a token from the logits, and appends it; a full
     window is cut to its last `context // 2` tokens (the new one included), to be re-filled next step.
@@ -138,7 +147,7 @@ def _sample_loop(model: LanguageModel, window: Int[Array, " context"], count: In
         cache, logits = jax.lax.cond(fresh, fill, extend, cache, window, count)
         token = _pick(logits, key, temperature, top_k)
         full = count == context
-        kept = jnp.concatenate([window[context - keep + 1:], token[None], jnp.zeros(context - keep, window.dtype)])
+        kept = jnp.concatenate([window[context - keep + 1 :], token[None], jnp.zeros(context - keep, window.dtype)])
         window = jnp.where(full, kept, window.at[count].set(token, mode="drop"))
         return (cache, window, jnp.where(full, keep, count + 1), full), (token, logits if with_logits else None)
 
@@ -152,14 +161,18 @@ def _window(model: LanguageModel, prompt: Integer[Array, " prompt"]) -> tuple[Ar
     tokens = np.asarray(prompt)
     if tokens.size == 0:
         if model.vocab <= START_TOKEN:
-            raise ValueError(f"generate: an empty prompt starts from token {START_TOKEN} (newline), outside the "
-                             f"model's vocabulary 0..{model.vocab - 1}: give a prompt")
+            raise ValueError(
+                f"generate: an empty prompt starts from token {START_TOKEN} (newline), outside the "
+                f"model's vocabulary 0..{model.vocab - 1}: give a prompt"
+            )
         tokens = np.array([START_TOKEN])
     outside = np.flatnonzero((tokens < 0) | (tokens >= model.vocab))
     if outside.size:
-        raise ValueError(f"generate: prompt token {tokens[outside[0]]} at position {outside[0]} is outside the "
-                         f"model's vocabulary 0..{model.vocab - 1} ({outside.size} such token(s))")
-    tokens = tokens[-model.context:].astype(np.int32)
+        raise ValueError(
+            f"generate: prompt token {tokens[outside[0]]} at position {outside[0]} is outside the "
+            f"model's vocabulary 0..{model.vocab - 1} ({outside.size} such token(s))"
+        )
+    tokens = tokens[-model.context :].astype(np.int32)
     window = np.zeros(model.context, np.int32)
     window[: len(tokens)] = tokens
     return jnp.asarray(window), jnp.int32(len(tokens))
@@ -174,18 +187,37 @@ def _check_arguments(model: LanguageModel, length: int, temperature: float | int
         raise ValueError(f"generate: top_k must be in 1..{model.vocab} (the vocabulary) or None, got {top_k}")
 
 
-def _generate(model: LanguageModel, prompt: Integer[Array, " prompt"], length: int, key: PRNGKeyArray,
-              temperature: float | int, top_k: int | None, with_logits: bool) -> tuple[Array, Array | None]:
+def _generate(
+    model: LanguageModel,
+    prompt: Integer[Array, " prompt"],
+    length: int,
+    key: PRNGKeyArray,
+    temperature: float | int,
+    top_k: int | None,
+    with_logits: bool,
+) -> tuple[Array, Array | None]:
     _check_arguments(model, length, temperature, top_k)
     window, count = _window(model, prompt)
-    return _sample_loop(model, window, count, jax.random.split(key, length), jnp.float32(temperature),
-                        jnp.int32(model.vocab if top_k is None else top_k), with_logits)
+    return _sample_loop(
+        model,
+        window,
+        count,
+        jax.random.split(key, length),
+        jnp.float32(temperature),
+        jnp.int32(model.vocab if top_k is None else top_k),
+        with_logits,
+    )
 
 
 @typecheck
 def generate_with_logits(
-    model: LanguageModel, prompt: Integer[Array, " prompt"], length: int, *, key: PRNGKeyArray,
-    temperature: float | int = 1.0, top_k: int | None = None,
+    model: LanguageModel,
+    prompt: Integer[Array, " prompt"],
+    length: int,
+    *,
+    key: PRNGKeyArray,
+    temperature: float | int = 1.0,
+    top_k: int | None = None,
 ) -> tuple[Int[Array, " {length}"], Float[Array, "{length} vocab"]]:
     """`generate`'s tokens, and the logits each was picked from (row `i`: the logits of token `i`)."""
     tokens, logits = _generate(model, prompt, length, key, temperature, top_k, with_logits=True)
@@ -195,8 +227,13 @@ def generate_with_logits(
 
 @typecheck
 def generate(
-    model: LanguageModel, prompt: Integer[Array, " prompt"], length: int, *, key: PRNGKeyArray,
-    temperature: float | int = 1.0, top_k: int | None = None,
+    model: LanguageModel,
+    prompt: Integer[Array, " prompt"],
+    length: int,
+    *,
+    key: PRNGKeyArray,
+    temperature: float | int = 1.0,
+    top_k: int | None = None,
 ) -> Int[Array, " {length}"]:
     """`length` tokens that follow `prompt`, sampled from `model` one at a time.
 

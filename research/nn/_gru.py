@@ -54,7 +54,12 @@ class GRUClassifier(eqx.Module):
         features = directions * hidden_size * (length // chunk if readout == "all" else 1)
         self.head = eqx.nn.Linear(features, classes, key=keys[-1])
         self.length, self.classes, self.hidden_size, self.chunk, self.readout = (
-            length, classes, hidden_size, chunk, readout)
+            length,
+            classes,
+            hidden_size,
+            chunk,
+            readout,
+        )
 
     def __check_init__(self):
         steps = self.length // self.chunk if self.readout == "all" else 1
@@ -73,6 +78,7 @@ class GRUClassifier(eqx.Module):
         steps = x.reshape(self.length // self.chunk, self.chunk)
         features = []
         for cell, reverse in zip(self.cells, (False, True), strict=False):  # one cell, or a second reversed
+
             def step(hidden, inputs, cell=cell):
                 hidden = cell(inputs, hidden)
                 return hidden, hidden

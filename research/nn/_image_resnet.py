@@ -22,8 +22,16 @@ class ImageBlock(eqx.Module):
     shortcut: eqx.nn.Conv2d | None
     shortcut_norm: eqx.nn.BatchNorm | None
 
-    def __init__(self, in_channels: int, out_channels: int, stride: int, axis_name: AxisName, momentum: float, *,
-                 key: PRNGKeyArray):
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        stride: int,
+        axis_name: AxisName,
+        momentum: float,
+        *,
+        key: PRNGKeyArray,
+    ):
         k1, k2, k3 = jax.random.split(key, 3)
         self.conv1 = eqx.nn.Conv2d(in_channels, out_channels, 3, stride=stride, padding=1, use_bias=False, key=k1)
         self.norm1 = _batch_norm(out_channels, axis_name, momentum)
@@ -81,12 +89,26 @@ class ImageResNet(eqx.Module):
     mean: tuple[float, ...] = eqx.field(static=True)
     std: tuple[float, ...] = eqx.field(static=True)
 
-    def __init__(self, height: int = 32, width: int = 32, channels: int = 3, classes: int = 10, features: int = 16,
-                 blocks: int = 3, mean: Sequence[float] | None = None, std: Sequence[float] | None = None,
-                 axis_name: AxisName = "batch", momentum: float = 0.9, *, key: PRNGKeyArray):
+    def __init__(
+        self,
+        height: int = 32,
+        width: int = 32,
+        channels: int = 3,
+        classes: int = 10,
+        features: int = 16,
+        blocks: int = 3,
+        mean: Sequence[float] | None = None,
+        std: Sequence[float] | None = None,
+        axis_name: AxisName = "batch",
+        momentum: float = 0.9,
+        *,
+        key: PRNGKeyArray,
+    ):
         if blocks < 1 or features < 1:
-            raise ValueError(f"ImageResNet needs at least one block a stage and one feature (got blocks={blocks}, "
-                             f"features={features})")
+            raise ValueError(
+                f"ImageResNet needs at least one block a stage and one feature (got blocks={blocks}, "
+                f"features={features})"
+            )
         if isinstance(axis_name, list):
             axis_name = tuple(axis_name)  # a JSON header gives a list; vmap axis names must be hashable
         keys = jax.random.split(key, 3 * blocks + 2)
@@ -95,8 +117,10 @@ class ImageResNet(eqx.Module):
         widths = [features * 2**stage for stage in range(3) for _ in range(blocks)]
         strides = [2 if stage and i == 0 else 1 for stage in range(3) for i in range(blocks)]
         ins = [features, *widths[:-1]]
-        self.blocks = tuple(ImageBlock(i, o, s, axis_name, momentum, key=k)
-                            for i, o, s, k in zip(ins, widths, strides, keys[1:-1], strict=True))
+        self.blocks = tuple(
+            ImageBlock(i, o, s, axis_name, momentum, key=k)
+            for i, o, s, k in zip(ins, widths, strides, keys[1:-1], strict=True)
+        )
         self.head = eqx.nn.Linear(widths[-1], classes, key=keys[-1])
         self.height, self.width, self.channels, self.classes = height, width, channels, classes
         self.mean = tuple(float(m) for m in (mean if mean is not None else (0.5,) * channels))
@@ -104,16 +128,21 @@ class ImageResNet(eqx.Module):
 
     def __check_init__(self):
         if len(self.mean) != self.channels or len(self.std) != self.channels:
-            raise ValueError(f"ImageResNet takes one mean and one std a channel ({self.channels}); got "
-                             f"{len(self.mean)} and {len(self.std)}")
+            raise ValueError(
+                f"ImageResNet takes one mean and one std a channel ({self.channels}); got "
+                f"{len(self.mean)} and {len(self.std)}"
+            )
         if min(self.std) <= 0:
             raise ValueError(f"ImageResNet std must be positive, got {self.std}")
 
     @typecheck
     def __call__(
-        self, x: Integer[Array, "{self.height} {self.width} {self.channels}"]
+        self,
+        x: Integer[Array, "{self.height} {self.width} {self.channels}"]
         | Float[Array, "{self.height} {self.width} {self.channels}"],
-        state: eqx.nn.State, *, key: PRNGKeyArray | None = None,
+        state: eqx.nn.State,
+        *,
+        key: PRNGKeyArray | None = None,
     ) -> tuple[Float[Array, " {self.classes}"], eqx.nn.State]:
         scale = 255.0 if jnp.issubdtype(x.dtype, jnp.integer) else 1.0
         mean, std = (jnp.asarray(s, jnp.float32).reshape(1, 1, -1) for s in (self.mean, self.std))

@@ -36,9 +36,7 @@ class DecoderBlock(eqx.Module):
         self.mlp_out = eqx.nn.Linear(mlp_dim, dim, key=k3)
 
     @typecheck
-    def __call__(
-        self, x: Float[Array, "tokens dim"], mask: Bool[Array, "tokens tokens"]
-    ) -> Float[Array, "tokens dim"]:
+    def __call__(self, x: Float[Array, "tokens dim"], mask: Bool[Array, "tokens tokens"]) -> Float[Array, "tokens dim"]:
         h = jax.vmap(self.attention_norm)(x)
         x = x + self.attention(h, h, h, mask=mask)
         h = jax.nn.gelu(jax.vmap(self.mlp_in)(jax.vmap(self.mlp_norm)(x)))
@@ -79,9 +77,20 @@ class LanguageModel(eqx.Module):
     remat: bool = eqx.field(static=True)
     compute_dtype: ComputeDtype = eqx.field(static=True)
 
-    def __init__(self, context: int = 128, vocab: int = 256, dim: int = 128, depth: int = 4, heads: int = 4,
-                 mlp_dim: int | None = None, tied: bool = True, remat: bool = False,
-                 compute_dtype: ComputeDtype = "float32", *, key: PRNGKeyArray):
+    def __init__(
+        self,
+        context: int = 128,
+        vocab: int = 256,
+        dim: int = 128,
+        depth: int = 4,
+        heads: int = 4,
+        mlp_dim: int | None = None,
+        tied: bool = True,
+        remat: bool = False,
+        compute_dtype: ComputeDtype = "float32",
+        *,
+        key: PRNGKeyArray,
+    ):
         if dim % heads:
             raise ValueError(f"LanguageModel heads {heads} must divide dim {dim}")
         embed_key, position_key, block_key, head_key = jax.random.split(key, 4)
@@ -138,8 +147,18 @@ class LastTokenClassifier(eqx.Module):
     model: LanguageModel
     classes: int = eqx.field(static=True)
 
-    def __init__(self, context: int, vocab: int, classes: int, dim: int = 128, depth: int = 1, heads: int = 4,
-                 mlp_dim: int | None = None, *, key: PRNGKeyArray):
+    def __init__(
+        self,
+        context: int,
+        vocab: int,
+        classes: int,
+        dim: int = 128,
+        depth: int = 1,
+        heads: int = 4,
+        mlp_dim: int | None = None,
+        *,
+        key: PRNGKeyArray,
+    ):
         if not 0 < classes <= vocab:
             raise ValueError(f"LastTokenClassifier classes must be in 1..vocab ({vocab}), got {classes}")
         self.model = LanguageModel(context, vocab, dim, depth, heads, mlp_dim, tied=False, key=key)

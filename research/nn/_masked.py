@@ -38,8 +38,9 @@ class Masked(eqx.Module):
             raise ValueError("Masked: the masks must have the structure of the model's floating-point arrays")
         for w, m in zip(jax.tree.leaves(params), jax.tree.leaves(self.masks), strict=True):
             if m.shape != w.shape or m.dtype != jnp.bool_:
-                raise ValueError(f"Masked: a mask must be a bool array of its weight's shape {w.shape}, "
-                                 f"got {m.dtype}{list(m.shape)}")
+                raise ValueError(
+                    f"Masked: a mask must be a bool array of its weight's shape {w.shape}, got {m.dtype}{list(m.shape)}"
+                )
 
     def masked_model(self) -> eqx.Module:
         """The model with every pruned weight replaced by zero."""

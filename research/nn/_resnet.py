@@ -24,8 +24,16 @@ class ResidualBlock(eqx.Module):
     shortcut: eqx.nn.Conv1d | None
     shortcut_norm: eqx.nn.BatchNorm | None
 
-    def __init__(self, in_channels: int, out_channels: int, stride: int, axis_name: AxisName, momentum: float, *,
-                 key: PRNGKeyArray):
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        stride: int,
+        axis_name: AxisName,
+        momentum: float,
+        *,
+        key: PRNGKeyArray,
+    ):
         k1, k2, k3 = jax.random.split(key, 3)
         # No conv biases: the batch norm right after each convolution has its own.
         self.conv1 = eqx.nn.Conv1d(in_channels, out_channels, 3, stride=stride, padding=1, use_bias=False, key=k1)

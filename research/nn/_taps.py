@@ -22,8 +22,9 @@ from ..typing import Array, Float
 # observer(layer, inputs [positions, in], outputs [positions, out]) -> outputs [positions, out]
 LinearMapObserver = Callable[[object, Array, Array], Array]
 
-_OBSERVER: contextvars.ContextVar[LinearMapObserver | None] = contextvars.ContextVar("linear_map_observer",
-                                                                                      default=None)
+_OBSERVER: contextvars.ContextVar[LinearMapObserver | None] = contextvars.ContextVar(
+    "linear_map_observer", default=None
+)
 
 
 @contextlib.contextmanager

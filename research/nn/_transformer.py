@@ -29,9 +29,7 @@ class TransformerBlock(eqx.Module):
         self.dropout = eqx.nn.Dropout(dropout)
 
     @typecheck
-    def __call__(
-        self, x: Float[Array, "tokens dim"], *, key: PRNGKeyArray | None = None
-    ) -> Float[Array, "tokens dim"]:
+    def __call__(self, x: Float[Array, "tokens dim"], *, key: PRNGKeyArray | None = None) -> Float[Array, "tokens dim"]:
         attention_key, drop1, drop2, drop3 = _split(key, 4)
         h = jax.vmap(self.attention_norm)(x)
         x = x + self.dropout(self.attention(h, h, h, key=attention_key), key=drop1)

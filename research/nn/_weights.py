@@ -42,8 +42,10 @@ def array_names(tree: Any) -> list[str]:
             values, markers = node.tree_flatten()
             for marker, value in zip(markers, values, strict=True):
                 owner = re.sub(r"\[(\w+)\]", r".\1", str(marker)).split(".")
-                names += [".".join(_dotted(path) + owner + _dotted(sub))
-                          for sub, _ in jax.tree_util.tree_flatten_with_path(value)[0]]
+                names += [
+                    ".".join(_dotted(path) + owner + _dotted(sub))
+                    for sub, _ in jax.tree_util.tree_flatten_with_path(value)[0]
+                ]
         else:
             names.append(".".join(_dotted(path)))
     if len(set(names)) != len(names):
@@ -57,8 +59,9 @@ def named_arrays(tree: Any) -> dict[str, Any]:
     return dict(zip(array_names(tree), jax.tree.leaves(eqx.filter(tree, eqx.is_array)), strict=True))
 
 
-def save_weights(path: str | Path, model: Any, state: eqx.nn.State | None = None, *,
-                 metadata: Mapping[str, str] | None = None) -> Path:
+def save_weights(
+    path: str | Path, model: Any, state: eqx.nn.State | None = None, *, metadata: Mapping[str, str] | None = None
+) -> Path:
     """Write `model`'s arrays under their names (and `state`'s under `state.`) to `path`: a `.safetensors`
     file (any other suffix: numpy's `.npz`), with `metadata` (text) beside them; returns the path."""
     path = Path(path)
@@ -101,8 +104,10 @@ def load_weights(path: str | Path, model: T, state: eqx.nn.State | None = None) 
     loaded_state = None if state is None else _fill(path, state, arrays, "state.")
     unused = sorted(set(arrays) - set(array_names(model)) - {f"state.{n}" for n in array_names(state)})
     if unused:
-        raise CheckpointError(f"{path} holds {unused[0]}, which the model does not have"
-                              + (f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""))
+        raise CheckpointError(
+            f"{path} holds {unused[0]}, which the model does not have"
+            + (f" (and {len(unused) - 1} more)" if len(unused) > 1 else "")
+        )
     return loaded_model, loaded_state
 
 
@@ -115,7 +120,9 @@ def _fill(path: str | Path, tree: T, arrays: Mapping[str, np.ndarray], prefix: s
         if found is None:
             raise CheckpointError(f"{path} has no {prefix + name} ({list(leaf.shape)} {leaf.dtype})")
         if found.shape != leaf.shape or found.dtype != leaf.dtype:
-            raise CheckpointError(f"{path}: {prefix + name} is {list(found.shape)} {found.dtype}, the model's "
-                                  f"{list(leaf.shape)} {leaf.dtype}")
+            raise CheckpointError(
+                f"{path}: {prefix + name} is {list(found.shape)} {found.dtype}, the model's "
+                f"{list(leaf.shape)} {leaf.dtype}"
+            )
         filled.append(jax.numpy.asarray(found))
     return eqx.combine(jax.tree.unflatten(treedef, filled), static)

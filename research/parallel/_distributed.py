@@ -48,8 +48,11 @@ def process_group(
     coordinator_address: str | None = None, num_processes: int | None = None, process_id: int | None = None
 ) -> ProcessGroup | None:
     """The multi-process setup from the flags, else the environment; `None` for a single process."""
-    given: dict[str, Any] = {"coordinator_address": coordinator_address, "num_processes": num_processes,
-                             "process_id": process_id}
+    given: dict[str, Any] = {
+        "coordinator_address": coordinator_address,
+        "num_processes": num_processes,
+        "process_id": process_id,
+    }
     for name, variable in ENVIRONMENT.items():
         if given[name] is None and os.environ.get(variable):
             value = os.environ[variable]
@@ -94,9 +97,15 @@ def join(group: ProcessGroup, timeout_seconds: int) -> None:
     service listens on every interface and gloo on the address of the machine's host name."""
     loopback = _is_loopback(group.coordinator_address)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    found = {} if not group.coordinator_address else {  # "": a SLURM step, which JAX finds by itself
-        "coordinator_address": group.coordinator_address, "num_processes": group.num_processes,
-        "process_id": group.process_id}
+    found = (
+        {}
+        if not group.coordinator_address
+        else {  # "": a SLURM step, which JAX finds by itself
+            "coordinator_address": group.coordinator_address,
+            "num_processes": group.num_processes,
+            "process_id": group.process_id,
+        }
+    )
     jax.distributed.initialize(
         **found,
         coordinator_bind_address=group.coordinator_address if loopback else None,
@@ -116,10 +125,12 @@ def _gloo_on_loopback() -> None:
     from jax._src import distributed, xla_bridge
     from jax._src.lib import _jax  # pyright: ignore[reportPrivateImportUsage]
 
-    collectives = _jax.make_gloo_tcp_collectives(distributed_client=distributed.global_state.client,
-                                                 hostname="127.0.0.1")
+    collectives = _jax.make_gloo_tcp_collectives(
+        distributed_client=distributed.global_state.client, hostname="127.0.0.1"
+    )
     xla_bridge.register_backend_factory(
-        "cpu", functools.partial(xla_bridge.make_cpu_client, collectives=collectives), priority=0, fail_quietly=False)
+        "cpu", functools.partial(xla_bridge.make_cpu_client, collectives=collectives), priority=0, fail_quietly=False
+    )
 
 
 def setup_devices(config: Any) -> None:
@@ -139,8 +150,10 @@ def setup_devices(config: Any) -> None:
             raise ConfigError("--parallel none trains in one process; pass --parallel sharded or pmap")
         join(group, config.distributed_timeout)
         if group.process_id != 0:
-            print(f"process {group.process_id} of {group.num_processes}: joined {group.coordinator_address}",
-                  file=sys.stderr)
+            print(
+                f"process {group.process_id} of {group.num_processes}: joined {group.coordinator_address}",
+                file=sys.stderr,
+            )
     check_device_count(config.devices)
 
 
@@ -184,8 +197,11 @@ def exit_together(prog: str) -> Iterator[None]:
             cause = _collective_failure(error)
             if cause is not None:
                 status = LOST_PEER_STATUS
-                print(f"{prog}: error: {where}: lost contact with another process, which probably died or was "
-                      f"killed; see its output for the cause ({cause})", file=sys.stderr)
+                print(
+                    f"{prog}: error: {where}: lost contact with another process, which probably died or was "
+                    f"killed; see its output for the cause ({cause})",
+                    file=sys.stderr,
+                )
             elif not isinstance(error, SystemExit):
                 traceback.print_exception(error)
                 print(f"{prog}: error: {where} failed; stopping it without waiting for the others", file=sys.stderr)

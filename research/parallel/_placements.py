@@ -155,15 +155,19 @@ class Pmap(Placement):
     def check(self, model: eqx.Module, rows: int) -> None:
         check_device_count(self.devices)
         if jax.process_count() > 1 and self.devices != jax.local_device_count():
-            raise DeviceError(f"--parallel pmap with several processes uses every local device: pass --devices "
-                              f"{jax.local_device_count()} (got {self.devices})")
+            raise DeviceError(
+                f"--parallel pmap with several processes uses every local device: pass --devices "
+                f"{jax.local_device_count()} (got {self.devices})"
+            )
         check_split(rows, self.devices)
         check_batch_norm_axis(model, self.batch_axis)
         if any(layer.mode == "ema" for layer in batch_norm_layers(model)):
             # jax.pmap is shard_map underneath (jax >= 0.8); there eqx.nn.State.set refuses the constant
             # BatchNorm(mode="ema") writes ("Old and new values have different structures").
-            raise ConfigError('eqx.nn.BatchNorm(mode="ema") cannot run under jax.pmap with this equinox; build it '
-                              'with mode="batch", or use --parallel sharded')
+            raise ConfigError(
+                'eqx.nn.BatchNorm(mode="ema") cannot run under jax.pmap with this equinox; build it '
+                'with mode="batch", or use --parallel sharded'
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,8 +225,9 @@ class Sharded(Placement):
     def put_batch(self, batch: Batch) -> Batch:
         def put(rows: Any) -> jax.Array:  # this process's rows of the global batch
             rows = np.asarray(rows)
-            return jax.make_array_from_process_local_data(self._batch, rows, (len(rows) * jax.process_count(),
-                                                                              *rows.shape[1:]))
+            return jax.make_array_from_process_local_data(
+                self._batch, rows, (len(rows) * jax.process_count(), *rows.shape[1:])
+            )
 
         return jax.tree.map(put, batch)
 
@@ -329,7 +334,8 @@ class Fsdp(Placement):
 
     def host(self, tree: Any) -> Any:
         return jax.tree.map(
-            lambda x: local_copy(x if x.is_fully_replicated else jax.device_put(x, self._sharded._replicated)), tree)
+            lambda x: local_copy(x if x.is_fully_replicated else jax.device_put(x, self._sharded._replicated)), tree
+        )
 
     def metric_shapes(self, fn: Callable, leaves: Leaves, batch: Batch) -> dict[str, jax.ShapeDtypeStruct]:
         return jax.eval_shape(fn, leaves, batch)

@@ -41,6 +41,7 @@ def add_gaussian_noise(tree: PyTree, key: PRNGKeyArray, std: float | Float[Array
         return tree
     leaves, treedef = jax.tree.flatten(tree)
     keys = jax.random.split(key, max(len(leaves), 1))
+
     # random_normal: jax.random.normal's bits with the threefry rounds unrolled (several times faster on CPU).
     # Drawn inside a conditional, which no fusion crosses, so the noise is computed once into a buffer:
     # XLA's CPU pipeline drops optimization barriers before it fuses, and then copied the (integer, so
@@ -114,13 +115,19 @@ class DPSGDLoss:
     ) -> tuple[Float[Array, ""], tuple[Metrics, eqx.nn.State | None]]:
         example_key, _ = jax.random.split(key)
         batch, weights = _real_examples(batch)
-        losses = per_example_losses(model, model_state, batch, example_key, loss_fn=self.example_loss,
-                                    chunk_size=self.chunk_size)
+        losses = per_example_losses(
+            model, model_state, batch, example_key, loss_fn=self.example_loss, chunk_size=self.chunk_size
+        )
         loss = _weighted_means({"loss": losses}, weights)["loss"]
         return loss, ({"loss": loss}, model_state)
 
     def value_and_grad(
-        self, model: eqx.Module, model_state: eqx.nn.State | None, batch: Batch, key: PRNGKeyArray, *,
+        self,
+        model: eqx.Module,
+        model_state: eqx.nn.State | None,
+        batch: Batch,
+        key: PRNGKeyArray,
+        *,
         axis_name: str | None = None,
     ) -> tuple[tuple[Float[Array, ""], tuple[Metrics, eqx.nn.State | None]], PyTree]:
         """The privatised gradient `(sum_i clip(g_i) + N(0, (sigma C)^2 I)) / expected_batch_size`,
@@ -132,8 +139,15 @@ class DPSGDLoss:
         example_key, noise_key = jax.random.split(key)
         batch, weights = _real_examples(batch)
         summed, norms, example_metrics = clipped_gradient_sum(
-            model, model_state, batch, example_key, clip_norm=self.clip_norm, weights=weights,
-            loss_fn=self.example_loss, chunk_size=self.chunk_size, method=self.method,
+            model,
+            model_state,
+            batch,
+            example_key,
+            clip_norm=self.clip_norm,
+            weights=weights,
+            loss_fn=self.example_loss,
+            chunk_size=self.chunk_size,
+            method=self.method,
         )
         values = {**example_metrics, "clipped_fraction": norms > self.clip_norm, "example_grad_norm": norms}
         sums = {k: jnp.sum(v.astype(jnp.float32) * weights) for k, v in values.items()}

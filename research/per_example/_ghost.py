@@ -86,8 +86,10 @@ class GhostPlan:
         """Layer `index`'s input rows and output-row gradients over all its calls, joined along the
         positions `axis` (0 for one example, 1 with a leading batch axis)."""
         calls = [k for k, (layer, _, _) in enumerate(self.calls) if layer == index]
-        return (jnp.concatenate([inputs[k] for k in calls], axis=axis),
-                jnp.concatenate([output_grads[k] for k in calls], axis=axis))
+        return (
+            jnp.concatenate([inputs[k] for k in calls], axis=axis),
+            jnp.concatenate([output_grads[k] for k in calls], axis=axis),
+        )
 
     def squared_norm(self, inputs: list[Array], output_grads: list[Array]) -> Float[Array, ""]:
         """One example's squared gradient norm from each call's input rows and output-row gradients."""
@@ -99,8 +101,9 @@ class GhostPlan:
                 total = total + jnp.sum(jnp.square(jnp.sum(g, axis=0)))
         return total
 
-    def weighted_gradients(self, params: PyTree, inputs: list[Array], output_grads: list[Array],
-                           scales: Float[Array, " batch"]) -> PyTree:
+    def weighted_gradients(
+        self, params: PyTree, inputs: list[Array], output_grads: list[Array], scales: Float[Array, " batch"]
+    ) -> PyTree:
         """`sum_i scales_i grad_i` as a tree like `params`, from every example's input rows and
         output-row gradients: for each layer `(s * G)^T X` over the batch and its positions (the
         weight gradient a backward pass would form), and `sum s * G` for its bias."""
@@ -155,11 +158,16 @@ def _parameter_problem(model: eqx.Module) -> str | None:
         return "the model has no floating-point parameters"
     if len({id(layer.weight) for layer in layers}) != len(layers):
         return "two layers share one weight array"
-    outside = [path for path, leaf in jax.tree_util.tree_leaves_with_path(eqx.filter(model, eqx.is_inexact_array))
-               if id(leaf) not in owned]
+    outside = [
+        path
+        for path, leaf in jax.tree_util.tree_leaves_with_path(eqx.filter(model, eqx.is_inexact_array))
+        if id(leaf) not in owned
+    ]
     if outside:
-        return (f"{len(outside)} parameter array(s) outside eqx.nn.Linear / eqx.nn.Conv1d layers "
-                f"(first: model{jax.tree_util.keystr(outside[0])})")
+        return (
+            f"{len(outside)} parameter array(s) outside eqx.nn.Linear / eqx.nn.Conv1d layers "
+            f"(first: model{jax.tree_util.keystr(outside[0])})"
+        )
     return None
 
 
@@ -229,8 +237,10 @@ def ghost_plan(
         jax.eval_shape(forward, example)
         unseen = sorted(set(range(len(layers))) - {index for index, _, _ in calls})
         if unseen:
-            return (f"{len(unseen)} layer(s) never pass through research.nn.observed_linear_map (first: a "
-                    f"{type(layers[unseen[0]]).__name__}; an eqx.nn.Conv1d must be computed by conv1d_as_matmul)")
+            return (
+                f"{len(unseen)} layer(s) never pass through research.nn.observed_linear_map (first: a "
+                f"{type(layers[unseen[0]]).__name__}; an eqx.nn.Conv1d must be computed by conv1d_as_matmul)"
+            )
         plan = GhostPlan(tuple(layer.bias is not None for layer in layers), tuple(calls))
         jax.eval_shape(ghost_norm_of_one(plan, loss_fn, model, model_state), example)  # an inner vmap/scan leaks
     except _NotCovered as error:
@@ -255,7 +265,11 @@ def ghost_norm_of_one(plan: GhostPlan, loss_fn: Callable, model: eqx.Module, mod
 
 
 def ghost_clipped_sum(
-    plan: GhostPlan, loss_fn: Callable, model: eqx.Module, model_state: eqx.nn.State | None, examples: tuple,
+    plan: GhostPlan,
+    loss_fn: Callable,
+    model: eqx.Module,
+    model_state: eqx.nn.State | None,
+    examples: tuple,
     scale_of: Callable[[Float[Array, " batch"]], Float[Array, " batch"]],
 ) -> tuple[PyTree, Float[Array, " batch"], dict[str, Array]]:
     """`(sum_i s_i grad_i, norms, metrics)` with `s = scale_of(norms)` (weights times clip factors),

@@ -124,8 +124,9 @@ def _first_example(examples: tuple) -> tuple:
     return jax.tree.map(lambda x: x[0], examples)
 
 
-def _ghost_plan_for(method: str, model: eqx.Module, model_state: eqx.nn.State | None, loss_fn: ExampleLossFn,
-                    examples: tuple) -> GhostPlan | None:
+def _ghost_plan_for(
+    method: str, model: eqx.Module, model_state: eqx.nn.State | None, loss_fn: ExampleLossFn, examples: tuple
+) -> GhostPlan | None:
     """The ghost plan to use, or None for the vmap path; `method="ghost"` on a model it does not cover raises."""
     if method not in CLIPPING_METHODS:
         raise ValueError(f"method must be one of {', '.join(CLIPPING_METHODS)}, got {method!r}")
@@ -134,8 +135,10 @@ def _ghost_plan_for(method: str, model: eqx.Module, model_state: eqx.nn.State | 
     plan = ghost_plan(model, model_state, loss_fn, _first_example(examples))
     if isinstance(plan, str):
         if method == "ghost":
-            raise ValueError(f"method='ghost' cannot take this model's per-example gradient norms: {plan}. "
-                             "Use method='vmap' (or 'auto', which falls back to it).")
+            raise ValueError(
+                f"method='ghost' cannot take this model's per-example gradient norms: {plan}. "
+                "Use method='vmap' (or 'auto', which falls back to it)."
+            )
         return None
     return plan
 
@@ -303,8 +306,9 @@ def clipped_gradient_sum(
 
     def chunk_sum(chunk, chunk_weights):
         if plan is not None:  # no per-example gradients: norms, then the gradient of the clipped, weighted loss
-            return ghost_clipped_sum(plan, loss_fn, model, model_state, chunk,
-                                     lambda norms: chunk_weights * _clip_factors(norms, clip_norm))
+            return ghost_clipped_sum(
+                plan, loss_fn, model, model_state, chunk, lambda norms: chunk_weights * _clip_factors(norms, clip_norm)
+            )
         grads, metrics = eqx.filter_vmap(one, axis_name="batch")(chunk)
         clipped, norms = clip_per_example(grads, clip_norm)
         return _weighted_sum(clipped, chunk_weights), norms, metrics
@@ -322,7 +326,8 @@ def clipped_gradient_sum(
     chunked = jax.tree.map(lambda x: x[rows].reshape(num_chunks, chunk_size, *x.shape[1:]), examples)
     chunk_weights = padded_weights.reshape(num_chunks, chunk_size)
     summed_like, norms_like, metrics_like = jax.eval_shape(
-        chunk_sum, jax.tree.map(lambda x: x[0], chunked), chunk_weights[0])
+        chunk_sum, jax.tree.map(lambda x: x[0], chunked), chunk_weights[0]
+    )
     zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)  # noqa: E731
 
     def body(total, chunk_and_weights):

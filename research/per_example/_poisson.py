@@ -44,12 +44,21 @@ class PoissonLoader(DeviceLoader):
     - `multiple_of`: the default `max_batch_size` is a multiple of it (the global device count).
     """
 
-    def __init__(self, inputs: np.ndarray, labels: np.ndarray, expected_batch_size: float | int, *, seed: int,
-                 max_batch_size: int | None = None, multiple_of: int = 1):
+    def __init__(
+        self,
+        inputs: np.ndarray,
+        labels: np.ndarray,
+        expected_batch_size: float | int,
+        *,
+        seed: int,
+        max_batch_size: int | None = None,
+        multiple_of: int = 1,
+    ):
         size = len(labels)
         if not 0 < expected_batch_size <= size:
-            raise ValueError(f"expected batch size must be in (0, {size}] (the data set size), "
-                             f"got {expected_batch_size}")
+            raise ValueError(
+                f"expected batch size must be in (0, {size}] (the data set size), got {expected_batch_size}"
+            )
         if np.any(np.asarray(labels) < 0):
             raise ValueError(f"labels must be >= 0: {PADDING_LABEL} marks padding in Poisson batches")
         max_batch_size = max_batch_size or default_max_batch_size(size, expected_batch_size, multiple_of)
@@ -81,8 +90,12 @@ class PoissonLoader(DeviceLoader):
     def epsilon(self, noise_multiplier: float | int, steps: int, delta: float) -> float:
         """The privacy spent by `steps` DP-SGD steps on this loader's batches (see `dp_sgd_epsilon`)."""
         return dp_sgd_epsilon(
-            noise_multiplier=noise_multiplier, dataset_size=self.size, expected_batch_size=self.expected_batch_size,
-            max_batch_size=self.max_batch_size, steps=steps, delta=delta,
+            noise_multiplier=noise_multiplier,
+            dataset_size=self.size,
+            expected_batch_size=self.expected_batch_size,
+            max_batch_size=self.max_batch_size,
+            steps=steps,
+            delta=delta,
         )
 
 

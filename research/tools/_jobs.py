@@ -24,9 +24,11 @@ from ._pool import ALREADY_FINISHED, Outcome, Run
 from ._runs import UsageError
 
 EXECUTORS = ("processes", "slurm", "submitit-local")
-SLURM_MISSING = ("--executor needs the submitit package, which is not installed; install it with `pip install "
-                 "'.[slurm]'` (in this repository: `.venv/bin/pip install -c requirements/constraints.txt -e "
-                 "'.[slurm]'`), or `pip install submitit`")
+SLURM_MISSING = (
+    "--executor needs the submitit package, which is not installed; install it with `pip install "
+    "'.[slurm]'` (in this repository: `.venv/bin/pip install -c requirements/constraints.txt -e "
+    "'.[slurm]'`), or `pip install submitit`"
+)
 
 
 class RunCommand:
@@ -75,8 +77,11 @@ class RunCommand:
 
 
 def last_line(path: Path) -> str:
-    lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()] \
-        if path.exists() else []
+    lines = (
+        [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
+        if path.exists()
+        else []
+    )
     return lines[-1] if lines else ""
 
 
@@ -90,11 +95,15 @@ def make_executor(kind: str, folder: Path, options: Any) -> Any:
         executor = submitit.AutoExecutor(folder=folder, cluster="slurm")
         extra = dict(word.split("=", 1) for word in options.slurm_extra)
         executor.update_parameters(
-            timeout_min=options.slurm_time, slurm_array_parallelism=options.jobs, gpus_per_node=options.slurm_gpus,
-            cpus_per_task=options.slurm_cpus, slurm_signal_delay_s=120,
+            timeout_min=options.slurm_time,
+            slurm_array_parallelism=options.jobs,
+            gpus_per_node=options.slurm_gpus,
+            cpus_per_task=options.slurm_cpus,
+            slurm_signal_delay_s=120,
             **({"slurm_partition": options.slurm_partition} if options.slurm_partition else {}),
             **({"mem_gb": options.slurm_mem} if options.slurm_mem else {}),
-            **({"slurm_additional_parameters": extra} if extra else {}))
+            **({"slurm_additional_parameters": extra} if extra else {}),
+        )
         return executor
     executor = submitit.LocalExecutor(folder=folder)
     executor.update_parameters(timeout_min=options.slurm_time)
@@ -118,8 +127,9 @@ def _read_jobs(path: Path) -> dict[str, str]:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def submit_and_collect(runs: Sequence[Run], kind: str, sweep_dir: Path, options: Any, *, wait: bool,
-                       finished: Callable[[Outcome], None]) -> list[Any]:
+def submit_and_collect(
+    runs: Sequence[Run], kind: str, sweep_dir: Path, options: Any, *, wait: bool, finished: Callable[[Outcome], None]
+) -> list[Any]:
     """Submit the runs without a job still queued or running (the others' jobs are collected), record
     their ids in `SWEEP_DIR/jobs.json`, and, with `wait`, call `finished` as each job ends. Returns the
     jobs (submitted or collected)."""
@@ -135,8 +145,9 @@ def submit_and_collect(runs: Sequence[Run], kind: str, sweep_dir: Path, options:
     todo = [run for run in runs if run.name not in jobs]
     if todo:
         with executor.batch():  # one job array
-            submitted = [(run, executor.submit(RunCommand(run.name, run.command, str(sweep_dir / "logs"))))
-                         for run in todo]
+            submitted = [
+                (run, executor.submit(RunCommand(run.name, run.command, str(sweep_dir / "logs")))) for run in todo
+            ]
         jobs.update({run.name: job for run, job in submitted})
         _SUBMITTED.update({str(job.job_id): job for _, job in submitted})
     known.update({name: str(job.job_id) for name, job in jobs.items()})
@@ -144,8 +155,12 @@ def submit_and_collect(runs: Sequence[Run], kind: str, sweep_dir: Path, options:
     ledger.with_suffix(".tmp").write_text(json.dumps(known, indent=2, sort_keys=True) + "\n")
     os.replace(ledger.with_suffix(".tmp"), ledger)  # a sweep killed while writing leaves the previous ledger
     ids = ", ".join(str(job.job_id) for job in jobs.values())
-    print(f"sweep: {len(todo)} job(s) submitted, {len(jobs) - len(todo)} collected ({kind}: {ids}); logs in "
-          f"{sweep_dir / 'logs'}, submitit's in {folder}", file=sys.stderr, flush=True)
+    print(
+        f"sweep: {len(todo)} job(s) submitted, {len(jobs) - len(todo)} collected ({kind}: {ids}); logs in "
+        f"{sweep_dir / 'logs'}, submitit's in {folder}",
+        file=sys.stderr,
+        flush=True,
+    )
     if wait:
         _wait(runs, jobs, sweep_dir / "logs", finished)
     return list(jobs.values())
@@ -163,6 +178,13 @@ def _wait(runs: Sequence[Run], jobs: dict[str, Any], log_dir: Path, finished: Ca
             except Exception:  # the job failed: its run's own last line says why
                 status = 1
             error = last_line(log_dir / f"{name}.err")
-            finished(Outcome(run, status, time.monotonic() - start, error,
-                             skipped=status == 0 and error.endswith(ALREADY_FINISHED)))
+            finished(
+                Outcome(
+                    run,
+                    status,
+                    time.monotonic() - start,
+                    error,
+                    skipped=status == 0 and error.endswith(ALREADY_FINISHED),
+                )
+            )
         time.sleep(0.5)

@@ -96,8 +96,9 @@ def _start(run: Run, log_dir: Path) -> _Started:
     log_dir.mkdir(parents=True, exist_ok=True)
     out = open(log_dir / f"{run.name}.out", "w")
     err = open(log_dir / f"{run.name}.err", "w+")
-    process = subprocess.Popen(run.command, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                               preexec_fn=_death_signal())
+    process = subprocess.Popen(
+        run.command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, preexec_fn=_death_signal()
+    )
     return _Started(run, process, time.monotonic(), (out, err))
 
 
@@ -108,12 +109,14 @@ def _finish(started: _Started) -> Outcome:
     lines = [line.strip() for line in err.read().splitlines() if line.strip()]
     err.close()
     skipped = started.process.returncode == 0 and any(line.endswith(ALREADY_FINISHED) for line in lines)
-    return Outcome(started.run, started.process.returncode, time.monotonic() - started.start,
-                   lines[-1] if lines else "", skipped)
+    return Outcome(
+        started.run, started.process.returncode, time.monotonic() - started.start, lines[-1] if lines else "", skipped
+    )
 
 
-def run_all(next_run: Callable[[], Run | None], jobs: int, log_dir: Path,
-            on_finish: Callable[[Outcome], None]) -> list[Outcome]:
+def run_all(
+    next_run: Callable[[], Run | None], jobs: int, log_dir: Path, on_finish: Callable[[Outcome], None]
+) -> list[Outcome]:
     """Start runs from `next_run()` (None: no more for now) while fewer than `jobs` run; call
     `on_finish` as each ends. On KeyboardInterrupt the running ones are stopped before it propagates."""
     running: list[_Started] = []

@@ -49,23 +49,36 @@ def open_study(sweep_dir: Path, spec: dict[str, Any], *, search: str, seed: int,
     storage = f"sqlite:///{(sweep_dir / STUDY_FILE).resolve()}"
     exists = STUDY_NAME in optuna.get_all_study_names(storage)
     offset = len(optuna.load_study(study_name=STUDY_NAME, storage=storage).trials) if exists else 0
-    study = optuna.create_study(study_name=STUDY_NAME, storage=storage, direction=spec["direction"],
-                                sampler=_sampler(search, seed + offset, jobs), load_if_exists=True)
+    study = optuna.create_study(
+        study_name=STUDY_NAME,
+        storage=storage,
+        direction=spec["direction"],
+        sampler=_sampler(search, seed + offset, jobs),
+        load_if_exists=True,
+    )
     saved = study.user_attrs.get("spec")
     if saved is None:
         study.set_user_attr("spec", spec)
     elif saved != json.loads(json.dumps(spec)):
         changed = ", ".join(k for k in spec if saved.get(k) != json.loads(json.dumps(spec[k])))
-        raise UsageError(f"{sweep_dir / STUDY_FILE} holds a study with another {changed}; "
-                         "rerun it as it was or pick another --sweep-dir")
+        raise UsageError(
+            f"{sweep_dir / STUDY_FILE} holds a study with another {changed}; "
+            "rerun it as it was or pick another --sweep-dir"
+        )
     return study
 
 
 class Search:
     """Runs for a study: `next_run` for `run_all`, `finish` to tell the study how each ended."""
 
-    def __init__(self, study: optuna.Study, axes: Sequence[Axis], trials: int, metric: str,
-                 make_run: Callable[[int, dict[str, str]], Run]):
+    def __init__(
+        self,
+        study: optuna.Study,
+        axes: Sequence[Axis],
+        trials: int,
+        metric: str,
+        make_run: Callable[[int, dict[str, str]], Run],
+    ):
         self.study, self.axes, self.metric, self.make_run = study, axes, metric, make_run
         states = [t.state for t in study.trials]
         self.stale = [t for t in study.trials if t.state == optuna.trial.TrialState.RUNNING]
@@ -101,7 +114,10 @@ class Search:
 
     def trial_runs(self) -> list[tuple[Run, float | None]]:
         """Every trial's run with its value (None: failed or unfinished), best first."""
-        runs = [(self.make_run(t.number, {a.key: format_value(t.params[a.key]) for a in self.axes}), t.value)
-                for t in self.study.trials if all(a.key in t.params for a in self.axes)]
+        runs = [
+            (self.make_run(t.number, {a.key: format_value(t.params[a.key]) for a in self.axes}), t.value)
+            for t in self.study.trials
+            if all(a.key in t.params for a in self.axes)
+        ]
         sign = -1 if self.study.direction == optuna.study.StudyDirection.MAXIMIZE else 1
         return sorted(runs, key=lambda item: (item[1] is None, sign * (item[1] or 0)))

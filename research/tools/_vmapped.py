@@ -34,11 +34,15 @@ def check_vmappable(config_class: type, keys: Sequence[str], config: Options) ->
     allowed = vmappable_options(config_class)
     fixed = [key for key in keys if key not in allowed]
     if fixed:
-        raise UsageError(f"--vmapped: {', '.join(fixed)} cannot vary inside one program (this experiment's "
-                         f"vmappable options: {', '.join(sorted(allowed)) or 'none'}); sweep it without --vmapped")
+        raise UsageError(
+            f"--vmapped: {', '.join(fixed)} cannot vary inside one program (this experiment's "
+            f"vmappable options: {', '.join(sorted(allowed)) or 'none'}); sweep it without --vmapped"
+        )
     if getattr(config, "devices", 1) > 1 or getattr(config, "num_processes", None) not in (None, 1):
-        raise UsageError("--vmapped trains its population on one device in one process; drop --devices and the "
-                         "multi-process options (or sweep without --vmapped)")
+        raise UsageError(
+            "--vmapped trains its population on one device in one process; drop --devices and the "
+            "multi-process options (or sweep without --vmapped)"
+        )
     if getattr(config, "loader", "device") != "device":
         raise UsageError("--vmapped gathers each member's batches on the device: use --loader device")
 
@@ -47,8 +51,11 @@ def member_values(values: dict[str, Any], k: int) -> dict[str, Any]:
     """Member `k`'s numbers out of a population's record or summary: `test/member_loss[k]` becomes
     `test/loss`, `train_member_loss[k]` `train_loss`; the members' means and the ensemble's are dropped."""
     own = {key.replace("member_", ""): value[k] for key, value in values.items() if "member_" in key}
-    shared = {key: value for key, value in values.items()
-              if key not in own and "member_" not in key and "ensemble_" not in key and key != "members"}
+    shared = {
+        key: value
+        for key, value in values.items()
+        if key not in own and "member_" not in key and "ensemble_" not in key and key != "members"
+    }
     return {**shared, **own}
 
 
@@ -58,19 +65,33 @@ def _population_setup(experiment: str, configs: Sequence[Options], setups: Seque
     if len(loaders) != len(setups):
         raise UsageError(f"--vmapped: {experiment} does not train from a DeviceLoader with these options")
     if any(setup.population or setup.evaluator is not None for setup in setups):
-        raise UsageError(f"--vmapped: {experiment} is a population or has its own evaluator already; "
-                         "sweep it without --vmapped")
+        raise UsageError(
+            f"--vmapped: {experiment} is a population or has its own evaluator already; sweep it without --vmapped"
+        )
     if len({setup.num_steps for setup in setups}) > 1 or any(s.loss_fn != first.loss_fn for s in setups):
         raise UsageError("--vmapped: the members train for different numbers of steps or with different losses")
     return Setup(
         build_state=lambda: stack_members([initial_state(s, c) for s, c in zip(setups, configs, strict=True)]),
-        train_data=DeviceLoader.for_members(loaders), eval_data=first.eval_data, val_data=first.val_data,
+        train_data=DeviceLoader.for_members(loaders),
+        eval_data=first.eval_data,
+        val_data=first.val_data,
         num_steps=first.num_steps,
-        loss_fn=first.loss_fn, population=True)
+        loss_fn=first.loss_fn,
+        population=True,
+    )
 
 
-def _write_member(experiment: str, run: Run, config: Options, setup: Setup, state: Any,
-                  records: list[dict[str, Any]], summary: dict[str, Any], k: int, writer: CheckpointWriter) -> None:
+def _write_member(
+    experiment: str,
+    run: Run,
+    config: Options,
+    setup: Setup,
+    state: Any,
+    records: list[dict[str, Any]],
+    summary: dict[str, Any],
+    k: int,
+    writer: CheckpointWriter,
+) -> None:
     out = RunDir(run.path).create()
     own = member(state, k)
     saved = {**config_record(experiment, config, setup, own), "vmapped": summary["population"]}
@@ -90,8 +111,14 @@ def _write_member(experiment: str, run: Run, config: Options, setup: Setup, stat
         out.write_config({**saved, "trackers": track_finished_run(experiment, config, out, runs_root=RUNS_ROOT)})
 
 
-def sweep_vmapped(experiment: str, module: Any, runs: Sequence[Run], configs: Sequence[Options],
-                  sweep_dir: Path, write: Collection[str] | None = None) -> tuple[list[Run], float]:
+def sweep_vmapped(
+    experiment: str,
+    module: Any,
+    runs: Sequence[Run],
+    configs: Sequence[Options],
+    sweep_dir: Path,
+    write: Collection[str] | None = None,
+) -> tuple[list[Run], float]:
     """Train `runs` (their `configs`) as one population and write the run directories of those named in
     `write` (default: all); returns the runs written and the seconds it took. The population is always
     the whole grid, so a sweep stopped while it wrote its members resumes the same population (already
@@ -102,8 +129,9 @@ def sweep_vmapped(experiment: str, module: Any, runs: Sequence[Run], configs: Se
     names = "\n".join(run.name for run in runs)
     path = sweep_dir / f"population-{hashlib.sha1(names.encode()).hexdigest()[:8]}"
     # The members are tracked as their runs (`_write_member`), the population itself only in its metrics.jsonl.
-    population_config = dataclasses.replace(configs[0], run_dir=str(path), resume="auto", progress=True,
-                                            tracker="jsonl", tensorboard=False)
+    population_config = dataclasses.replace(
+        configs[0], run_dir=str(path), resume="auto", progress=True, tracker="jsonl", tensorboard=False
+    )
     print(f"sweep: training {len(runs)} runs as one vmapped population in {path}", file=sys.stderr, flush=True)
     start = time.perf_counter()
     summary = run_experiment(experiment, population_config, population, summary_extra={"members": names.split("\n")})
@@ -111,8 +139,9 @@ def sweep_vmapped(experiment: str, module: Any, runs: Sequence[Run], configs: Se
     population_run = RunDir(path)
     checkpoint, _ = population_run.latest_valid_checkpoint()
     if checkpoint is None:
-        raise CheckpointError(f"{path}: the population left no valid checkpoint to write its members from; "
-                              "rerun the sweep")
+        raise CheckpointError(
+            f"{path}: the population left no valid checkpoint to write its members from; rerun the sweep"
+        )
     state, _ = load_checkpoint(checkpoint, initial_state(population, population_config))
     records = population_run.read_metrics()
     written, writer = [], CheckpointWriter()
@@ -124,5 +153,3 @@ def sweep_vmapped(experiment: str, module: Any, runs: Sequence[Run], configs: Se
     finally:
         writer.close()
     return written, time.perf_counter() - start
-
-

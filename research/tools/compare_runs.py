@@ -22,8 +22,18 @@ from typing import Any
 from ..train import RunDir
 from ._runs import Parser, UsageError, fail, open_runs, run_labels
 
-NOT_COMPARED = {"run_dir", "resume", "progress", "tensorboard", "tracker", "mlflow_uri", "group", "profile_steps",
-                "debug_nans", "compilation_cache"}
+NOT_COMPARED = {
+    "run_dir",
+    "resume",
+    "progress",
+    "tensorboard",
+    "tracker",
+    "mlflow_uri",
+    "group",
+    "profile_steps",
+    "debug_nans",
+    "compilation_cache",
+}
 NOT_SHOWN = {"compile_seconds", "peak_host_memory_bytes", "peak_device_memory_bytes"}
 FIRST_METRICS = ["val_accuracy", "val_loss", "test_accuracy", "test_loss", "train_loss", "step", "wall_seconds"]
 _FROM_METRICS = {"test_accuracy": "test/accuracy", "test_loss": "test/loss", "train_loss": "train/loss"}
@@ -93,11 +103,14 @@ def compare_runs(run_dirs: Sequence[str | Path], over: Sequence[str] = ()) -> st
     unknown = [k for k in over if k not in keys]
     if unknown:
         raise UsageError(f"--over {unknown[0]}: no run has that option (options: {', '.join(keys)})")
-    differing = [k for k in keys if k not in over
-                 and len({json.dumps(s.get(k), sort_keys=True) for s in settings}) > 1]
+    differing = [k for k in keys if k not in over and len({json.dumps(s.get(k), sort_keys=True) for s in settings}) > 1]
     finals = [_final_numbers(run) for run in runs]
-    numeric = {k for numbers, _ in finals for k, v in numbers.items()
-               if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in NOT_SHOWN}
+    numeric = {
+        k
+        for numbers, _ in finals
+        for k, v in numbers.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in NOT_SHOWN
+    }
     metrics = [k for k in FIRST_METRICS if k in numeric] + sorted(numeric - set(FIRST_METRICS))
     if over:
         groups: dict[str, list[int]] = {}
@@ -127,9 +140,13 @@ def compare_runs(run_dirs: Sequence[str | Path], over: Sequence[str] = ()) -> st
 def main(argv: Sequence[str] | None = None) -> None:
     parser = Parser(prog="compare_runs", description="Print a markdown table comparing run directories.")
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (with config.json)")
-    parser.add_argument("--over", action="append", default=[], metavar="OPTION",
-                        help="group runs that differ only in this option (repeatable; e.g. seed) into one row "
-                             "of mean ± std")
+    parser.add_argument(
+        "--over",
+        action="append",
+        default=[],
+        metavar="OPTION",
+        help="group runs that differ only in this option (repeatable; e.g. seed) into one row of mean ± std",
+    )
     args = parser.parse_args(argv)
     try:
         print(compare_runs(args.runs, over=args.over))

@@ -20,18 +20,27 @@ from ..nn import save_weights
 from ._runs import Parser, UsageError, fail
 
 
-def export_weights(run_dir: str | Path, out: str | Path | None = None, *, format: str = "safetensors",
-                   ema: bool = False) -> Path:
+def export_weights(
+    run_dir: str | Path, out: str | Path | None = None, *, format: str = "safetensors", ema: bool = False
+) -> Path:
     """Write the weights of the run in `run_dir` to `out` (default: `RUN_DIR/model[-ema].FORMAT`); returns it."""
     run = load_run(run_dir)
     model, state = (run.ema_model, run.ema_model_state) if ema else (run.model, run.model_state)
     if model is None:
         raise UsageError(f"--ema: the run in {run.path} kept no EMA of its weights (it trained without --ema-decay)")
     if run.setup.population:
-        raise UsageError(f"{run.path} is a population of models: export one member's run (scripts/sweep --vmapped "
-                         "writes one a member)")
-    metadata = {"format": "research weights 1", "experiment": run.experiment, "step": str(run.step),
-                "model": type(model).__name__, "ema": json.dumps(ema), "config": json.dumps(run.config.to_dict())}
+        raise UsageError(
+            f"{run.path} is a population of models: export one member's run (scripts/sweep --vmapped "
+            "writes one a member)"
+        )
+    metadata = {
+        "format": "research weights 1",
+        "experiment": run.experiment,
+        "step": str(run.step),
+        "model": type(model).__name__,
+        "ema": json.dumps(ema),
+        "config": json.dumps(run.config.to_dict()),
+    }
     suffix = "safetensors" if format == "safetensors" else "npz"
     out = Path(out) if out is not None else run.path / f"model{'-ema' if ema else ''}.{suffix}"
     if (out.suffix == ".safetensors") != (format == "safetensors"):
@@ -41,12 +50,18 @@ def export_weights(run_dir: str | Path, out: str | Path | None = None, *, format
 
 
 def _parser() -> Parser:
-    parser = Parser(prog="export", usage="scripts/export RUN_DIR [--format safetensors|npz] [--ema] [-o FILE]",
-                    description="Write a trained run's weights under their names, with its config, to a safetensors "
-                                "or .npz file.")
+    parser = Parser(
+        prog="export",
+        usage="scripts/export RUN_DIR [--format safetensors|npz] [--ema] [-o FILE]",
+        description="Write a trained run's weights under their names, with its config, to a safetensors or .npz file.",
+    )
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (with config.json and a checkpoint)")
-    parser.add_argument("--format", choices=("safetensors", "npz"), default="safetensors",
-                        help="safetensors (the default) or numpy's .npz")
+    parser.add_argument(
+        "--format",
+        choices=("safetensors", "npz"),
+        default="safetensors",
+        help="safetensors (the default) or numpy's .npz",
+    )
     parser.add_argument("--ema", action="store_true", help="the EMA model's weights (a run with --ema-decay)")
     parser.add_argument("-o", "--out", default=None, help="the file to write (default: RUN_DIR/model[-ema].FORMAT)")
     return parser

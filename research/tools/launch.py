@@ -73,28 +73,39 @@ def launch(num_processes: int, command: list[str], *, port: int | None = None) -
             signal.signal(number, handler)
 
 
-def _watch(processes: list[subprocess.Popen], script: Path, command: list[str], address: str,
-           num_processes: int) -> int:
+def _watch(
+    processes: list[subprocess.Popen], script: Path, command: list[str], address: str, num_processes: int
+) -> int:
     """Start the processes and wait: the first failure stops the others. SIGTERM and SIGINT are
     passed on to every process (they stop together, after a checkpoint, with 143 or 130)."""
     for index in range(num_processes):
-        env = {**os.environ, "JAX_COORDINATOR_ADDRESS": address, "JAX_NUM_PROCESSES": str(num_processes),
-               "JAX_PROCESS_ID": str(index)}
+        env = {
+            **os.environ,
+            "JAX_COORDINATOR_ADDRESS": address,
+            "JAX_NUM_PROCESSES": str(num_processes),
+            "JAX_PROCESS_ID": str(index),
+        }
         processes.append(subprocess.Popen([sys.executable, str(script), *command[1:]], env=env))
     try:
         while True:
             statuses = [p.poll() for p in processes]
             failed = [(i, s) for i, s in enumerate(statuses) if s not in (None, 0)]
             if failed and all(s in PREEMPTED for s in statuses):
-                print(f"launch: every process stopped on a signal (status {statuses[0]}); rerun with --resume auto "
-                      "to continue", file=sys.stderr)
+                print(
+                    f"launch: every process stopped on a signal (status {statuses[0]}); rerun with --resume auto "
+                    "to continue",
+                    file=sys.stderr,
+                )
                 return max(s for s in statuses if s is not None)  # all of them: each stopped on a signal
             if failed and not all(s in PREEMPTED or s is None for s in statuses):
                 # A process that lost a peer is a consequence; report the cause when it is known.
                 index, status = min(failed, key=lambda f: f[1] == LOST_PEER_STATUS)
                 running = [i for i, s in enumerate(statuses) if s is None]
-                print(f"launch: process {index} {_describe(status)}"
-                      + (f"; stopping process(es) {', '.join(map(str, running))}" if running else ""), file=sys.stderr)
+                print(
+                    f"launch: process {index} {_describe(status)}"
+                    + (f"; stopping process(es) {', '.join(map(str, running))}" if running else ""),
+                    file=sys.stderr,
+                )
                 stop(processes)
                 return status if status > 0 else 128 - status
             if all(s == 0 for s in statuses):
@@ -106,10 +117,12 @@ def _watch(processes: list[subprocess.Popen], script: Path, command: list[str], 
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    own, command = (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    own, command = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     parser = argparse.ArgumentParser(
-        prog="launch", usage="scripts/launch --num-processes N [--port PORT] -- EXPERIMENT [flags]",
-        description="Run an experiment in N local processes (jax.distributed over 127.0.0.1, gloo collectives).")
+        prog="launch",
+        usage="scripts/launch --num-processes N [--port PORT] -- EXPERIMENT [flags]",
+        description="Run an experiment in N local processes (jax.distributed over 127.0.0.1, gloo collectives).",
+    )
     parser.add_argument("--num-processes", type=int, required=True, help="number of processes to start")
     parser.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
     args = parser.parse_args(own)

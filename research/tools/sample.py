@@ -42,8 +42,15 @@ class Sample:
         return (self.prompt + self.text).decode("utf-8", errors="replace")
 
 
-def sample_bytes(model: LanguageModel, prompt: bytes, length: int, *, key: PRNGKeyArray, temperature: float | int = 0.8,
-                 top_k: int | None = 40) -> Sample:
+def sample_bytes(
+    model: LanguageModel,
+    prompt: bytes,
+    length: int,
+    *,
+    key: PRNGKeyArray,
+    temperature: float | int = 0.8,
+    top_k: int | None = 40,
+) -> Sample:
     """`length` bytes `model` writes after `prompt`, generated twice with `key`: the first call compiles,
     the second is timed. See `research.nn.generate` for the arguments."""
     if model.vocab > 256:
@@ -66,8 +73,9 @@ def load_language_model(run_dir: str | Path, *, ema: bool = False) -> LanguageMo
     """The trained model (`ema`: the EMA model) of an `lm` run's newest valid checkpoint."""
     experiment = open_runs([run_dir])[0].read_config().get("experiment")
     if experiment != "lm":
-        raise UsageError(f"{run_dir} is a run of {experiment}, not of lm: sample from a language model trained "
-                         "with ./scripts/run lm")
+        raise UsageError(
+            f"{run_dir} is a run of {experiment}, not of lm: sample from a language model trained with ./scripts/run lm"
+        )
     run = load_run(run_dir)
     if run.setup.population:
         raise UsageError(f"{run.path} is a population of models: sample from one member's run")
@@ -91,17 +99,28 @@ def _within(low: int | float, high: int | float, kind: type) -> Callable[[str], 
 
 
 def _parser() -> Parser:
-    parser = Parser(prog="sample", usage="scripts/sample RUN_DIR [--prompt TEXT] [--bytes N] [--temperature T] "
-                                         "[--top-k K] [--seed S] [--ema]",
-                    description="Print text sampled from a trained byte-level language model (an lm run).")
+    parser = Parser(
+        prog="sample",
+        usage="scripts/sample RUN_DIR [--prompt TEXT] [--bytes N] [--temperature T] [--top-k K] [--seed S] [--ema]",
+        description="Print text sampled from a trained byte-level language model (an lm run).",
+    )
     parser.add_argument("run_dir", metavar="RUN_DIR", help="an lm run directory (with config.json and a checkpoint)")
-    parser.add_argument("--prompt", default="", help="the text to continue (default: none, the model starts "
-                                                     "after a newline)")
+    parser.add_argument(
+        "--prompt", default="", help="the text to continue (default: none, the model starts after a newline)"
+    )
     parser.add_argument("--bytes", type=_within(1, 10**9, int), default=256, help="bytes to generate (default 256)")
-    parser.add_argument("--temperature", type=_within(0, float("inf"), float), default=0.8,
-                        help="sampling temperature; 0: always the most likely byte (default 0.8)")
-    parser.add_argument("--top-k", type=_within(0, 256, int), default=40,
-                        help="sample among the K most likely bytes; 0: all of them (default 40)")
+    parser.add_argument(
+        "--temperature",
+        type=_within(0, float("inf"), float),
+        default=0.8,
+        help="sampling temperature; 0: always the most likely byte (default 0.8)",
+    )
+    parser.add_argument(
+        "--top-k",
+        type=_within(0, 256, int),
+        default=40,
+        help="sample among the K most likely bytes; 0: all of them (default 40)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="the sampling key's seed (default 0)")
     parser.add_argument("--ema", action="store_true", help="the EMA model (a run with --ema-decay)")
     return parser
@@ -112,13 +131,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         model = load_language_model(args.run_dir, ema=args.ema)
-        sample = sample_bytes(model, args.prompt.encode(), args.bytes, key=jax.random.key(args.seed),
-                              temperature=args.temperature, top_k=args.top_k or None)
+        sample = sample_bytes(
+            model,
+            args.prompt.encode(),
+            args.bytes,
+            key=jax.random.key(args.seed),
+            temperature=args.temperature,
+            top_k=args.top_k or None,
+        )
     except ValueError as e:  # UsageError, ResearchInputError (a run that is missing or cannot load), generate's
         fail(parser.prog, e)
     print(sample.decoded())
-    print(f"sample: {len(sample.text)} bytes in {sample.seconds:.3f} s: {sample.bytes_per_s:,.0f} bytes/s (the loop "
-          f"compiled in {sample.compile_seconds:.1f} s before)", file=sys.stderr)
+    print(
+        f"sample: {len(sample.text)} bytes in {sample.seconds:.3f} s: {sample.bytes_per_s:,.0f} bytes/s (the loop "
+        f"compiled in {sample.compile_seconds:.1f} s before)",
+        file=sys.stderr,
+    )
 
 
 if __name__ == "__main__":

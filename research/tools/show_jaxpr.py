@@ -22,8 +22,10 @@ def show_jaxpr(experiment: str, argv: Sequence[str] = ()) -> str:
     """The named inputs and the jaxpr of one train step of `experiment` configured by `argv`."""
     module = load_experiment(experiment)
     if not hasattr(module, "setup") or not hasattr(module, "Config"):
-        raise ConfigError(f"experiment {experiment!r} defines no `Config` and `setup(config) -> Setup`; "
-                          "see docs/adding_an_experiment.md")
+        raise ConfigError(
+            f"experiment {experiment!r} defines no `Config` and `setup(config) -> Setup`; "
+            "see docs/adding_an_experiment.md"
+        )
     config = parse_config(module.Config, list(argv), prog=f"show_jaxpr {experiment}")
     setup = module.setup(config)
     state = initial_state(setup, config)
@@ -32,8 +34,9 @@ def show_jaxpr(experiment: str, argv: Sequence[str] = ()) -> str:
     batch = first_batch(setup.train_data)
     stats = trainer.init_stats(leaves, batch)
     jaxpr = trainer.step_jaxpr(leaves, stats, batch)
-    inputs = signature({**dict(zip(trainer.leaf_names(), trainer.unpack(leaves), strict=True)), "stats": stats,
-                        "batch": batch})
+    inputs = signature(
+        {**dict(zip(trainer.leaf_names(), trainer.unpack(leaves), strict=True)), "stats": stats, "batch": batch}
+    )
     lines = [f"# one train step of {experiment}: {len(jaxpr.jaxpr.eqns)} equations; inputs in order:"]
     lines += [f"#   {i}: {name} {kind}" for i, (name, kind) in enumerate(inputs.items())]
     return "\n".join(lines) + "\n" + str(jaxpr)

@@ -71,14 +71,14 @@ def _experiment(name: str) -> tuple[types.ModuleType, Path]:
     return module, experiment_script(name)
 
 
-def _make_run(script: Path, sweep_dir: Path, flags: Sequence[str], axes: Sequence[Axis],
-              values: dict[str, str], prefix: str = "") -> Run:
+def _make_run(
+    script: Path, sweep_dir: Path, flags: Sequence[str], axes: Sequence[Axis], values: dict[str, str], prefix: str = ""
+) -> Run:
     pairs = tuple((axis.key, values[axis.key]) for axis in axes)
     name = prefix + run_name(pairs)
     path = sweep_dir / name
     swept = [word for axis in axes for word in flag_words(axis, values[axis.key])]
-    command = (sys.executable, str(script), *flags, *swept, "--run-dir", str(path), "--resume", "auto",
-               "--no-progress")
+    command = (sys.executable, str(script), *flags, *swept, "--run-dir", str(path), "--resume", "auto", "--no-progress")
     return Run(name, pairs, path, command)
 
 
@@ -108,7 +108,8 @@ def finished_before(run: Run, config: dict[str, Any]) -> bool:
         return False
     saved_run = json.loads(saved.read_text())
     same = {k: v for k, v in saved_run.get("config", {}).items() if k not in SET_BY_SWEEP} == {
-        k: v for k, v in config.items() if k not in SET_BY_SWEEP}
+        k: v for k, v in config.items() if k not in SET_BY_SWEEP
+    }
     return same and summary.get("step") == saved_run.get("resolved", {}).get("num_steps")
 
 
@@ -116,8 +117,9 @@ def grid_runs(make: Callable[[dict[str, str]], Run], axes: Sequence[Axis]) -> li
     """The Cartesian product of the axes' values, the first axis outermost."""
     for axis in axes:
         if axis.range is not None:
-            raise UsageError(f"{axis.key}: a range is for --search random or tpe; a grid takes a list "
-                             f"({axis.key}=a,b,c)")
+            raise UsageError(
+                f"{axis.key}: a range is for --search random or tpe; a grid takes a list ({axis.key}=a,b,c)"
+            )
     keys = [a.key for a in axes]
     return [make(dict(zip(keys, combo, strict=True))) for combo in itertools.product(*(a.values for a in axes))]
 
@@ -141,8 +143,12 @@ class Progress:
         self.done += 1
         elapsed = time.monotonic() - self.start
         eta = elapsed / self.done * (self.total - self.done)
-        print(f"[sweep] {self.done}/{self.total} done: {outcome.run.name} {self._result(outcome, problem)} "
-              f"| elapsed {format_duration(elapsed)}, ETA {format_duration(eta)}", file=sys.stderr, flush=True)
+        print(
+            f"[sweep] {self.done}/{self.total} done: {outcome.run.name} {self._result(outcome, problem)} "
+            f"| elapsed {format_duration(elapsed)}, ETA {format_duration(eta)}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def _result(self, outcome: Outcome, problem: str | None) -> str:
         if problem or not outcome.ok:
@@ -165,21 +171,18 @@ def report(runs: Sequence[Run], sweep_dir: Path, over: Sequence[str], title: str
     plot = plot_runs(started, sweep_dir / "curves.png", title=title)
     print(table, flush=True)
     runs_in = f"{len(started)} run" + ("s" if len(started) > 1 else "")
-    print(f"sweep: {runs_in} in {sweep_dir} (table: {sweep_dir / 'results.md'}, plot: {plot})",
-          file=sys.stderr)
+    print(f"sweep: {runs_in} in {sweep_dir} (table: {sweep_dir / 'results.md'}, plot: {plot})", file=sys.stderr)
 
 
 def _failures(failed: Sequence[tuple[Outcome, str]]) -> int:
     for outcome, problem in failed:
         print(f"sweep: {outcome.run.name} failed: {problem}", file=sys.stderr)
     if failed:
-        print(f"sweep: {len(failed)} run(s) failed; their output is in logs/ of the sweep directory",
-              file=sys.stderr)
+        print(f"sweep: {len(failed)} run(s) failed; their output is in logs/ of the sweep directory", file=sys.stderr)
     return 1 if failed else 0
 
 
-def sweep_grid(runs: Sequence[Run], configs: Sequence[Any], sweep_dir: Path, jobs: int, metric: str,
-               title: str) -> int:
+def sweep_grid(runs: Sequence[Run], configs: Sequence[Any], sweep_dir: Path, jobs: int, metric: str, title: str) -> int:
     """Run `runs` (of `configs`) that did not finish before, `jobs` at a time; report them all; the exit
     status (1 when any failed)."""
     progress = Progress(len(runs), metric)
@@ -208,8 +211,20 @@ def sweep_jobs(args: Any, runs: Sequence[Run], configs: Sequence[Any], title: st
     others submitted, or collected when an earlier sweep submitted them; then, unless `--no-wait`, waited
     for and reported like a grid of processes. `--vmapped`: the population is one job, this sweep."""
     if args.vmapped:
-        command = (sys.executable, "-m", "research.tools.sweep", args.experiment, *args.axes, "--vmapped",
-                   "--sweep-dir", str(args.sweep_dir), "--metric", args.metric, "--", *args.flags)
+        command = (
+            sys.executable,
+            "-m",
+            "research.tools.sweep",
+            args.experiment,
+            *args.axes,
+            "--vmapped",
+            "--sweep-dir",
+            str(args.sweep_dir),
+            "--metric",
+            args.metric,
+            "--",
+            *args.flags,
+        )
         jobs = [Run("population", (), args.sweep_dir, command)]
     else:
         jobs = [run for run, config in zip(runs, configs, strict=True) if not finished_before(run, _as_saved(config))]
@@ -232,8 +247,10 @@ def sweep_jobs(args: Any, runs: Sequence[Run], configs: Sequence[Any], title: st
             print("sweep: interrupted; the jobs go on: run the same sweep again to collect them", file=sys.stderr)
             return 130
         if args.no_wait:
-            print("sweep: not waiting (--no-wait): run the same sweep again to collect the jobs and print the table",
-                  file=sys.stderr)
+            print(
+                "sweep: not waiting (--no-wait): run the same sweep again to collect the jobs and print the table",
+                file=sys.stderr,
+            )
             return 0
     seeds = {dict(run.values).get("seed") for run in runs}
     report(runs, args.sweep_dir, ["seed"] if len(seeds) > 1 else [], title)
@@ -244,8 +261,13 @@ def sweep_search(args: Any, axes: Sequence[Axis], make: Callable[[int, dict[str,
     """Run the trials of a random or TPE search; report them; the exit status."""
     from ._search import Search, open_study  # optuna is needed (and imported) only for a search
 
-    spec = {"experiment": args.experiment, "space": args.axes, "flags": args.flags, "metric": args.metric,
-            "direction": args.direction}
+    spec = {
+        "experiment": args.experiment,
+        "space": args.axes,
+        "flags": args.flags,
+        "metric": args.metric,
+        "direction": args.direction,
+    }
     study = open_study(args.sweep_dir, spec, search=args.search, seed=args.search_seed, jobs=args.jobs)
     search = Search(study, axes, args.trials, args.metric, make)
     progress = Progress(search.todo, args.metric)
@@ -268,8 +290,15 @@ def sweep_search(args: Any, axes: Sequence[Axis], make: Callable[[int, dict[str,
     return _failures(failed)
 
 
-def sweep_population(experiment: str, module: types.ModuleType, runs: Sequence[Run], configs: Sequence[Any],
-                     sweep_dir: Path, metric: str, title: str) -> int:
+def sweep_population(
+    experiment: str,
+    module: types.ModuleType,
+    runs: Sequence[Run],
+    configs: Sequence[Any],
+    sweep_dir: Path,
+    metric: str,
+    title: str,
+) -> int:
     """Train the grid as one vmapped population (`_vmapped`) unless every run finished before; write the
     runs that did not; report them all."""
     progress = Progress(len(runs), metric)
@@ -282,8 +311,9 @@ def sweep_population(experiment: str, module: types.ModuleType, runs: Sequence[R
     if pending:
         use_compilation_cache(getattr(configs[0], "compilation_cache", True))
         try:
-            trained, seconds = sweep_vmapped(experiment, module, runs, configs, sweep_dir,
-                                             write={run.name for run, _ in pending})
+            trained, seconds = sweep_vmapped(
+                experiment, module, runs, configs, sweep_dir, write={run.name for run, _ in pending}
+            )
         except Preempted as e:
             print(f"sweep: {e}", file=sys.stderr)
             return e.status
@@ -331,11 +361,15 @@ def sweep(args: Any) -> int:
     if args.vmapped and args.search != "grid":
         raise UsageError("--vmapped trains a grid's runs as one population; drop --search")
     if args.executor != "processes" and args.search != "grid":
-        raise UsageError(f"--executor {args.executor} takes a grid (or --vmapped); a search runs its trials as "
-                         "processes here, each asking Optuna for the next")
+        raise UsageError(
+            f"--executor {args.executor} takes a grid (or --vmapped); a search runs its trials as "
+            "processes here, each asking Optuna for the next"
+        )
     if args.no_wait and args.executor != "slurm":
-        raise UsageError("--no-wait needs jobs that outlive the sweep: --executor slurm (submitit's local jobs are "
-                         "this process's children)")
+        raise UsageError(
+            "--no-wait needs jobs that outlive the sweep: --executor slurm (submitit's local jobs are "
+            "this process's children)"
+        )
     if args.search == "grid":
         runs = grid_runs(make, axes)
         configs = [_check(module.Config, run) for run in runs]
@@ -367,56 +401,99 @@ def _shown(run: Run, experiment: str) -> str:
 
 
 def _parser() -> Parser:
-    parser = Parser(prog="sweep", usage="scripts/sweep EXPERIMENT KEY=VALUES... [options] [-- flags for every run]",
-                    description="Run an experiment over a grid of option values, or a random or TPE search "
-                                "(Optuna), as processes; rerun the same command to resume it.")
+    parser = Parser(
+        prog="sweep",
+        usage="scripts/sweep EXPERIMENT KEY=VALUES... [options] [-- flags for every run]",
+        description="Run an experiment over a grid of option values, or a random or TPE search "
+        "(Optuna), as processes; rerun the same command to resume it.",
+    )
     parser.add_argument("experiment", metavar="EXPERIMENT", help="experiments/EXPERIMENT.py (or a script path)")
-    parser.add_argument("axes", nargs="+", metavar="KEY=VALUES",
-                        help="an option of the experiment's config and its values: lr=0.1,0.3 (a list: a grid's "
-                             "values, a search's choices) or lr=1e-3:1e-1:log, hidden=4:32 (a range, for a search)")
+    parser.add_argument(
+        "axes",
+        nargs="+",
+        metavar="KEY=VALUES",
+        help="an option of the experiment's config and its values: lr=0.1,0.3 (a list: a grid's "
+        "values, a search's choices) or lr=1e-3:1e-1:log, hidden=4:32 (a range, for a search)",
+    )
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time, each a process (default: 1)")
-    parser.add_argument("--sweep-dir", default=None,
-                        help="where the runs go, one directory each named KEY=VALUE,... "
-                             "(default: runs/EXPERIMENT/SEARCH-KEYS)")
-    parser.add_argument("--search", choices=SEARCHES, default="grid",
-                        help="grid: every combination of the lists; random, tpe: Optuna's samplers over the "
-                             "lists and ranges, the study in SWEEP_DIR/study.db (default: grid)")
-    parser.add_argument("--trials", type=int, default=10,
-                        help="random, tpe: finished trials the study should hold (default: 10)")
-    parser.add_argument("--metric", default="test_accuracy",
-                        help="the summary.json number to report and, in a search, to optimise (default: "
-                             "test_accuracy)")
-    parser.add_argument("--direction", choices=("maximize", "minimize"), default=None,
-                        help="of the search (default: maximize a metric named *accuracy*, else minimize)")
+    parser.add_argument(
+        "--sweep-dir",
+        default=None,
+        help="where the runs go, one directory each named KEY=VALUE,... (default: runs/EXPERIMENT/SEARCH-KEYS)",
+    )
+    parser.add_argument(
+        "--search",
+        choices=SEARCHES,
+        default="grid",
+        help="grid: every combination of the lists; random, tpe: Optuna's samplers over the "
+        "lists and ranges, the study in SWEEP_DIR/study.db (default: grid)",
+    )
+    parser.add_argument(
+        "--trials", type=int, default=10, help="random, tpe: finished trials the study should hold (default: 10)"
+    )
+    parser.add_argument(
+        "--metric",
+        default="test_accuracy",
+        help="the summary.json number to report and, in a search, to optimise (default: test_accuracy)",
+    )
+    parser.add_argument(
+        "--direction",
+        choices=("maximize", "minimize"),
+        default=None,
+        help="of the search (default: maximize a metric named *accuracy*, else minimize)",
+    )
     parser.add_argument("--search-seed", type=int, default=0, help="seed of the search's sampler (default: 0)")
-    parser.add_argument("--vmapped", action="store_true",
-                        help="train the grid as ONE vmapped population in this process (one compiled program; the "
-                             "swept options must be vmappable: the seed, hyperparameters kept in the optimizer's "
-                             "state), then write each run's directory as its own run would")
-    parser.add_argument("--executor", choices=EXECUTORS, default="processes",
-                        help="processes: each run a process here, --jobs at a time (the default); slurm: each run a "
-                             "SLURM job (submitit), --jobs at a time; submitit-local: the same jobs on this machine")
-    parser.add_argument("--no-wait", action="store_true",
-                        help="slurm: return once the jobs are submitted; the same sweep run again collects them "
-                             "(waits for those still queued or running) and prints the table")
+    parser.add_argument(
+        "--vmapped",
+        action="store_true",
+        help="train the grid as ONE vmapped population in this process (one compiled program; the "
+        "swept options must be vmappable: the seed, hyperparameters kept in the optimizer's "
+        "state), then write each run's directory as its own run would",
+    )
+    parser.add_argument(
+        "--executor",
+        choices=EXECUTORS,
+        default="processes",
+        help="processes: each run a process here, --jobs at a time (the default); slurm: each run a "
+        "SLURM job (submitit), --jobs at a time; submitit-local: the same jobs on this machine",
+    )
+    parser.add_argument(
+        "--no-wait",
+        action="store_true",
+        help="slurm: return once the jobs are submitted; the same sweep run again collects them "
+        "(waits for those still queued or running) and prints the table",
+    )
     parser.add_argument("--slurm-partition", default=None, help="slurm: the partition (default: the cluster's)")
-    parser.add_argument("--slurm-time", type=int, default=60,
-                        help="slurm, submitit-local: minutes a job may run before it is stopped at a checkpoint and "
-                             "requeued (default: 60)")
+    parser.add_argument(
+        "--slurm-time",
+        type=int,
+        default=60,
+        help="slurm, submitit-local: minutes a job may run before it is stopped at a checkpoint and "
+        "requeued (default: 60)",
+    )
     parser.add_argument("--slurm-gpus", type=int, default=0, help="slurm: GPUs a job (default: 0)")
     parser.add_argument("--slurm-cpus", type=int, default=2, help="slurm: CPUs a job (default: 2)")
-    parser.add_argument("--slurm-mem", type=int, default=None, help="slurm: memory a job, in GB (default: the "
-                                                                      "cluster's)")
-    parser.add_argument("--slurm-extra", action="append", default=[], metavar="KEY=VALUE",
-                        help="slurm: another sbatch option, say --slurm-extra account=myproject (repeatable)")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="check every run and print the grid's commands (a search's space); start nothing")
+    parser.add_argument(
+        "--slurm-mem", type=int, default=None, help="slurm: memory a job, in GB (default: the cluster's)"
+    )
+    parser.add_argument(
+        "--slurm-extra",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="slurm: another sbatch option, say --slurm-extra account=myproject (repeatable)",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check every run and print the grid's commands (a search's space); start nothing",
+    )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    own, flags = (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    own, flags = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     parser = _parser()
     args = parser.parse_intermixed_args(own)
     args.flags = flags

@@ -87,8 +87,9 @@ def _describe_differences(saved: list[list[Any]], wanted: list[list[Any]], limit
         elif saved_by_path[path] != (shape, dtype):
             saved_shape, saved_dtype = saved_by_path[path]
             differences.append(f"{path}: saved {saved_shape} {saved_dtype}, expected {shape} {dtype}")
-    differences += [f"{path} is in the checkpoint but not in the model" for path in saved_by_path
-                    if path not in wanted_by_path]
+    differences += [
+        f"{path} is in the checkpoint but not in the model" for path in saved_by_path if path not in wanted_by_path
+    ]
     more = f" (and {len(differences) - limit} more)" if len(differences) > limit else ""
     return "; ".join(differences[:limit]) + more
 
@@ -188,8 +189,9 @@ def _restore(path: Path, like: list[Any], sharding: ShardingFn | None, names: li
     import orbax.checkpoint as ocp  # imported on first use: a quarter of a second
 
     first = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    targets = [jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding(np.shape(x)) if sharding else first)
-               for x in like]
+    targets = [
+        jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding(np.shape(x)) if sharding else first) for x in like
+    ]
     orbax = ocp.StandardCheckpointer()
     try:
         if names is None:
@@ -204,8 +206,9 @@ def _restore(path: Path, like: list[Any], sharding: ShardingFn | None, names: li
     return [np.asarray(r) if isinstance(x, np.ndarray) else r for r, x in zip(restored, like, strict=True)]
 
 
-def load_checkpoint(path: str | os.PathLike, skeleton: T, *, sharding: ShardingFn | None = None
-                    ) -> tuple[T, dict[str, Any]]:
+def load_checkpoint(
+    path: str | os.PathLike, skeleton: T, *, sharding: ShardingFn | None = None
+) -> tuple[T, dict[str, Any]]:
     """Restore the leaves saved in `path` into `skeleton`, a tree of the same structure and shapes
     (typically built from the header's hyperparameters); returns it and the header.
 

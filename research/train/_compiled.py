@@ -124,9 +124,11 @@ class StepStats:
         """Add one step's metrics. A population's metrics have one value per member: its step counts
         as finite when every member's was (a member's non-finite metrics are left out of the sums)."""
         if [name for name, _ in self.layout] != sorted(metrics) or self.words.shape[-1] != _size(self.layout) + 3:
-            raise ValueError(f"the step's metrics {sorted(metrics)} are not the ones these statistics were made for "
-                             f"{[name for name, _ in self.layout]} ({self.words.shape[-1]} words); make them with "
-                             "the trainer's init_stats")
+            raise ValueError(
+                f"the step's metrics {sorted(metrics)} are not the ones these statistics were made for "
+                f"{[name for name, _ in self.layout]} ({self.words.shape[-1]} words); make them with "
+                "the trainer's init_stats"
+            )
         member_ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
         clean = [jnp.ravel(jnp.where(member_ok, metrics[name], 0.0)).astype(jnp.float32) for name, _ in self.layout]
         loss_ok, ok = _all(jnp.isfinite(metrics["loss"])), _all(member_ok)
@@ -138,9 +140,11 @@ class StepStats:
         counted = jnp.concatenate([jnp.zeros(floats, jnp.int32), jnp.stack([jnp.int32(0), (~ok).astype(jnp.int32)])])
         ceiling = jnp.concatenate([jnp.full(floats, NO_BAD_STEP, jnp.int32), jnp.stack([code, jnp.int32(NO_BAD_STEP)])])
         as_float, as_int = (jax.lax.bitcast_convert_type(self.words, t) for t in (jnp.float32, jnp.int32))
-        words = jnp.where(jnp.arange(floats + 2) < floats,
-                          jax.lax.bitcast_convert_type(as_float + added, jnp.uint32),
-                          jax.lax.bitcast_convert_type(jnp.minimum(as_int + counted, ceiling), jnp.uint32))
+        words = jnp.where(
+            jnp.arange(floats + 2) < floats,
+            jax.lax.bitcast_convert_type(as_float + added, jnp.uint32),
+            jax.lax.bitcast_convert_type(jnp.minimum(as_int + counted, ceiling), jnp.uint32),
+        )
         return StepStats(words, self.layout)
 
 
@@ -170,7 +174,7 @@ def unpack_sums(sums, layout: Layout) -> dict:
     total, start = {}, 0
     for name, shape in layout:
         size = math.prod(shape)
-        total[name] = sums[start:start + size].reshape(shape)
+        total[name] = sums[start : start + size].reshape(shape)
         start += size
     return total
 
@@ -207,9 +211,18 @@ class CompiledTrainer:
     """
 
     # (jax.tree_util.PyTreeDef is an alias of a compiled class, which pyright reads as a variable.)
-    def __init__(self, loss_fn: LossFn, static: TrainState, treedef: jax.tree_util.PyTreeDef,  # pyright: ignore[reportInvalidTypeForm]
-                 skip_nonfinite: bool = False, packing: Packing | None = None, *,
-                 placement: Placement = OneDevice(), population: bool = False, member_batches: bool = False):
+    def __init__(
+        self,
+        loss_fn: LossFn,
+        static: TrainState,
+        treedef: jax.tree_util.PyTreeDef,  # pyright: ignore[reportInvalidTypeForm]
+        skip_nonfinite: bool = False,
+        packing: Packing | None = None,
+        *,
+        placement: Placement = OneDevice(),
+        population: bool = False,
+        member_batches: bool = False,
+    ):
         if member_batches and not (population and isinstance(placement, OneDevice)):
             raise ValueError("member_batches: a population's own batches per member train on one device")
         self.loss_fn = loss_fn
@@ -250,8 +263,11 @@ class CompiledTrainer:
             return leaves
         specs = Packing.specs_of(leaves)
         if specs != self.packing.specs:
-            changed = [f"{name}: {describe_spec(a)} -> {describe_spec(b)}"
-                       for name, a, b in zip(self.leaf_names(), self.packing.specs, specs, strict=True) if a != b]
+            changed = [
+                f"{name}: {describe_spec(a)} -> {describe_spec(b)}"
+                for name, a, b in zip(self.leaf_names(), self.packing.specs, specs, strict=True)
+                if a != b
+            ]
             raise ValueError(f"{problem}: {'; '.join(changed)}")
         return self.packing.pack_on_host(leaves) if on_host else self.packing.pack(leaves)
 
@@ -323,8 +339,12 @@ class CompiledTrainer:
             new = eqx.tree_at(
                 lambda s: (s.model, s.model_state, s.opt_state, s.ema),
                 new,
-                (keep(new.model, old.model), keep(new.model_state, old.model_state), keep(new.opt_state, old.opt_state),
-                 keep(new.ema, old.ema)),  # a NaN folded into the EMA would stay there for good
+                (
+                    keep(new.model, old.model),
+                    keep(new.model_state, old.model_state),
+                    keep(new.opt_state, old.opt_state),
+                    keep(new.ema, old.ema),
+                ),  # a NaN folded into the EMA would stay there for good
                 is_leaf=lambda x: x is None,
             )
         new_leaves, _ = eqx.partition(new, eqx.is_array)
@@ -411,9 +431,15 @@ def static_key(static: TrainState) -> tuple:
     return structure, tuple(leaves)
 
 
-def compiled_trainer(loss_fn: LossFn, state: TrainState, *, skip_nonfinite: bool = False,
-                     placement: Placement = OneDevice(), population: bool = False,
-                     member_batches: bool = False) -> CompiledTrainer:
+def compiled_trainer(
+    loss_fn: LossFn,
+    state: TrainState,
+    *,
+    skip_nonfinite: bool = False,
+    placement: Placement = OneDevice(),
+    population: bool = False,
+    member_batches: bool = False,
+) -> CompiledTrainer:
     """The `CompiledTrainer` for this loss, this state's structure, placement and non-finite policy,
     built once and reused, so a second `fit` with the same model, optimizer object and loss starts
     warm. A small state on a placement that `packs` travels packed."""
@@ -423,8 +449,16 @@ def compiled_trainer(loss_fn: LossFn, state: TrainState, *, skip_nonfinite: bool
     key = (loss_fn, treedef, *static_key(static), skip_nonfinite, packing, placement, population, member_batches)
 
     def build() -> CompiledTrainer:
-        return CompiledTrainer(loss_fn, static, treedef, skip_nonfinite, packing, placement=placement,
-                               population=population, member_batches=member_batches)
+        return CompiledTrainer(
+            loss_fn,
+            static,
+            treedef,
+            skip_nonfinite,
+            packing,
+            placement=placement,
+            population=population,
+            member_batches=member_batches,
+        )
 
     with _cache_lock:
         try:

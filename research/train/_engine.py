@@ -114,9 +114,18 @@ class Engine:
       agreed through one small all-gather per stop.
     """
 
-    def __init__(self, loss_fn: LossFn = classification_loss, *, placement: Placement = OneDevice(),
-                 log_every: int = 100, steps_per_call: int = 1, skip_nonfinite: bool = False,
-                 debug_nans: bool = False, population: bool = False, stop_signals: bool = False):
+    def __init__(
+        self,
+        loss_fn: LossFn = classification_loss,
+        *,
+        placement: Placement = OneDevice(),
+        log_every: int = 100,
+        steps_per_call: int = 1,
+        skip_nonfinite: bool = False,
+        debug_nans: bool = False,
+        population: bool = False,
+        stop_signals: bool = False,
+    ):
         if debug_nans and not isinstance(placement, OneDevice):
             raise ValueError("debug_nans replays steps op by op on one device; train without a parallel placement")
         self.loss_fn, self.placement, self.population = loss_fn, placement, population
@@ -125,8 +134,9 @@ class Engine:
         self.hooks: list[tuple[Hook, int | None, tuple[int, ...]]] = []
         self.preemption_hooks: list[Hook] = []
 
-    def add_hook(self, hook: Hook, *, every: int | None = None, at: tuple[int, ...] = (),
-                 on_preemption: bool = False) -> "Engine":
+    def add_hook(
+        self, hook: Hook, *, every: int | None = None, at: tuple[int, ...] = (), on_preemption: bool = False
+    ) -> "Engine":
         """Call `hook(info)` every `every` steps and at the end (`every=None`: at every stop), or only
         at the steps `at` (say a profile's first and last), and, with `on_preemption`, where a signal
         stopped the run. A hook with a `close()` method (the checkpoint) is closed when fit ends,
@@ -136,8 +146,15 @@ class Engine:
             self.preemption_hooks.append(hook)
         return self
 
-    def fit(self, state: TrainState, train_data: DeviceLoader | TorchLoader | GrainLoader, num_steps: int, *,
-            resume_window: dict[str, Any] | None = None, resume_data: Any = None) -> FitResult:
+    def fit(
+        self,
+        state: TrainState,
+        train_data: DeviceLoader | TorchLoader | GrainLoader,
+        num_steps: int,
+        *,
+        resume_window: dict[str, Any] | None = None,
+        resume_data: Any = None,
+    ) -> FitResult:
         """Train `state` (left untouched) until its step is `num_steps`; `resume_window` is the
         `window` of the checkpoint it came from, so a resumed run logs what an uninterrupted one would,
         and `resume_data` its host loader's state (`StepInfo.data_state`)."""
@@ -145,19 +162,32 @@ class Engine:
         member_batches = getattr(train_data, "members", None) is not None
         if member_batches and not self.population:
             raise ValueError("train_data has batches per member (DeviceLoader.for_members): train a population")
-        trainer = compiled_trainer(self.loss_fn, state, skip_nonfinite=self.skip_nonfinite, placement=self.placement,
-                                   population=self.population, member_batches=member_batches)
+        trainer = compiled_trainer(
+            self.loss_fn,
+            state,
+            skip_nonfinite=self.skip_nonfinite,
+            placement=self.placement,
+            population=self.population,
+            member_batches=member_batches,
+        )
         traces_before = dict(trainer.num_traces)
         step = int(np.max(np.asarray(state.step)))
         leaves = trainer.place(state)  # fresh copies: the compiled steps donate them
         state_bytes = bytes_on_first_device(leaves)
         feed = _Feed(trainer, train_data, step, self.steps_per_call, self.debug_nans, resume_data)
         fresh = lambda: feed.init_stats(leaves)  # noqa: E731
-        stats = fresh() if resume_window is None else trainer.placement.put_stats(
-            _window_from_header(resume_window, feed.stats_layout(leaves)))
+        stats = (
+            fresh()
+            if resume_window is None
+            else trainer.placement.put_stats(_window_from_header(resume_window, feed.stats_layout(leaves)))
+        )
         clock, record, final = _Clock(step, self.skip_nonfinite), {}, {}
-        with (self._closing_hooks(), _nan_checks(self.debug_nans), _signals(self.stop_signals) as signals,
-              CompileTimer() as compiling):
+        with (
+            self._closing_hooks(),
+            _nan_checks(self.debug_nans),
+            _signals(self.stop_signals) as signals,
+            CompileTimer() as compiling,
+        ):
             alone = jax.process_count() == 1  # several processes may only stop where all of them stop
             while step < num_steps:
                 until = self._next_stop(step, num_steps)
@@ -165,8 +195,9 @@ class Engine:
                 compiling.freeze()  # the first stop's calls compiled the step: later ones reuse it
                 if step < until:  # `advance` stops early only when a signal came
                     assert signals is not None and signals.received is not None
-                    self._preempted(StepInfo(step, num_steps, {}, trainer, leaves, stats, stats, feed.data_state),
-                                    signals.received)
+                    self._preempted(
+                        StepInfo(step, num_steps, {}, trainer, leaves, stats, stats, feed.data_state), signals.received
+                    )
                 checked, record = stats, {}
                 if step % self.log_every == 0 or step == num_steps:
                     record = clock.window_record(step, trainer.host(stats))
@@ -203,8 +234,12 @@ class Engine:
         saves = any(getattr(hook, "saves_state", False) for hook in self.preemption_hooks)
         saved = "; its checkpoint is saved" if saves else "; nothing was saved (no run directory)"
         name = signal.Signals(received).name
-        raise Preempted(f"stopped by {name} at step {info.step} of {info.num_steps}{saved}: rerun the same "
-                        "command with --resume auto to continue", step=info.step, status=128 + received)
+        raise Preempted(
+            f"stopped by {name} at step {info.step} of {info.num_steps}{saved}: rerun the same "
+            "command with --resume auto to continue",
+            step=info.step,
+            status=128 + received,
+        )
 
     def _next_stop(self, step: int, num_steps: int) -> int:
         cadences = [self.log_every, *(every for _, every, _ in self.hooks)]
@@ -229,8 +264,15 @@ class _Feed:
     a call; host batches (a torch DataLoader, Grain: this process's rows of each global batch), and
     every step under `debug_nans`, one step a call."""
 
-    def __init__(self, trainer: CompiledTrainer, data: DeviceLoader | TorchLoader | GrainLoader, step: int,
-                 steps_per_call: int, debug_nans: bool, data_state: Any = None):
+    def __init__(
+        self,
+        trainer: CompiledTrainer,
+        data: DeviceLoader | TorchLoader | GrainLoader,
+        step: int,
+        steps_per_call: int,
+        debug_nans: bool,
+        data_state: Any = None,
+    ):
         self.trainer, self.data, self.debug_nans = trainer, data, debug_nans
         self.steps_per_call = 1 if debug_nans else steps_per_call
         self.calls = 0
@@ -263,8 +305,9 @@ class _Feed:
         """Zeroed statistics for the next steps, placed."""
         return self.trainer.placement.put_stats(StepStats.init(self.stats_layout(leaves)))
 
-    def advance(self, leaves: Leaves, stats: StepStats, step: int, until: int,
-                signals: StopSignals | None = None) -> tuple[Leaves, StepStats, int]:
+    def advance(
+        self, leaves: Leaves, stats: StepStats, step: int, until: int, signals: StopSignals | None = None
+    ) -> tuple[Leaves, StepStats, int]:
         """Steps `step .. until` in compiled calls; stops early (returning the step reached) after the
         call in flight when `signals` caught a stop signal."""
         stopped = lambda: signals is not None and signals.received is not None  # noqa: E731
@@ -273,8 +316,9 @@ class _Feed:
                 n = min(self.steps_per_call, until - step)
                 indices = np.zeros((self.steps_per_call, *self.data.index_shape), np.int32)
                 indices[:n] = self.data.step_indices(step, n)
-                leaves, stats = self.trainer.run(leaves, stats, self.device_data,
-                                                 self.trainer.placement.put_indices(indices), n)
+                leaves, stats = self.trainer.run(
+                    leaves, stats, self.device_data, self.trainer.placement.put_indices(indices), n
+                )
                 self._called(stats)
                 step += n
             return leaves, stats, step
@@ -378,11 +422,19 @@ def _nan_checks(on: bool) -> Iterator[None]:
 
 def _result(state: TrainState, record: dict[str, Any], seconds: float, state_bytes: int) -> FitResult:
     def prefixed(prefix: str) -> dict[str, float] | None:
-        found = {k[len(prefix):]: v for k, v in record.items() if k.startswith(prefix)}
+        found = {k[len(prefix) :]: v for k, v in record.items() if k.startswith(prefix)}
         return found or None
 
-    return FitResult(state, prefixed("train/") or {}, prefixed("test/"), seconds, prefixed("test_raw/"), state_bytes,
-                     record.get("steps_per_s"), prefixed("val/"))
+    return FitResult(
+        state,
+        prefixed("train/") or {},
+        prefixed("test/"),
+        seconds,
+        prefixed("test_raw/"),
+        state_bytes,
+        record.get("steps_per_s"),
+        prefixed("val/"),
+    )
 
 
 def _next_multiple(step: int, every: int | None) -> int | float:
@@ -400,16 +452,21 @@ def _summarise_type_error(error: TypeCheckError) -> str:
     # typecheck's note gives the sizes behind `{self.in_size}`; JAX adds notes of its own (multi-line).
     notes = "; ".join(note for note in getattr(error, "__notes__", []) if note.startswith("where "))
     where_sizes = f" ({notes})" if notes else ""
-    return (f"the data does not fit the model: {function} parameter '{parameter}' got {got}, expected {expected}"
-            f"{where_sizes}")
+    return (
+        f"the data does not fit the model: {function} parameter '{parameter}' got {got}, expected {expected}"
+        f"{where_sizes}"
+    )
 
 
 def window_to_header(stats: StepStats) -> dict[str, Any]:
     """The running metrics of an unfinished logging window, exactly, as JSON (float32 -> float is exact)."""
     sums, counters = stats.fetch()
     total = unpack_sums(sums, stats.layout)
-    return {"total": {k: np.asarray(v).tolist() for k, v in total.items()}, "weight": float(sums[-1]),
-            "skipped": int(counters[1])}
+    return {
+        "total": {k: np.asarray(v).tolist() for k, v in total.items()},
+        "weight": float(sums[-1]),
+        "skipped": int(counters[1]),
+    }
 
 
 def _window_from_header(window: dict[str, Any], layout: Layout) -> StepStats:

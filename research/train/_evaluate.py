@@ -62,8 +62,9 @@ def evaluate(
     totals = []
     try:
         for b, mask in batches:
-            totals.append(_eval_sums(model, model_state, Batch(jnp.asarray(b.inputs), jnp.asarray(b.labels)),
-                                     jnp.asarray(mask)))
+            totals.append(
+                _eval_sums(model, model_state, Batch(jnp.asarray(b.inputs), jnp.asarray(b.labels)), jnp.asarray(mask))
+            )
             if len(totals) > 1:  # keep one batch in flight; the bar then counts finished batches
                 jax.block_until_ready(totals[-2])
                 bar.update(1)

@@ -73,9 +73,16 @@ def fit(
     - `lr_schedule`: the optimizer's schedule (`step -> lr`), logged as `lr`.
     - `profile`: a `Profile` hook tracing its window of steps.
     """
-    engine = Engine(loss_fn, placement=placement, log_every=log_every, steps_per_call=steps_per_call,
-                    skip_nonfinite=skip_nonfinite, debug_nans=debug_nans, population=population,
-                    stop_signals=stop_signals)
+    engine = Engine(
+        loss_fn,
+        placement=placement,
+        log_every=log_every,
+        steps_per_call=steps_per_call,
+        skip_nonfinite=skip_nonfinite,
+        debug_nans=debug_nans,
+        population=population,
+        stop_signals=stop_signals,
+    )
     checkpoint = None if run is None else Checkpoint(run, keep_checkpoints, checkpoint_header or {}, checkpoint_seconds)
     if not skip_nonfinite:  # a NaN state is not saved on preemption
         engine.add_hook(NonFiniteGuard(run, checkpoint), on_preemption=True)

@@ -98,8 +98,11 @@ class ShowProgress:
         self.bar.update(info.step - self.step)
         self.step = info.step
         if info.record:
-            self.bar.report(info.step, {k: v for k, v in info.record.items() if k in self.shown},
-                            rate=info.record.get("steps_per_s"))
+            self.bar.report(
+                info.step,
+                {k: v for k, v in info.record.items() if k in self.shown},
+                rate=info.record.get("steps_per_s"),
+            )
 
 
 @dataclasses.dataclass
@@ -132,8 +135,12 @@ class Checkpoint:
     def __call__(self, info: StepInfo) -> None:
         if info.step == self._saved_step:
             return
-        header = {**self.header, "step": info.step, "window": info.window(),
-                  "eval": {k: v for k, v in info.record.items() if k.startswith(("test/", "val/"))}}
+        header = {
+            **self.header,
+            "step": info.step,
+            "window": info.window(),
+            "eval": {k: v for k, v in info.record.items() if k.startswith(("test/", "val/"))},
+        }
         data = info.data_state()
         if data is not None:  # a host loader's own position (Grain's iterator state), to resume it from
             header["data"] = data

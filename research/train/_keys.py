@@ -50,8 +50,11 @@ def random_normal(key: jax.Array, shape: tuple[int, ...], dtype=jnp.float32) -> 
     the unrolled hash on CPU. Any key other than a threefry key with `jax_threefry_partitionable`
     on, a dtype other than float32, or more than 2^32 values falls back to `jax.random.normal`."""
     size = int(np.prod(shape, dtype=np.int64))
-    threefry = (jnp.issubdtype(key.dtype, jax.dtypes.prng_key) and key.shape == ()
-                and str(jax.random.key_impl(key)) == "threefry2x32")
+    threefry = (
+        jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+        and key.shape == ()
+        and str(jax.random.key_impl(key)) == "threefry2x32"
+    )
     partitionable = jax.config.jax_threefry_partitionable  # pyright: ignore[reportAttributeAccessIssue]
     if not (threefry and partitionable and jnp.dtype(dtype) == jnp.float32 and 0 < size < 2**32):
         return jax.random.normal(key, shape, dtype)

@@ -70,7 +70,8 @@ class NextTokenLoss:
         # moved to the front, the row axis stays sharded where the batch lives; a split as
         # [grad_accum, rows / grad_accum] would reshard it (XLA's "involuntary full rematerialization").
         micro = jax.tree.map(
-            lambda x: jnp.swapaxes(x.reshape(rows // self.grad_accum, self.grad_accum, *x.shape[1:]), 0, 1), batch)
+            lambda x: jnp.swapaxes(x.reshape(rows // self.grad_accum, self.grad_accum, *x.shape[1:]), 0, 1), batch
+        )
 
         def accumulate(total: PyTree, micro_batch: Batch) -> tuple[PyTree, None]:
             (_, (metrics, _)), grads = grad_fn(model, model_state, Batch(*micro_batch), key)
@@ -100,8 +101,9 @@ def evaluate_language_model(
 
     def measure(model: eqx.Module) -> dict[str, float]:
         batches, size = padded_batches(data)
-        sums = [_masked_sums(model, jnp.asarray(b.inputs), jnp.asarray(b.labels), jnp.asarray(mask))
-                for b, mask in batches]
+        sums = [
+            _masked_sums(model, jnp.asarray(b.inputs), jnp.asarray(b.labels), jnp.asarray(mask)) for b, mask in batches
+        ]
         loss, accuracy = np.sum(jax.device_get(sums), axis=0) / size
         return {"loss": float(loss), "accuracy": float(accuracy), "bits_per_byte": float(loss / LN2)}
 

@@ -35,8 +35,17 @@ class MlflowTracker:
     - `tags`: more tags for a new run.
     """
 
-    def __init__(self, uri: str, *, experiment: str, name: str, run_id: str | None = None, group: str | None = None,
-                 params: Mapping[str, Any] | None = None, tags: Mapping[str, str] | None = None):
+    def __init__(
+        self,
+        uri: str,
+        *,
+        experiment: str,
+        name: str,
+        run_id: str | None = None,
+        group: str | None = None,
+        params: Mapping[str, Any] | None = None,
+        tags: Mapping[str, str] | None = None,
+    ):
         problem = tracker_problem("mlflow")
         if problem:
             raise ImportError(f"MlflowTracker {problem}")
@@ -83,7 +92,7 @@ class MlflowTracker:
         logged = self._client.get_run(self.run_id).data.params
         new = [Param(k, v) for k, v in params.items() if k not in logged]
         for i in range(0, len(new), 100):
-            self._client.log_batch(self.run_id, params=new[i:i + 100])
+            self._client.log_batch(self.run_id, params=new[i : i + 100])
 
     @property
     def identity(self) -> dict[str, Any]:
@@ -100,7 +109,7 @@ class MlflowTracker:
         now = int(time.time() * 1000)
         batch = [Metric(name, value, now, step) for name, value in values.items()]
         for i in range(0, len(batch), BATCH):
-            self._client.log_batch(self.run_id, metrics=batch[i:i + BATCH])
+            self._client.log_batch(self.run_id, metrics=batch[i : i + BATCH])
 
     def log_summary(self, summary: Mapping[str, Any]) -> None:
         step = int(summary.get("step", 0))  # the x axis, not a metric

@@ -56,12 +56,16 @@ class Packing:
 
     def pack(self, leaves: Leaves) -> Leaves:
         """`[buffer, *other leaves]` of leaves with `specs`; traceable, and runs as is on concrete arrays."""
-        words = [jax.lax.bitcast_convert_type(x, _WORD).ravel() if x.dtype != _WORD else x.ravel()
-                 for x in leaves if _in_buffer(x.dtype)]
+        words = [
+            jax.lax.bitcast_convert_type(x, _WORD).ravel() if x.dtype != _WORD else x.ravel()
+            for x in leaves
+            if _in_buffer(x.dtype)
+        ]
         return [jnp.concatenate(words), *(x for x in leaves if not _in_buffer(x.dtype))]
 
     def unpack(self, packed: Leaves) -> Leaves:
         """The leaves of `pack(leaves)`, in their order."""
+
         def leaf(words, dtype):
             return words if dtype == _WORD else jax.lax.bitcast_convert_type(words, dtype)
 
@@ -75,7 +79,7 @@ class Packing:
                 leaves.append(next(rest))
                 continue
             size = math.prod(shape)
-            leaves.append(leaf(buffer[start:start + size].reshape(shape), dtype))
+            leaves.append(leaf(buffer[start : start + size].reshape(shape), dtype))
             start += size
         return leaves
 
@@ -87,6 +91,7 @@ class Packing:
     def unpack_on_host(self, packed: Leaves) -> Leaves:
         """`unpack` of concrete arrays, done in numpy; the leaves are copies (a view would keep the
         packed buffer referenced, and it is donated by the next step)."""
+
         def leaf(words, dtype):
             return jnp.asarray(words.view(dtype).copy())
 

@@ -113,8 +113,11 @@ def first_device() -> jax.sharding.SingleDeviceSharding:
 
 
 def batch_norm_layers(model: eqx.Module) -> list[eqx.nn.BatchNorm]:
-    return [m for m in jax.tree.leaves(model, is_leaf=lambda m: isinstance(m, eqx.nn.BatchNorm))
-            if isinstance(m, eqx.nn.BatchNorm)]
+    return [
+        m
+        for m in jax.tree.leaves(model, is_leaf=lambda m: isinstance(m, eqx.nn.BatchNorm))
+        if isinstance(m, eqx.nn.BatchNorm)
+    ]
 
 
 def check_batch_norm_axis(model: eqx.Module, axis_name: str | tuple[str, ...]) -> None:

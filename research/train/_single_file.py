@@ -31,7 +31,7 @@ def read(path: Path) -> tuple[dict[str, Any], bytes]:
         raise CheckpointError(f"cannot read checkpoint {path}: {e.strerror}") from None
     if not raw.startswith(MAGIC):
         raise CheckpointError(f"{path} is not a checkpoint file (bad magic line)")
-    header_line, sep, payload = raw[len(MAGIC):].partition(b"\n")
+    header_line, sep, payload = raw[len(MAGIC) :].partition(b"\n")
     try:
         header = json.loads(header_line) if sep else None
     except ValueError:

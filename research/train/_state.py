@@ -142,7 +142,9 @@ def forward(
     # `eqx.nn.State` invalidates itself once `set` is called on it, which would break the caller's.
     return jax.vmap(
         lambda x, k, s: model(x, s, key=k),  # pyright: ignore[reportCallIssue]
-        in_axes=(0, 0, None), out_axes=(0, None), axis_name=axis_name
+        in_axes=(0, 0, None),
+        out_axes=(0, None),
+        axis_name=axis_name,
     )(inputs, keys, model_state)
 
 
@@ -194,7 +196,12 @@ def example_keys(key: PRNGKeyArray, count: int) -> Key[Array, " {count}"]:
 
 
 def loss_value_and_grad(
-    loss_fn: LossFn, model: eqx.Module, model_state: Any, batch: Batch, key: PRNGKeyArray, *,
+    loss_fn: LossFn,
+    model: eqx.Module,
+    model_state: Any,
+    batch: Batch,
+    key: PRNGKeyArray,
+    *,
     axis_name: str | None = None,
 ) -> tuple[tuple[Float[Array, ""], tuple[Metrics, Any]], PyTree]:
     """The loss and its gradient on the model for the GLOBAL batch, of which `batch` is this device's
@@ -211,7 +218,8 @@ def loss_value_and_grad(
         if own is not None:
             return own(model, model_state, batch, key, axis_name=axis_name)
         (loss, (metrics, model_state)), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(
-            model, model_state, batch, key)
+            model, model_state, batch, key
+        )
     if axis_name is not None:
         loss, grads, metrics = jax.lax.pmean((loss, grads, metrics), axis_name)
     return (loss, (metrics, model_state)), grads
@@ -235,7 +243,8 @@ def train_step(
     """
     key, step_key = _split(state.key)
     (_, (metrics, model_state)), grads = loss_value_and_grad(
-        loss_fn, state.model, state.model_state, batch, step_key, axis_name=axis_name)
+        loss_fn, state.model, state.model_state, batch, step_key, axis_name=axis_name
+    )
     params = eqx.filter(state.model, eqx.is_inexact_array)
     updates, opt_state = state.optimizer.update(grads, state.opt_state, params)
     model = eqx.apply_updates(state.model, updates)

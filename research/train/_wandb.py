@@ -31,8 +31,16 @@ class WandbTracker:
     - `config`: the run's options (W&B's config).
     """
 
-    def __init__(self, directory: str | Path, *, project: str, name: str, run_id: str | None = None,
-                 group: str | None = None, config: Mapping[str, Any] | None = None):
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        project: str,
+        name: str,
+        run_id: str | None = None,
+        group: str | None = None,
+        config: Mapping[str, Any] | None = None,
+    ):
         problem = tracker_problem("wandb")
         if problem:
             raise ImportError(f"WandbTracker {problem}")
@@ -40,7 +48,11 @@ class WandbTracker:
 
         self._run = wandb.init(
             dir=str(Path(directory).resolve()),  # W&B's service may run in another working directory
-            project=os.environ.get("WANDB_PROJECT", project), name=name, group=group, id=run_id, resume="allow",
+            project=os.environ.get("WANDB_PROJECT", project),
+            name=name,
+            group=group,
+            id=run_id,
+            resume="allow",
             # $WANDB_MODE read each time (W&B reads it once a process); W&B checks the values of both.
             mode=os.environ.get("WANDB_MODE") or "offline",  # pyright: ignore[reportArgumentType]
             # The run's output is its own (progress bars, the summary line): W&B copies it only when asked to.
@@ -80,8 +92,12 @@ def read_wandb_runs(directory: str | Path) -> list[dict[str, Any]]:
     per time it was started. W&B's own keys (`_runtime`, `_timestamp`, ...) are left out."""
     runs = []
     for run_dir in Path(directory).glob("wandb/*run-*"):
-        read = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(run_dir)],
-                              capture_output=True, text=True, timeout=120)
+        read = subprocess.run(
+            [sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(run_dir)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         if read.returncode:
             raise OSError(f"wandb leet inspect cannot read {run_dir}: {read.stderr.strip()}")
         records = read.stdout.splitlines()
@@ -91,16 +107,18 @@ def read_wandb_runs(directory: str | Path) -> list[dict[str, Any]]:
             if kind == "run":
                 run["run_id"], run["start_time"] = record["run"]["run_id"], record["run"].get("start_time", "")
                 run["group"] = record["run"].get("run_group")
-                run["config"].update({k: v for k, v in record["run"].get("config", {}).get("update", {}).items()
-                                      if k != "_wandb"})
+                run["config"].update(
+                    {k: v for k, v in record["run"].get("config", {}).get("update", {}).items() if k != "_wandb"}
+                )
             elif kind == "config":
                 run["config"].update({k: v for k, v in record["config"].get("update", {}).items() if k != "_wandb"})
             elif kind == "history":
                 item = {k: v for k, v in record["history"]["item"].items() if not k.startswith("_")}
                 run["history"].append({"step": int(record["history"]["step"]["num"]), **item})
             elif kind == "summary":
-                run["summary"].update({k: v for k, v in record["summary"].get("update", {}).items()
-                                       if not k.startswith("_")})
+                run["summary"].update(
+                    {k: v for k, v in record["summary"].get("update", {}).items() if not k.startswith("_")}
+                )
             elif kind == "files":
                 run["files"] += [f["path"] for f in record["files"]["files"]]
             elif kind == "exit":
