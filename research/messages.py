@@ -1,0 +1,66 @@
+"""The library's messages: every module logs through `logging.getLogger(__name__)`, a logger under
+`research`, so that whoever uses the library can silence, redirect or capture them with `logging`.
+
+- **As a library** (`from research.train import fit`), `research` installs no handler: the `logging`
+  HOWTO's rule for libraries, since the application owns the output. Warnings still reach stderr
+  (through Python's last-resort handler, or the handlers the application configured); informational
+  lines ("resuming RUN from step N", where a profile was written) are left out, as any library's INFO
+  records are, until the application asks for them: `logging.basicConfig(level=logging.INFO)`, or
+  `with messages_to_stderr(): ...` for the command line's bare lines. `caplog` captures them in tests;
+  `logging.getLogger("research").setLevel(logging.ERROR)` silences the warnings.
+- **On the command line** (`research.cli.main_entry`, `python -m research.run`, the tools under
+  `research.tools`), `messages_to_stderr` shows INFO and above as bare lines (`%(message)s`) on
+  stderr: what the library printed before it logged, byte for byte.
+"""
+
+import contextlib
+import logging
+import sys
+from collections.abc import Iterator
+
+__all__ = ["messages_to_stderr"]
+
+
+class _CurrentStderr(logging.Handler):
+    """Writes each record to `sys.stderr` as it is when the record comes, not as it was when the handler
+    was made (a `logging.StreamHandler` keeps its stream): pytest's `capsys` and
+    `contextlib.redirect_stderr` swap `sys.stderr`, and the messages must follow, as a `print` would."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            stream = sys.stderr
+            stream.write(self.format(record) + "\n")
+            stream.flush()
+        except RecursionError:  # as logging.StreamHandler does: a recursion is not the handler's to hide
+            raise
+        except Exception:
+            self.handleError(record)
+
+
+@contextlib.contextmanager
+def messages_to_stderr() -> Iterator[None]:
+    """While open, the `research` logger's messages of level INFO and above are written to the current
+    `sys.stderr`, each as its bare message on a line, and only there (they do not also propagate to the
+    root logger's handlers, which would print them a second time, formatted). Opened inside itself (a
+    tool running an experiment's `main_entry` in its own process), only the outermost one acts. On
+    closing, the logger is as it was, so that running a command in-process (the tests do) leaves no
+    handler behind. A decorator too: `@messages_to_stderr()`.
+
+    A level set on the `research` logger beforehand is kept (`WARNING` silences the INFO lines)."""
+    logger = logging.getLogger("research")
+    if any(isinstance(handler, _CurrentStderr) for handler in logger.handlers):
+        yield
+        return
+    handler = _CurrentStderr(logging.INFO)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    level, propagate = logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.propagate = False
+    if level == logging.NOTSET:  # else the root logger's WARNING would leave the INFO lines out
+        logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
+        logger.setLevel(level)  # (not `logger.level = level`: setLevel clears the loggers' cached levels)
