@@ -58,6 +58,7 @@ from .config import (
     unit_interval,
 )
 from .errors import ConfigError, Preempted, ResearchInputError
+from .messages import messages_to_stderr
 
 try:  # private but documented: tyro's parse-error hook, for one-line refusals
     from tyro import _errors as tyro_errors
@@ -365,6 +366,7 @@ def use_compilation_cache(enabled: bool = True) -> Path | None:
     return Path(path)
 
 
+@messages_to_stderr()  # the library's messages (research.messages) as lines on stderr
 def main_entry(main: Callable[[C], Any], config_class: type[C], argv: Sequence[str] | None = None) -> None:
     """Run `main(parse_config(...))` as a script. Bad input found inside `main` (`--resume` with no
     checkpoint, data that does not fit the model, a damaged or foreign checkpoint) exits with status 2,
@@ -374,7 +376,8 @@ def main_entry(main: Callable[[C], Any], config_class: type[C], argv: Sequence[s
     Before `main`, `use_compilation_cache` turns on JAX's persistent compilation cache (unless
     `--no-compilation-cache`), and `research.parallel.setup_devices` applies `--devices` (simulated
     CPU devices must be requested before JAX creates its first array) and joins the other processes
-    of a multi-process run (`jax.distributed.initialize`)."""
+    of a multi-process run (`jax.distributed.initialize`). While it runs, the library's messages (its
+    `logging` records of level INFO and above, `research.messages`) are lines on stderr."""
     from .parallel import exit_together, process_group, setup_devices  # imports jax; backends start after setup_devices
 
     config = parse_config(config_class, argv)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from .errors import ConfigError
 from .experiment import experiment_names, experiment_script
+from .messages import messages_to_stderr
 from .train import RunDir
 
 USAGE = "usage: python -m research.run NAME [flags] | --from RUN_DIR [flags]   (scripts/run takes the same)"
@@ -35,6 +36,7 @@ def command(argv: Sequence[str]) -> tuple[Path, list[str]]:
     return experiment_script(argv[0]), argv[1:]
 
 
+@messages_to_stderr()  # the library's messages (research.messages) as lines on stderr
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):

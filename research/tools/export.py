@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..errors import ResearchInputError
 from ..experiment import load_run
+from ..messages import messages_to_stderr
 from ..nn import save_weights
 from ._runs import Parser, UsageError, fail
 
@@ -67,6 +68,7 @@ def _parser() -> Parser:
     return parser
 
 
+@messages_to_stderr()  # the library's messages (research.messages) as lines on stderr
 def main(argv: Sequence[str] | None = None) -> None:
     parser = _parser()
     args = parser.parse_args(argv)

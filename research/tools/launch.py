@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from ..experiment import experiment_script
+from ..messages import messages_to_stderr
 from ..parallel import LOST_PEER_STATUS
 
 
@@ -115,6 +116,7 @@ def _watch(
         stop(processes)  # none is left running, whatever ended the wait
 
 
+@messages_to_stderr()  # the library's messages (research.messages) as lines on stderr
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     own, command = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])

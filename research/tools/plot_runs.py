@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..experiment import plot_curves
+from ..messages import messages_to_stderr
 from ._runs import Parser, UsageError, fail, open_runs, run_labels
 
 
@@ -19,6 +20,7 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path, *, title: str | N
     return plot_curves(runs, run_labels(runs), out, title=title)
 
 
+@messages_to_stderr()  # the library's messages (research.messages) as lines on stderr
 def main(argv: Sequence[str] | None = None) -> None:
     parser = Parser(prog="plot_runs", description="Plot the learning curves of run directories to a PNG.")
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (with metrics.jsonl)")

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..experiment import load_run
+from ..messages import messages_to_stderr
 from ..nn import LanguageModel, generate
 from ..typing import PRNGKeyArray
 from ._runs import Parser, UsageError, fail, open_runs
@@ -126,6 +127,7 @@ def _parser() -> Parser:
     return parser
 
 
+@messages_to_stderr()  # the library's messages (research.messages) as lines on stderr
 def main(argv: Sequence[str] | None = None) -> None:
     parser = _parser()
     args = parser.parse_args(argv)

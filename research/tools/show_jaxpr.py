@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from ..cli import ConfigError, parse_config
 from ..debug import signature
 from ..experiment import first_batch, initial_state, load_experiment
+from ..messages import messages_to_stderr
 from ..train import compiled_trainer
 from ._runs import fail
 
@@ -42,6 +43,7 @@ def show_jaxpr(experiment: str, argv: Sequence[str] = ()) -> str:
     return "\n".join(lines) + "\n" + str(jaxpr)
 
 
+@messages_to_stderr()  # the library's messages (research.messages) as lines on stderr
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):

@@ -47,6 +47,7 @@ from typing import Any
 from ..cli import parse_config, use_compilation_cache
 from ..errors import ConfigError, Preempted, ResearchInputError
 from ..experiment import RUNS_ROOT, experiment_script, load_experiment
+from ..messages import messages_to_stderr
 from ..progress import format_duration
 from ..train import RunDir
 from ._axes import SET_BY_SWEEP, Axis, check_passed_flags, flag_words, parse_axis, run_name, sweepable_fields
@@ -491,6 +492,7 @@ def _parser() -> Parser:
     return parser
 
 
+@messages_to_stderr()  # the library's messages (research.messages) as lines on stderr
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     own, flags = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
