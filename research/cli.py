@@ -19,6 +19,7 @@ import importlib.util
 import inspect
 import io
 import json
+import logging
 import os
 import sys
 import typing
@@ -87,6 +88,8 @@ __all__ = [
     "unit_interval",
     "use_compilation_cache",
 ]
+
+logger = logging.getLogger(__name__)  # research.messages: what shows them, and where
 
 C = TypeVar("C", bound=Options)
 _registry = ConstructorRegistry()
@@ -347,10 +350,11 @@ def use_compilation_cache(enabled: bool = True) -> Path | None:
             try:
                 Path(path).mkdir(parents=True, exist_ok=True)
             except OSError as e:  # a read-only home: run without the cache, not warn at every compilation
-                print(
-                    f"warning: no compilation cache: cannot create {path} ({e.strerror}); set "
-                    f"${CACHE_DIR} to a writable directory",
-                    file=sys.stderr,
+                logger.warning(
+                    "warning: no compilation cache: cannot create %s (%s); set $%s to a writable directory",
+                    path,
+                    e.strerror,
+                    CACHE_DIR,
                 )
                 path = None
     jax.config.update("jax_enable_compilation_cache", path is not None)

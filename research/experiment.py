@@ -4,6 +4,7 @@
 import dataclasses
 import importlib.util
 import json
+import logging
 import math
 import sys
 import time
@@ -42,6 +43,8 @@ from .train import (
     load_checkpoint,
     read_header,
 )
+
+logger = logging.getLogger(__name__)  # research.messages: what shows them, and where
 
 RUNS_ROOT = Path("runs")
 
@@ -117,7 +120,7 @@ def resolve_run_dir(
         run = RunDir(path)
         checkpoint, problems = run.latest_valid_checkpoint()
         for problem in problems:
-            print(f"warning: skipping {problem}", file=sys.stderr)
+            logger.warning("warning: skipping %s", problem)
         if checkpoint is None:
             raise ConfigError(f"--resume: no valid checkpoint in {run.checkpoints}")
         _check_same_config(run, config)
@@ -318,7 +321,7 @@ def run_experiment(
     finished = finished_summary(run, checkpoint, setup.num_steps)
     if finished is not None:  # resumed after it finished (say, a requeued job): report it, touch nothing
         if writer:
-            print(f"{run.path} finished at step {setup.num_steps}: nothing to train", file=sys.stderr)
+            logger.info("%s finished at step %s: nothing to train", run.path, setup.num_steps)
             print(summary_line(experiment, finished, run))
         return finished
     start_step = 0
@@ -328,7 +331,7 @@ def run_experiment(
         start_step = header["step"]
         if writer:
             run.truncate_metrics(after_step=start_step)
-            print(f"resuming {run.path} from step {start_step} ({checkpoint.name})", file=sys.stderr)
+            logger.info("resuming %s from step %s (%s)", run.path, start_step, checkpoint.name)
     trackers = RunTrackers({})
     if writer:
         previous = run.read_config().get("trackers", {}) if run.config_file.exists() else {}
@@ -486,10 +489,12 @@ def _profile(config: Options, run: RunDir, writer: bool) -> Profile | None:
 def _profile_hint(start: int, stop: int) -> Callable[[Path], None]:
     def hint(directory: Path) -> None:
         perfetto = next(directory.glob("plugins/profile/*/perfetto_trace.json.gz"), None)
-        print(
-            f"profile of steps {start}-{stop}: `tensorboard --logdir {directory}` (the Profile tab), or open "
-            f"{perfetto or directory} in https://ui.perfetto.dev",
-            file=sys.stderr,
+        logger.info(
+            "profile of steps %s-%s: `tensorboard --logdir %s` (the Profile tab), or open %s in https://ui.perfetto.dev",
+            start,
+            stop,
+            directory,
+            perfetto or directory,
         )
 
     return hint

@@ -1,16 +1,22 @@
 """The library's messages: every module logs through `logging.getLogger(__name__)`, a logger under
 `research`, so that whoever uses the library can silence, redirect or capture them with `logging`.
 
-- **As a library** (`from research.train import fit`), `research` installs no handler: the `logging`
-  HOWTO's rule for libraries, since the application owns the output. Warnings still reach stderr
-  (through Python's last-resort handler, or the handlers the application configured); informational
-  lines ("resuming RUN from step N", where a profile was written) are left out, as any library's INFO
-  records are, until the application asks for them: `logging.basicConfig(level=logging.INFO)`, or
-  `with messages_to_stderr(): ...` for the command line's bare lines. `caplog` captures them in tests;
-  `logging.getLogger("research").setLevel(logging.ERROR)` silences the warnings.
+- **As a library** (`fit` or `run_experiment` called from a script of one's own), `research` installs
+  no handler: the `logging` HOWTO's rule for libraries, since the application owns the output.
+  Warnings still reach stderr (through Python's last-resort handler, or the handlers the application
+  configured); informational lines ("resuming RUN from step N", where a profile was written) are left
+  out, as any library's INFO records are, until the application asks for them:
+  `logging.basicConfig(level=logging.INFO)`, or `with messages_to_stderr(): ...` for the command
+  line's bare lines. `caplog` captures them in tests; `logging.getLogger("research").setLevel(
+  logging.ERROR)` silences the warnings.
 - **On the command line** (`research.cli.main_entry`, `python -m research.run`, the tools under
   `research.tools`), `messages_to_stderr` shows INFO and above as bare lines (`%(message)s`) on
-  stderr: what the library printed before it logged, byte for byte.
+  stderr: what the library printed before it logged, byte for byte (so a warning's text keeps its
+  `warning: ` prefix, which a handler that formats the level too shows twice).
+
+What stays a `print`: the command line's own output (a summary line on stdout, the one line
+`prog: error: ...` before a non-zero exit, the tools' `sweep: ...` lines), and progress reports
+(`research.progress`).
 """
 
 import contextlib

@@ -13,6 +13,7 @@ exit with an error instead of waiting forever in a collective.
 import contextlib
 import dataclasses
 import ipaddress
+import logging
 import os
 import sys
 import traceback
@@ -25,6 +26,8 @@ from jax.experimental import multihost_utils
 
 from ..errors import ConfigError
 from ._devices import check_device_count, simulate_cpu_devices
+
+logger = logging.getLogger(__name__)  # research.messages: what shows them, and where
 
 # The exit status of a process that stops because another one died (EX_TEMPFAIL), so that a launcher
 # can tell the cause of a failed run from its consequences.
@@ -150,10 +153,7 @@ def setup_devices(config: Any) -> None:
             raise ConfigError("--parallel none trains in one process; pass --parallel sharded or pmap")
         join(group, config.distributed_timeout)
         if group.process_id != 0:
-            print(
-                f"process {group.process_id} of {group.num_processes}: joined {group.coordinator_address}",
-                file=sys.stderr,
-            )
+            logger.info("process %s of %s: joined %s", group.process_id, group.num_processes, group.coordinator_address)
     check_device_count(config.devices)
 
 
