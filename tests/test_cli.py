@@ -189,6 +189,7 @@ def stamps(root):
     return {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(Path(root).rglob("*")) if p.is_file()}
 
 
+@pytest.mark.slow
 def test_resume_auto_starts_a_run_then_resumes_it(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     run_xor(["--run-dir", "r", "--resume", "auto"])  # nothing there: a fresh run
@@ -252,6 +253,7 @@ def test_resume_must_refuses_an_empty_run_dir_in_one_line(tmp_path, monkeypatch,
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.slow
 def test_resuming_a_finished_run_from_the_shell_exits_0(tmp_path):
     command = [sys.executable, str(ROOT / "experiments" / "xor.py"), *QUICK, "--run-dir", "d"]
     assert subprocess.run(command, cwd=tmp_path, capture_output=True, timeout=300).returncode == 0

@@ -92,6 +92,7 @@ def poisoned_data():
     return loader, first + 1  # the first step (counting from 1) whose batch holds the poisoned example
 
 
+@pytest.mark.slow
 def test_debug_nans_names_the_first_op_that_made_a_nan_and_its_source_line(poisoned_data):
     loader, bad_step = poisoned_data
     with pytest.raises(NonFiniteError) as info:

@@ -126,6 +126,7 @@ def test_one_step_moves_the_running_statistics_by_the_batch_statistics(blobs, lo
     np.testing.assert_allclose(var, momentum + (1 - momentum) * hidden.var(0), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_inference_outputs_do_not_depend_on_batchmates_and_leave_the_state_alone(blobs, trained):
     inputs = jnp.asarray(blobs[0])
     with_friends = inputs[:8]

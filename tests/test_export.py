@@ -23,6 +23,7 @@ xor = load_experiment("xor")
 QUICK = ["--epochs", "2", "--train-size", "256", "--test-size", "64", "--batch-size", "32", "--no-progress"]
 
 
+@pytest.mark.slow
 def test_array_names_follow_fields_indices_and_state_owners(getkey):
     model, state = build_model("image_resnet", features=4, blocks=1, key=getkey())
     names = array_names(model)
@@ -107,6 +108,7 @@ def test_export_writes_the_models_arrays_under_their_names_with_the_config(train
     assert no_state is None and tree_digest(loaded) == tree_digest(model)
 
 
+@pytest.mark.slow
 def test_a_stateful_model_exports_its_batchnorm_statistics_and_loads_back(tmp_path, getkey):
     model, state = build_model("image_resnet", height=8, width=8, channels=1, features=2, blocks=1, key=getkey())
     state = jax.tree.map(lambda x: x + 1, state)  # statistics that are not the initial ones

@@ -112,6 +112,7 @@ def xor_state(optimizer=None):
     return TrainState.create(model, optimizer or optax.adam(1e-2), key=jax.random.key(1))
 
 
+@pytest.mark.slow
 def test_a_packed_trainer_runs_bitwise_like_an_unpacked_one():
     data = XORDataset(256, seed=0)
     arrays = Batch(jnp.asarray(data.inputs), jnp.asarray(data.labels))

@@ -65,6 +65,7 @@ def last_logits(model: LanguageModel, window: list[int]) -> jax.Array:
     return _forward(model, jnp.asarray(padded))[len(window) - 1]
 
 
+@pytest.mark.slow
 def test_cached_logits_equal_the_whole_models_at_every_position(either_head):
     model = either_head
     tokens, logits = generate_with_logits(model, PROMPT, LENGTH, key=jax.random.key(0), temperature=1.0)
@@ -108,6 +109,7 @@ def test_an_empty_prompt_starts_after_a_newline(model):
     assert empty.tolist() == generate(model, newline, LENGTH, key=jax.random.key(0), temperature=0).tolist()
 
 
+@pytest.mark.slow
 def test_bf16_compute_gives_the_whole_models_logits_to_bf16_rounding():
     model = build_model("lm", key=jax.random.key(3), compute_dtype="bfloat16", **SHAPE)[0]
     tokens, logits = generate_with_logits(model, PROMPT, LENGTH, key=jax.random.key(0), temperature=0)
@@ -166,6 +168,7 @@ def lm_run(tmp_path_factory) -> tuple[Path, str]:
     return root / "lm", out.getvalue()
 
 
+@pytest.mark.slow
 def test_the_experiment_ends_with_a_sample_of_its_final_model(lm_run):
     """One line, newlines escaped: what the checkpointed final model writes after the held-out text's
     first 32 bytes, with the key the experiment folds from its seed."""

@@ -148,6 +148,7 @@ def check_equal(model, model_state, batch, key):
     return ghost
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(COVERED))
 def test_ghost_norms_and_clipped_sums_equal_the_vmap_path(name, getkey):
     model, batch = COVERED[name](getkey()), batch_of(getkey())
@@ -155,6 +156,7 @@ def test_ghost_norms_and_clipped_sums_equal_the_vmap_path(name, getkey):
     check_equal(model, None, batch, getkey())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(FALLBACK))
 def test_uncovered_models_fall_back_to_vmap_with_the_same_result(name, getkey):
     model, state = FALLBACK[name](getkey())
@@ -202,6 +204,7 @@ def test_a_conv1d_called_directly_is_not_covered(getkey):
     assert "never pass through" in problem and "Conv1d" in problem
 
 
+@pytest.mark.slow
 def test_dp_sgd_loss_is_the_same_either_way_with_padding_and_noise(getkey):
     model = build_model("cnn", channels=4, key=getkey())[0]
     batch = batch_of(getkey(), size=12)
@@ -262,6 +265,7 @@ def test_the_experiment_exposes_the_method():
         module.Config(clipping="fast")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [(1, 7, 5), (6, 30, 20), (3, 200, 150), (200, 150, 120)])
 def test_every_way_to_a_layer_norm_gives_the_same_number(shape, getkey):
     """Products of norms (one position), g^T x (small layers, or cheaper) and Gram matrices (large

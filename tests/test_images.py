@@ -73,6 +73,7 @@ def test_without_data_it_names_the_formats_in_one_line(capsys):
     )
 
 
+@pytest.mark.slow
 def test_conv2d_as_matmul_is_conv2d_in_values_and_gradients(getkey):
     x = jax.random.normal(getkey(), (3, 10, 9))
     for kernel, stride, padding in ((3, 1, 1), (3, 2, 1), (1, 2, 0), (2, 1, 0)):
@@ -85,6 +86,7 @@ def test_conv2d_as_matmul_is_conv2d_in_values_and_gradients(getkey):
         np.testing.assert_allclose(grads[0].weight, grads[1].weight, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_image_resnet_normalises_uint8_and_float_images_alike_and_names_a_wrong_size(getkey):
     model, state = build_model(
         "image_resnet",
@@ -110,6 +112,7 @@ def test_image_resnet_normalises_uint8_and_float_images_alike_and_names_a_wrong_
     assert "self.height = 28" in str(info.value.__notes__)
 
 
+@pytest.mark.slow
 def test_random_crop_flip_moves_each_image_by_its_own_key(getkey):
     batch = jnp.arange(2 * 6 * 6 * 1, dtype=jnp.int32).reshape(2, 6, 6, 1) + 1
     keys = jax.random.split(getkey(), 2)

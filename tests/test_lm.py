@@ -48,6 +48,7 @@ def tiny_batch(rows: int, seed: int = 0) -> Batch:
     return Batch(jnp.asarray(inputs), jnp.asarray(labels))
 
 
+@pytest.mark.slow
 def test_model_shapes_causality_and_stacked_layers(getkey):
     model = eqx.filter_jit(tiny_model(getkey(), depth=3))  # one compiled call each (eager ops are slow)
     tokens = jnp.arange(16, dtype=jnp.int32)
@@ -64,6 +65,7 @@ def test_model_shapes_causality_and_stacked_layers(getkey):
         model(jnp.zeros(17, jnp.int32))
 
 
+@pytest.mark.slow
 def test_untied_head_and_depth_do_not_grow_the_program(getkey):
     untied = tiny_model(getkey(), tied=False)
     assert untied.head is not None and eqx.filter_jit(untied)(jnp.zeros(4, jnp.int32)).shape == (4, 256)
@@ -98,6 +100,7 @@ def test_default_text_is_the_standard_library():
     assert len(data) == 100_000 and b"def " in bytes(data) and b"import " in bytes(data)
 
 
+@pytest.mark.slow
 def test_loss_metrics_and_evaluator_agree(getkey):
     model, batch = tiny_model(getkey()), tiny_batch(8)
     loss, (metrics, _) = NextTokenLoss()(model, None, batch, getkey())
@@ -132,6 +135,7 @@ def _assert_same_model(a, b, tolerance: float) -> None:
         np.testing.assert_allclose(x, y, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.slow
 def test_grad_accum_step_equals_one_step_on_the_whole_batch(getkey):
     """4 micro-batches of 4 give the gradient of the batch of 16, and the same Adam step, to 1e-5."""
     model, batch, key = tiny_model(getkey()), tiny_batch(16), getkey()
@@ -148,6 +152,7 @@ def test_grad_accum_step_equals_one_step_on_the_whole_batch(getkey):
         value_and_grad(NextTokenLoss(grad_accum=3), model, batch, key)
 
 
+@pytest.mark.slow
 def test_grad_accum_combines_over_a_device_axis(getkey):
     """With `axis_name`, each device's accumulated gradient is averaged over the devices (as pmap would)."""
     model, batch, key = tiny_model(getkey()), tiny_batch(8), getkey()
@@ -204,6 +209,7 @@ def test_fsdp_with_grad_accum_splits_micro_batches_where_the_rows_live(tmp_path)
     assert "4 cpu devices" in result.stdout
 
 
+@pytest.mark.slow
 def test_remat_gives_the_same_loss_and_gradients_with_less_memory(getkey):
     key, batch = getkey(), tiny_batch(8)
     plain, remat = tiny_model(key, depth=4), tiny_model(key, depth=4, remat=True)
@@ -223,6 +229,7 @@ def test_remat_gives_the_same_loss_and_gradients_with_less_memory(getkey):
 BF16_TOLERANCE = 0.01  # nats after 30 Adam steps: bf16 rounding of weights and activations (measured 4e-4)
 
 
+@pytest.mark.slow
 def test_bf16_compute_trains_like_float32(getkey):
     """bf16 compute keeps float32 master weights and optimizer state, float32 logits, and after 30
     steps on the same batches a loss within BF16_TOLERANCE of float32's."""
@@ -239,6 +246,7 @@ def test_bf16_compute_trains_like_float32(getkey):
     assert abs(losses["bfloat16"] - losses["float32"]) < BF16_TOLERANCE, losses
 
 
+@pytest.mark.slow
 def test_experiment_trains_and_reports_bits_per_byte(tmp_path, monkeypatch, capsys):
     (tmp_path / "text.txt").write_bytes(b"the quick brown fox jumps over the lazy dog. " * 200)
     monkeypatch.chdir(tmp_path)
@@ -278,6 +286,7 @@ def test_experiment_trains_and_reports_bits_per_byte(tmp_path, monkeypatch, caps
     assert exit_info.value.code == 2
 
 
+@pytest.mark.slow
 def test_resumed_run_ends_where_an_uninterrupted_one_does(tmp_path, monkeypatch):
     """The windows of a step are a pure function of (seed, step): a run resumed at step 4 logs what an
     uninterrupted one does."""

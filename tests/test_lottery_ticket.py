@@ -69,6 +69,7 @@ def test_pruned_weights_stay_exactly_zero_through_training(mnist1d_dir):
         assert np.mean(weight[weight_mask] != np.asarray(before.weight)[weight_mask]) > 0.5  # the others train
 
 
+@pytest.mark.slow
 def test_each_round_prunes_the_previous_rounds_trained_weights(mnist1d_dir, tmp_path):
     config = lottery.Config(
         **TINY,

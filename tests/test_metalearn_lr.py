@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 from research.data import Batch
 from research.experiment import load_experiment
@@ -59,6 +60,7 @@ def test_meta_gradient_equals_a_finite_difference(getkey):
     assert slopes[0] < 0 < slopes[1]
 
 
+@pytest.mark.slow
 def test_the_notebooks_first_outer_steps_and_the_initialisation_kept(mnist1d_dir, tmp_path):
     """Seed 0 of the default recipe is the notebook's run (its MLP, its 8,000 training signals): after four
     outer steps it prints `step: 3, mean_inner_loss: 1.779e+00, inner_lr: 1.147e+00` from 1.5 and
@@ -92,6 +94,7 @@ def test_torch_initialisation_is_torchs_linear_layers_and_leaves_torchs_generato
         np.testing.assert_array_equal(layer.bias, theirs.bias.detach().numpy())
 
 
+@pytest.mark.slow
 def test_show_jaxpr_traces_one_outer_step_of_the_population(mnist1d_dir):
     from research.tools.show_jaxpr import show_jaxpr
 

@@ -53,6 +53,7 @@ def test_linear_sigmoid_gradient_is_the_model_tree_and_matches_the_hand_derived_
     np.testing.assert_allclose(grads.linear.bias, jnp.array([p - y]), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_mlp_gradient_matches_finite_differences(getkey):
     model = MLP(2, 1, hidden=(8,), key=getkey())
     x = jnp.array([0.3, -0.7])

@@ -75,6 +75,7 @@ def vmapped_loop_and_batch(model, model_state, batch, key):
     return grads, metrics, loop_grads(model, model_state, batch, key), eqx.filter_value_and_grad(batch_loss)(model)
 
 
+@pytest.mark.slow
 def test_per_example_grads_equal_a_loop_and_average_to_the_batch_gradient(getkey):
     model, batch, key = DropoutMLP(key=getkey()), xor_batch(), getkey()  # dropout: every example its own key
     batch = Batch(batch.inputs, batch.labels % 3)
@@ -115,6 +116,7 @@ def direct_and_chunked(model, batch, key, weights):
     return direct, chunked, losses, summed, summed_chunked
 
 
+@pytest.mark.slow
 def test_chunked_equals_direct(getkey):
     model, batch, key = DropoutMLP(key=getkey()), xor_batch(30), getkey()
     batch = Batch(batch.inputs, batch.labels % 3)
@@ -249,6 +251,7 @@ def vmapped_and_loop(model, model_state, batch, key):
     return per_example_grads(model, model_state, batch, key)[0], loop_grads(model, model_state, batch, key)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(ZOO))
 def test_zoo_models_per_example_grads_equal_a_loop(name, getkey):
     model, state = build_model(name, key=getkey(), **ZOO[name])

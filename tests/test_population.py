@@ -46,6 +46,7 @@ def xor():
     return train, test
 
 
+@pytest.mark.slow
 def test_stacked_members_are_the_states_built_alone():
     keys = jax.random.split(jax.random.key(0), 3)
     states = stack_states(build_state, keys)
@@ -57,6 +58,7 @@ def test_stacked_members_are_the_states_built_alone():
     assert not np.allclose(arrays(member(states, 0).model)[0], arrays(member(states, 1).model)[0])
 
 
+@pytest.mark.slow
 def test_a_population_through_the_engine_equals_each_member_trained_alone(xor):
     train, test = xor
     states = stack_states(build_state, jax.random.split(jax.random.key(1), 3))
@@ -85,6 +87,7 @@ def test_a_population_through_the_engine_equals_each_member_trained_alone(xor):
     assert together.train_metrics["loss"] == pytest.approx(np.mean(together.train_metrics["member_loss"]), rel=1e-6)
 
 
+@pytest.mark.slow
 def test_a_population_keeps_an_ema_per_member_and_resumes_from_its_checkpoint(xor, tmp_path):
     train, test = xor
     states = with_ema(stack_states(build_state, jax.random.split(jax.random.key(2), 2)), 0.9)

@@ -342,6 +342,7 @@ def test_sigterm_while_a_save_is_in_flight_commits_it_and_the_run_resumes_bit_id
     assert resumed.train_metrics == straight.train_metrics
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("when", ["compiling", "evaluating"])
 def test_sigterm_while_compiling_or_evaluating_stops_at_a_checkpoint_and_resumes_bit_identical(tmp_path, when):
     """The signal arrives while XLA compiles the first step, or while the state of step 24 is being
@@ -408,6 +409,7 @@ writer.wait()
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("when", ["writing", "committing"])
 def test_sigkill_during_a_save_leaves_the_previous_checkpoint_usable(tmp_path, when):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}

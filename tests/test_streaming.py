@@ -78,6 +78,7 @@ def test_a_resume_at_step_10000_reads_no_more_than_one_at_step_10(mapped, name):
     assert isinstance(images, np.memmap)
 
 
+@pytest.mark.slow
 def test_grain_keeps_its_iterator_state_in_the_checkpoint_and_resumes_from_it(digits_formats, tmp_path, monkeypatch):
     """`images --loader grain` on a memory-mapped .npy directory: every checkpoint holds Grain's iterator
     state at its step; a run cut at step 20 and resumed ends where a run never cut ends."""

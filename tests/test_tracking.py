@@ -272,6 +272,7 @@ def test_wandb_mlflow_and_tensorboard_hold_every_record_the_summary_and_files_th
     assert_same_history(tensorboard_history(run), expected)
 
 
+@pytest.mark.slow
 def test_a_resume_after_a_kill_logs_each_step_once_and_a_tracker_added_then_gets_the_records_before(
     tmp_path, monkeypatch
 ):

@@ -58,6 +58,7 @@ def swept(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_each_member_equals_its_run_trained_alone(swept, name):
     together, alone = swept / "v" / name, swept / "alone" / name
@@ -188,6 +189,7 @@ def test_the_validation_split_is_the_same_for_every_seed_and_disjoint_from_train
     assert list(train.labels) == sorted(train.labels)  # the examples kept keep their order
 
 
+@pytest.mark.slow
 def test_a_vmapped_sweep_tracks_each_member_as_its_own_run_grouped_by_the_sweep(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # MLflow's default store: runs/mlflow.db here
     sweep.main(
