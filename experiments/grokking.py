@@ -4,7 +4,8 @@ A random `--train-fraction` of all p² pairs is the training set, the rest the t
 AdamW (betas 0.9, 0.98) with strong weight decay first memorizes the training pairs (train accuracy
 100%, test accuracy low), and only much later generalizes (test accuracy 100%). The summary records
 `memorization_step` (the first logged step whose training accuracy, averaged over the logging window,
-is >= 99%) and `grokking_step` (the first evaluation with test accuracy >= 99%); `grokking.png` in the
+is >= 99%), `grokking_step` (the first evaluation with test accuracy >= 99%) and
+`min_test_accuracy_after_grokking` (whether it stayed grokked: docs/results.md); `grokking.png` in the
 run directory plots both accuracies against the step. With `--weight-decay 0` the test accuracy stays
 far below in the same budget. Run `./scripts/run grokking --help` for the options.
 """
