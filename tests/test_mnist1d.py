@@ -80,6 +80,13 @@ def test_the_cache_is_read_back_and_a_bad_one_is_refused(data_dir, tmp_path):
         load_mnist1d(tmp_path)
 
 
+def test_too_few_signals_for_either_split_are_refused_before_generating(tmp_path):
+    for num_samples, train_split in ((5, 0.8), (16_000, 1e-5), (10, 0.05)):
+        with pytest.raises(DataError, match=f"{num_samples} signals .* each needs at least one"):
+            load_mnist1d(tmp_path, num_samples=num_samples, train_split=train_split)
+    assert not list(tmp_path.iterdir())  # nothing cached
+
+
 def test_a_script_named_mnist1d_on_the_path_does_not_shadow_the_package(monkeypatch, data_dir):
     """`python experiments/ensemble.py` puts experiments/ (which holds mnist1d.py, our experiment) first
     on sys.path; generating the data still imports the mnist1d package, and gives the cached arrays."""

@@ -57,6 +57,13 @@ def generate_mnist1d(
     Returns `(train, test)` `Batch`es of numpy arrays: inputs `float32` of shape `(examples, 40)`,
     labels `int32`. Numpy's and Python's global RNG states are restored afterwards.
     """
+    usable = num_samples // MNIST1D_CLASSES * MNIST1D_CLASSES  # the package makes whole rounds of the classes
+    train_size = int(usable * train_split)
+    if train_size < 1 or usable - train_size < 1:
+        raise DataError(
+            f"MNIST-1D: {num_samples} signals at a training split of {train_split:g} leave {train_size} for "
+            f"training and {usable - train_size} for testing: each needs at least one"
+        )
     mnist1d_data = _import_mnist1d_data()  # imported here: it pulls in matplotlib and scipy
     args = mnist1d_data.get_dataset_args()
     # mnist1d's ObjectView takes attributes; its annotation also says dict.
