@@ -25,6 +25,7 @@ with install_import_hook("research", "beartype.beartype"):  # the same shape che
     from research.data import ArrayDataset, DeviceLoader, GrainLoader, TorchLoader, XORDataset, dataset_arrays
     from research.errors import Preempted
     from research.experiment import run_experiment
+    from research.messages import messages_to_stderr
     from research.nn import MLP
     from research.parallel import batch_axis_name, exit_together, setup_devices
     from research.per_example import DPSGDLoss
@@ -121,7 +122,7 @@ if __name__ == "__main__":
         else:
             group.append(arg)
     configs = [parse_config(Config, g) for g in [*groups, group]]
-    with exit_together("worker"):
+    with exit_together("worker"), messages_to_stderr():  # the library's lines, as every command line shows them
         try:
             setup_devices(max(configs, key=lambda c: c.devices))
             for config in configs:
