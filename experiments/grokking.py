@@ -97,7 +97,7 @@ def setup(config: Config) -> Setup:
         train.inputs, train.labels, batch_size, seed=config.seed, shuffle=batch_size < len(train.labels)
     )  # a full batch needs no order
     eval_data = DeviceLoader(test.inputs, test.labels, len(test.labels), shuffle=False)
-    return Setup(lambda: build_state(config), train_data, eval_data, config.steps)
+    return Setup(lambda: build_state(config), train_data, eval_data, config.steps, summarize_run=summarize)
 
 
 def first_step_at_or_above(records: Sequence[dict[str, Any]], metric: str, threshold: float = THRESHOLD) -> int | None:
@@ -155,7 +155,7 @@ PUBLISHED = "memorized by ~1.4k steps, generalized at ~9.4k-14k (Nanda et al. 20
 
 
 def main(config: Config) -> dict:
-    summary = run_experiment("grokking", config, setup(config), summarize_run=summarize)
+    summary = run_experiment("grokking", config, setup(config))
     if jax.process_index() == 0:
         memorized, grokked = summary.get("memorization_step"), summary.get("grokking_step")
         ours = f"train accuracy >= 99% at step {memorized}, " if memorized else "never memorized, "

@@ -200,6 +200,7 @@ def setup(config: Config) -> Setup:
         loss_fn=meta_objective,
         population=True,
         evaluator=InnerRunEvaluator(train_data.arrays),
+        summarize_run=plot_learning_rates,
     )
 
 
@@ -229,9 +230,7 @@ def main(config: Config) -> dict:
     def learned(result: FitResult) -> dict:
         return {"start_lr": list(config.start_lrs), "learned_lr": [float(x) for x in result.state.model.lr]}
 
-    summary = run_experiment(
-        "metalearn_lr", config, setup(config), summary_extra=learned, summarize_run=plot_learning_rates
-    )
+    summary = run_experiment("metalearn_lr", config, setup(config), summary_extra=learned)
     rates = ", ".join(
         f"{lr:.4f} (from {start:g})" for start, lr in zip(summary["start_lr"], summary["learned_lr"], strict=True)
     )

@@ -187,6 +187,11 @@ class Setup:
     - `evaluator`: `(state, eval_data, progress=...) -> (metrics, raw_metrics)` (say,
       `research.train.evaluate_language_model`); `None`: `evaluate_state` (classification), or
       `evaluate_population` for a population.
+    - `summarize_run`: `(run, summary) -> numbers or None`: once training ended (on process 0; not
+      when a finished run is only reported), numbers read from the whole run's `metrics.jsonl` (say,
+      the first step a metric crossed a threshold, counting the steps before a resume) for its
+      summary, and the experiment's own figures drawn into the run directory. A `--vmapped` sweep
+      applies it to each member's run directory.
     """
 
     build_state: Callable[[], TrainState]
@@ -198,6 +203,7 @@ class Setup:
     population: bool = False
     evaluator: Evaluator | None = None
     val_data: DeviceLoader | HostLoader | None = None
+    summarize_run: Callable[[RunDir, dict[str, Any]], dict[str, Any] | None] | None = None
 
     def evaluate_with(self) -> Evaluator:
         """The evaluator this run uses."""
@@ -287,15 +293,11 @@ def run_experiment(
     setup: Setup | None = None,
     *,
     summary_extra: dict[str, Any] | Callable[[FitResult], dict[str, Any]] | None = None,
-    summarize_run: Callable[[RunDir, dict[str, Any]], dict[str, Any] | None] | None = None,
     **kwargs: Any,
 ) -> dict[str, Any]:
     """Train, evaluate and record one run; returns (and writes to `summary.json`) its final numbers,
     with `summary_extra` (say, the privacy spent) added: a dict, or a function of the run's
-    `FitResult` (say, tokens/s from its `steps_per_s`). On process 0, once training ended (not when a
-    finished run is only reported), `summarize_run(run, summary)` may add numbers read from the whole
-    run's `metrics.jsonl` (say, the first step a metric crossed a threshold, counting the steps before a
-    resume; it returns them, or None) and draw the experiment's own figures into the run directory.
+    `FitResult` (say, tokens/s from its `steps_per_s`), and those of `setup.summarize_run`.
 
     The run directory gets `config.json` (with the resolved step count and library versions),
     `metrics.jsonl`, `checkpoints/`, `summary.json` and `curves.png` (and TensorBoard event files
@@ -352,7 +354,6 @@ def run_experiment(
             header,
             trackers,
             summary_extra,
-            summarize_run,
             fit_kwargs,
         )
         ending = "finished"
@@ -386,7 +387,6 @@ def _run_and_summarize(
     header: dict[str, Any],
     trackers: RunTrackers,
     summary_extra: Any,
-    summarize_run: Any,
     fit_kwargs: dict[str, Any],
 ) -> dict[str, Any]:
     """Train (or, checkpointed at its last step, only evaluate) and write the summary and curves.png."""
@@ -404,7 +404,7 @@ def _run_and_summarize(
     extra: Any = summary_extra(result) if callable(summary_extra) else summary_extra
     summary.update(extra or {})
     if writer:
-        summary.update((summarize_run(run, summary) if summarize_run is not None else None) or {})
+        summary.update((setup.summarize_run(run, summary) if setup.summarize_run is not None else None) or {})
         run.write_summary(summary)
         plot_curves([run], [run.path.resolve().name], run.path / "curves.png")
         print(summary_line(experiment, summary, run))

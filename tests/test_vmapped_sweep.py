@@ -219,3 +219,18 @@ def test_a_vmapped_sweep_tracks_each_member_as_its_own_run_grouped_by_the_sweep(
         assert wandb_run["group"] == "v" and wandb_run["run_id"] == saved["wandb"]["run_id"]
         assert_same_history(wandb_history([wandb_run]), expected)
     assert not list(tmp_path.glob("v/population-*/wandb"))
+
+
+def test_each_member_gets_the_experiments_own_summary_numbers_and_plot(tmp_path):
+    """grokking's `Setup.summarize_run` runs on each member's directory, as on a run of its own."""
+    flags = ["--modulus", "7", "--train-fraction", "0.5", "--dim", "16", "--heads", "2", "--lr", "1e-2"]
+    flags += ["--steps", "60", "--eval-every", "20", "--log-every", "20", "--steps-per-call", "20"]
+    sweep.main(["grokking", "seed=0,1", "--vmapped", "--sweep-dir", str(tmp_path), "--", *flags])
+    grokking = load_experiment("grokking")
+    for name in ("seed=0", "seed=1"):
+        run = RunDir(tmp_path / name)
+        summary = json.loads((run.path / "summary.json").read_text())
+        steps = grokking.grokking_steps(run.read_metrics())
+        assert steps["memorization_step"] is not None  # 24 pairs, memorized within 60 steps
+        assert {key: summary[key] for key in steps} == steps
+        assert (run.path / "grokking.png").stat().st_size > 0

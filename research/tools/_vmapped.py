@@ -106,7 +106,10 @@ def _write_member(
     writer.save(out.checkpoint_path(step), own, header)  # written while the plot is drawn
     plot_curves([out], [run.name], out.path / "curves.png", title=f"{experiment} {run.name} (vmapped)")
     writer.wait()  # the summary says the run finished: only once its checkpoint is committed
-    out.write_summary({key: value for key, value in member_values(summary, k).items() if key != "population"})
+    own_summary = {key: value for key, value in member_values(summary, k).items() if key != "population"}
+    if setup.summarize_run is not None:  # the experiment's numbers from the member's records, as alone
+        own_summary.update(setup.summarize_run(out, own_summary) or {})
+    out.write_summary(own_summary)
     if len(trackers_of(config)) > 1:  # one tracked run a member, as its own run would have been
         out.write_config({**saved, "trackers": track_finished_run(experiment, config, out, runs_root=RUNS_ROOT)})
 
