@@ -46,6 +46,14 @@ def _import_mnist1d_data():
     return mnist1d.data
 
 
+def split_sizes(num_samples: int, train_split: float) -> tuple[int, int]:
+    """The training and test sizes the `mnist1d` package makes of `num_samples` signals: whole rounds of
+    the classes, the first `train_split` of them for training."""
+    usable = num_samples // MNIST1D_CLASSES * MNIST1D_CLASSES
+    train_size = int(usable * train_split)
+    return train_size, usable - train_size
+
+
 @typecheck
 def generate_mnist1d(
     seed: int = MNIST1D_SEED, *, num_samples: int = MNIST1D_SAMPLES, train_split: float = MNIST1D_TRAIN_SPLIT
@@ -57,12 +65,11 @@ def generate_mnist1d(
     Returns `(train, test)` `Batch`es of numpy arrays: inputs `float32` of shape `(examples, 40)`,
     labels `int32`. Numpy's and Python's global RNG states are restored afterwards.
     """
-    usable = num_samples // MNIST1D_CLASSES * MNIST1D_CLASSES  # the package makes whole rounds of the classes
-    train_size = int(usable * train_split)
-    if train_size < 1 or usable - train_size < 1:
+    train_size, test_size = split_sizes(num_samples, train_split)
+    if train_size < 1 or test_size < 1:
         raise DataError(
             f"MNIST-1D: {num_samples} signals at a training split of {train_split:g} leave {train_size} for "
-            f"training and {usable - train_size} for testing: each needs at least one"
+            f"training and {test_size} for testing: each needs at least one"
         )
     mnist1d_data = _import_mnist1d_data()  # imported here: it pulls in matplotlib and scipy
     args = mnist1d_data.get_dataset_args()
@@ -123,8 +130,7 @@ def load_mnist1d(
             arrays = {name: archive[name] for name in archive.files}
     except (OSError, ValueError, zipfile.BadZipFile) as error:  # truncated, not a zip, or pickled objects
         raise DataError(f"{path}: not a readable MNIST-1D cache ({error}); delete the file to regenerate it") from None
-    train_size = int(num_samples // MNIST1D_CLASSES * MNIST1D_CLASSES * train_split)  # as the package splits
-    _check_arrays(path, arrays, train_size, num_samples // MNIST1D_CLASSES * MNIST1D_CLASSES - train_size)
+    _check_arrays(path, arrays, *split_sizes(num_samples, train_split))
     return (
         _as_batch(arrays["train_inputs"], arrays["train_labels"]),
         _as_batch(arrays["test_inputs"], arrays["test_labels"]),
