@@ -21,6 +21,7 @@ from research.cli import (
     Tracking,
     Training,
     main_entry,
+    micro_batches,
     non_negative,
     open_unit_interval,
     option,
@@ -47,9 +48,9 @@ class Config(Training, Checkpointing, Devices, EMA, Tracking):
     batch_size: int = option(512, "expected examples per step (Poisson sampling)", check=positive)
     max_batch_size: int = option(
         0,
-        "rows of a compiled batch (0: expected + 4 std + 4, rounded up to a multiple of "
-        "the devices); larger draws are truncated to a random subset, which the "
-        "accounting includes",
+        "rows of a compiled batch (0: expected + 4 std + 4, rounded up to a multiple of the devices, or of "
+        "--micro-batches under --deterministic-reduction); larger draws are truncated to a random subset, which "
+        "the accounting includes",
         check=non_negative,
     )
     epochs: int = option(
@@ -93,7 +94,7 @@ def setup(config: Config) -> Setup:
         config.batch_size,
         seed=config.seed,
         max_batch_size=config.max_batch_size or None,
-        multiple_of=config.devices * jax.process_count(),
+        multiple_of=micro_batches(config) or config.devices * jax.process_count(),
     )
     return Setup(
         build_state=lambda: build_state(config),

@@ -148,7 +148,7 @@ def build_state(
         blocks=config.blocks,
         mean=mean,
         std=std,
-        axis_name=batch_axis_name(config.parallel),
+        axis_name=batch_axis_name(config.parallel, config.deterministic_reduction),
         key=model_key,
     )
     return TrainState.create(model, optimizer(config, shape), key=train_key, model_state=model_state)

@@ -105,10 +105,13 @@ def learning_rate(config: Config) -> optax.Schedule:
 
 def setup(config: Config) -> Setup:
     """The model, the windows of text and the loss of a run, built without training."""
-    if config.dim % config.heads or config.batch_size % (config.grad_accum * config.devices):
+    # Each device's rows (each micro-batch's, under --deterministic-reduction) split into --grad-accum.
+    split = config.micro_batches if config.deterministic_reduction else config.devices
+    splitter = "--micro-batches" if config.deterministic_reduction else "--devices"
+    if config.dim % config.heads or config.batch_size % (config.grad_accum * split):
         raise ConfigError(
             f"--heads {config.heads} must divide --dim {config.dim}, and --grad-accum {config.grad_accum}"
-            f" x --devices {config.devices} must divide --batch-size {config.batch_size}"
+            f" x {splitter} {split} must divide --batch-size {config.batch_size}"
         )
     train, held_out = split_held_out(read_text_bytes(config.text, max_bytes=config.text_bytes), config.held_out)
     train, val = split_held_out(train, config.val_fraction)

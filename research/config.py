@@ -170,6 +170,19 @@ class Devices(Options):
         "auto: none on one device, sharded otherwise",
         resumable=True,
     )
+    deterministic_reduction: bool = option(
+        False,
+        "layout-invariant training: split each global batch into --micro-batches micro-batches whose gradients "
+        "are summed in one fixed order, so the run gives the same bits on any device count and placement, "
+        "and a run resumed on other devices continues it exactly (BatchNorm then normalises each "
+        "micro-batch on its own)",
+    )
+    micro_batches: int = option(
+        8,
+        "micro-batches per global batch under --deterministic-reduction: it must divide --batch-size, and every "
+        "device count the run uses (processes x --devices) must divide it",
+        check=positive,
+    )
     coordinator_address: str | None = option(
         None, "host:port of process 0 in a multi-process run; unset: $JAX_COORDINATOR_ADDRESS", resumable=True
     )
@@ -279,7 +292,8 @@ def check_combination(config: Any, processes: int | None = None) -> None:
     - the batch splits evenly over all devices of all processes;
     - `--process-id` is below `--num-processes`;
     - `--debug-nans` replays steps op by op on one device, so it takes no data parallelism;
-    - `--resume auto` needs `--run-dir`: a restarted job must find its own run, not the newest one.
+    - `--resume auto` needs `--run-dir`: a restarted job must find its own run, not the newest one;
+    - `--deterministic-reduction`'s micro-batches split the batch, and the devices split them.
     """
     processes = processes or config.num_processes or 1
     devices = config.devices * processes
@@ -297,6 +311,20 @@ def check_combination(config: Any, processes: int | None = None) -> None:
         raise ConfigError("--debug-nans replays steps op by op on one device; drop --devices and --parallel")
     if config.resume == "auto" and config.run_dir is None:
         raise ConfigError("--resume auto needs --run-dir: the directory a restarted job finds its run in")
+    if config.deterministic_reduction and config.micro_batches % devices:
+        raise ConfigError(
+            f"--micro-batches {config.micro_batches} is not divisible by the {devices} devices; "
+            "pick a multiple of the device count"
+        )
+    if config.deterministic_reduction and config.batch_size is not None and config.batch_size % config.micro_batches:
+        raise ConfigError(
+            f"--batch-size {config.batch_size} is not divisible by --micro-batches {config.micro_batches}"
+        )
+
+
+def micro_batches(config: Any) -> int | None:
+    """The fixed micro-batch count of a `--deterministic-reduction` run; `None` without it."""
+    return config.micro_batches if config.deterministic_reduction else None
 
 
 def check_option(field: dataclasses.Field, value: Any, hint: Any) -> None:

@@ -20,7 +20,15 @@ import jax
 import numpy as np
 
 from . import population
-from .config import ConfigError, Options, check_combination, profile_window, resumable_options, strip_optional
+from .config import (
+    ConfigError,
+    Options,
+    check_combination,
+    micro_batches,
+    profile_window,
+    resumable_options,
+    strip_optional,
+)
 from .data import Batch, DeviceLoader, GrainLoader, HostLoader, TorchLoader
 from .errors import CheckpointError, Preempted
 from .parallel import check_device_count, make_placement, process_zero_text
@@ -37,6 +45,7 @@ from .train import (
     RunDir,
     TrainState,
     bytes_on_first_device,
+    check_micro_batch_loss,
     classification_loss,
     evaluate_state,
     fit,
@@ -313,11 +322,13 @@ def run_experiment(
     """
     setup, fit_kwargs = _setup_from(setup, kwargs)
     check_device_count(config.devices)
-    placement = make_placement(config.parallel, config.devices)
+    placement = make_placement(config.parallel, config.devices, micro_batches(config))
     check_combination(config, processes=jax.process_count())
     _check_profile_window(config, setup.num_steps)
     state = initial_state(setup, config)
     placement.check(state.model, setup.train_data.batch_size)
+    if placement.micro_batches is not None:
+        check_micro_batch_loss(setup.loss_fn)
     writer = jax.process_index() == 0
     run, checkpoint = resolve_run_dir(experiment, config, writer=writer, num_steps=setup.num_steps)
     finished = finished_summary(run, checkpoint, setup.num_steps)

@@ -27,7 +27,16 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..data import Batch
 from ..errors import ConfigError, DeviceError
-from ..train import Leaves, OneDevice, Placement, batch_norm_layers, check_batch_norm_axis, copy_leaves, first_device
+from ..train import (
+    Leaves,
+    OneDevice,
+    Placement,
+    batch_norm_layers,
+    check_batch_norm_axis,
+    check_micro_batches,
+    copy_leaves,
+    first_device,
+)
 from ._devices import check_device_count
 
 DEVICE_AXIS = "devices"  # pmap's axis name; BatchNorm reduces over (DEVICE_AXIS, "batch") under pmap
@@ -35,10 +44,43 @@ DATA_AXIS = "data"  # the mesh axis that splits the batch under jit
 ParallelName = Literal["auto", "none", "pmap", "sharded", "fsdp"]
 
 
-def batch_axis_name(parallel: str) -> str | tuple[str, str]:
+def batch_axis_name(parallel: str, deterministic_reduction: bool = False) -> str | tuple[str, str]:
     """The `axis_name` a BatchNorm layer needs to reduce over the whole global batch: the vmap axis
-    `"batch"`, and under pmap also the device axis (each device vmaps over its slice only)."""
-    return (DEVICE_AXIS, "batch") if parallel == "pmap" else "batch"
+    `"batch"`, and under pmap also the device axis (each device vmaps over its slice only). With
+    `--deterministic-reduction` each micro-batch is normalised on its own: `"batch"` alone."""
+    return (DEVICE_AXIS, "batch") if parallel == "pmap" and not deterministic_reduction else "batch"
+
+
+def per_device_on_mesh(mesh: Mesh, step: Callable, micro_batches: int | None) -> Callable:
+    """`step(state, batch, axis_name)` under `jax.jit` over `mesh`: given the whole global batch (XLA
+    inserts the reductions), or, with `micro_batches`, run by every device on its own rows
+    (`jax.shard_map`; the state replicated), the step doing its own fixed-order reductions over `"data"`."""
+    if micro_batches is None:
+        return lambda state, batch: step(state, batch, None)
+
+    def run(state: Any, batch: Batch) -> tuple[Any, Any]:
+        dynamic, static = eqx.partition(state, eqx.is_array)
+        new_static = []  # the non-array part of the new state, seen while tracing `local`
+
+        def local(dynamic: Any, batch: Batch) -> tuple[Any, Any]:
+            new, metrics = step(eqx.combine(dynamic, static), batch, DATA_AXIS)
+            new_dynamic, static_part = eqx.partition(new, eqx.is_array)
+            new_static.append(static_part)
+            return new_dynamic, metrics
+
+        # (No varying-axis check: the outputs are the same on every device because every device
+        # computes them from the same gathered values, which the check cannot see.)
+        mapped = jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(PartitionSpec(), PartitionSpec(DATA_AXIS)),
+            out_specs=PartitionSpec(),
+            check_vma=False,
+        )
+        new_dynamic, metrics = mapped(dynamic, batch)
+        return eqx.combine(new_dynamic, new_static[-1]), metrics
+
+    return run
 
 
 def process_rows(array: np.ndarray, axis: int = 0) -> np.ndarray:
@@ -85,10 +127,16 @@ class Pmap(Placement):
     """`jax.pmap` over `devices` devices per process; the state is replicated along a stacked axis."""
 
     devices: int = 1
+    micro_batches: int | None = dataclasses.field(default=None, kw_only=True)
     name = "pmap"
-    axis_name = DEVICE_AXIS
     packs = False
-    batch_axis = (DEVICE_AXIS, "batch")
+
+    @property
+    def batch_axis(self) -> str | tuple[str, str]:
+        return batch_axis_name(self.name, self.micro_batches is not None)
+
+    def per_device(self, step: Callable) -> Callable:
+        return lambda state, batch: step(state, batch, DEVICE_AXIS)
 
     @functools.cached_property
     def _stacked(self) -> NamedSharding:
@@ -160,6 +208,7 @@ class Pmap(Placement):
                 f"{jax.local_device_count()} (got {self.devices})"
             )
         check_split(rows, self.devices)
+        check_micro_batches(self.micro_batches, rows, self.devices * jax.process_count())
         check_batch_norm_axis(model, self.batch_axis)
         if any(layer.mode == "ema" for layer in batch_norm_layers(model)):
             # jax.pmap is shard_map underneath (jax >= 0.8); there eqx.nn.State.set refuses the constant
@@ -175,10 +224,13 @@ class Sharded(Placement):
     """`jax.jit` over a mesh of `devices` devices per process, the batch split along `"data"`."""
 
     devices: int = 1
+    micro_batches: int | None = dataclasses.field(default=None, kw_only=True)
     name = "sharded"
-    axis_name = None
     packs = False
     batch_axis = "batch"
+
+    def per_device(self, step: Callable) -> Callable:
+        return per_device_on_mesh(self.mesh, step, self.micro_batches)
 
     @functools.cached_property
     def mesh(self) -> Mesh:
@@ -250,6 +302,7 @@ class Sharded(Placement):
     def check(self, model: eqx.Module, rows: int) -> None:
         check_device_count(self.devices)
         check_split(rows, self.devices)
+        check_micro_batches(self.micro_batches, rows, self.devices * jax.process_count())
         check_batch_norm_axis(model, self.batch_axis)
 
 
@@ -263,14 +316,19 @@ class Fsdp(Placement):
 
     devices: int = 1
     min_size: int = 1024
+    micro_batches: int | None = dataclasses.field(default=None, kw_only=True)
     name = "fsdp"
-    axis_name = None
     packs = False
     batch_axis = "batch"
 
     @functools.cached_property
     def _sharded(self) -> Sharded:  # the mesh, the batch layout and the replicated values are Sharded's
-        return Sharded(self.devices)
+        return Sharded(self.devices, micro_batches=self.micro_batches)
+
+    def per_device(self, step: Callable) -> Callable:
+        # Under micro_batches every device gathers the whole state for the step (the state stays
+        # sharded between steps and in checkpoints): its reductions are then those of one device.
+        return self._sharded.per_device(step)
 
     def leaf_spec(self, shape: tuple[int, ...]) -> PartitionSpec:
         """Where one array of the state lives: split along its largest axis the devices divide."""
@@ -344,9 +402,10 @@ class Fsdp(Placement):
         self._sharded.check(model, rows)
 
 
-def make_placement(parallel: ParallelName, devices: int = 1) -> Placement:
+def make_placement(parallel: ParallelName, devices: int = 1, micro_batches: int | None = None) -> Placement:
     """The placement named on the command line. `auto` is `none` for one device in one process and
-    `sharded` otherwise; `none` refuses more than one device or process."""
+    `sharded` otherwise; `none` refuses more than one device or process. `micro_batches`: the step
+    is layout-invariant (`--deterministic-reduction`)."""
     processes = jax.process_count()
     if parallel == "auto":
         parallel = "none" if devices * processes == 1 else "sharded"
@@ -356,5 +415,5 @@ def make_placement(parallel: ParallelName, devices: int = 1) -> Placement:
                 f"--parallel none trains on one device, but --devices is {devices} with {processes} process(es); "
                 "pass --parallel sharded or pmap"
             )
-        return OneDevice(1)
-    return {"pmap": Pmap, "sharded": Sharded, "fsdp": Fsdp}[parallel](devices)
+        return OneDevice(1, micro_batches=micro_batches)
+    return {"pmap": Pmap, "sharded": Sharded, "fsdp": Fsdp}[parallel](devices, micro_batches=micro_batches)

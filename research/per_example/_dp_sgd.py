@@ -121,6 +121,43 @@ class DPSGDLoss:
         loss = _weighted_means({"loss": losses}, weights)["loss"]
         return loss, ({"loss": loss}, model_state)
 
+    def micro_batch_sums(
+        self, model: eqx.Module, model_state: eqx.nn.State | None, batch: Batch, key: PRNGKeyArray
+    ) -> tuple[tuple[PyTree, dict[str, Array], Array], eqx.nn.State | None]:
+        """`((clipped gradient sum, metric sums, real examples), model state)` of `batch`: what
+        `from_micro_batch_sums` privatises once they are summed over the whole batch (over devices, or
+        over `--deterministic-reduction`'s micro-batches)."""
+        example_key, _ = jax.random.split(key)
+        batch, weights = _real_examples(batch)
+        summed, norms, example_metrics = clipped_gradient_sum(
+            model,
+            model_state,
+            batch,
+            example_key,
+            clip_norm=self.clip_norm,
+            weights=weights,
+            loss_fn=self.example_loss,
+            chunk_size=self.chunk_size,
+            method=self.method,
+        )
+        values = {**example_metrics, "clipped_fraction": norms > self.clip_norm, "example_grad_norm": norms}
+        sums = {k: jnp.sum(v.astype(jnp.float32) * weights) for k, v in values.items()}
+        # The model state is returned unchanged: per-example gradients need a model without batch statistics.
+        return (summed, sums, jnp.sum(weights)), model_state
+
+    def from_micro_batch_sums(
+        self, total: tuple[PyTree, dict[str, Array], Array], key: PRNGKeyArray
+    ) -> tuple[Float[Array, ""], Metrics, PyTree]:
+        """`(loss, metrics, privatised gradient)` from the sums of the whole batch: the noise, drawn
+        from the step key (the same on every device), is added once."""
+        summed, sums, count = total
+        _, noise_key = jax.random.split(key)
+        noisy = add_gaussian_noise(summed, noise_key, self.noise_multiplier * self.clip_norm)
+        grads = jax.tree.map(lambda g: g / self.expected_batch_size, noisy)
+        metrics = {k: v / jnp.maximum(count, 1.0) for k, v in sums.items()}
+        metrics["batch_size"] = count
+        return metrics["loss"], metrics, grads
+
     def value_and_grad(
         self,
         model: eqx.Module,
@@ -136,27 +173,8 @@ class DPSGDLoss:
         With `axis_name` (`batch` is one device's slice of the global batch) the clipped sums and the
         metric sums are summed over the devices first and the noise, drawn from the same key on every
         device, is added once: the same update as on one device."""
-        example_key, noise_key = jax.random.split(key)
-        batch, weights = _real_examples(batch)
-        summed, norms, example_metrics = clipped_gradient_sum(
-            model,
-            model_state,
-            batch,
-            example_key,
-            clip_norm=self.clip_norm,
-            weights=weights,
-            loss_fn=self.example_loss,
-            chunk_size=self.chunk_size,
-            method=self.method,
-        )
-        values = {**example_metrics, "clipped_fraction": norms > self.clip_norm, "example_grad_norm": norms}
-        sums = {k: jnp.sum(v.astype(jnp.float32) * weights) for k, v in values.items()}
-        count = jnp.sum(weights)
+        total, model_state = self.micro_batch_sums(model, model_state, batch, key)
         if axis_name is not None:
-            summed, sums, count = jax.lax.psum((summed, sums, count), axis_name)
-        noisy = add_gaussian_noise(summed, noise_key, self.noise_multiplier * self.clip_norm)
-        grads = jax.tree.map(lambda g: g / self.expected_batch_size, noisy)
-        metrics = {k: v / jnp.maximum(count, 1.0) for k, v in sums.items()}
-        metrics["batch_size"] = count
-        # The model state is returned unchanged: per-example gradients need a model without batch statistics.
-        return (metrics["loss"], (metrics, model_state)), grads
+            total = jax.lax.psum(total, axis_name)
+        loss, metrics, grads = self.from_micro_batch_sums(total, key)
+        return (loss, (metrics, model_state)), grads

@@ -10,6 +10,7 @@ from ._fit import fit
 from ._hooks import Checkpoint, Evaluate, Evaluator, NonFiniteGuard, Profile, ShowProgress, Track
 from ._keys import random_normal
 from ._language import NextTokenLoss, evaluate_language_model, next_token_sums
+from ._micro import check_micro_batch_loss, micro_batch_value_and_grad, tree_sum
 from ._mlflow import MlflowTracker
 from ._placement import (
     Leaves,
@@ -18,6 +19,7 @@ from ._placement import (
     batch_norm_layers,
     bytes_on_first_device,
     check_batch_norm_axis,
+    check_micro_batches,
     copy_leaves,
     first_device,
 )
@@ -31,6 +33,7 @@ from ._state import (
     example_keys,
     forward,
     loss_value_and_grad,
+    rows_of_global_batch,
     train_step,
 )
 from ._tracking import (
@@ -86,6 +89,8 @@ __all__ = [
     "batch_norm_layers",
     "bytes_on_first_device",
     "check_batch_norm_axis",
+    "check_micro_batch_loss",
+    "check_micro_batches",
     "classification_loss",
     "checkpoint_digest",
     "classification_metrics",
@@ -102,6 +107,8 @@ __all__ = [
     "padded_batches",
     "random_normal",
     "loss_value_and_grad",
+    "micro_batch_value_and_grad",
+    "rows_of_global_batch",
     "next_token_sums",
     "read_header",
     "parse_trackers",
@@ -113,5 +120,6 @@ __all__ = [
     "tracker_problem",
     "trackers_problem",
     "train_step",
+    "tree_sum",
     "tree_digest",
 ]

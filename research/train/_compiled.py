@@ -23,6 +23,7 @@ from ..data import Batch
 from ..debug import RetraceLog
 from ..state import RunningMean
 from ..typing import Array, Float, Int, UInt32
+from ._micro import check_micro_batch_loss
 from ._packing import Packing, describe_spec
 from ._placement import Leaves, OneDevice, Placement
 from ._state import LossFn, TrainState, train_step
@@ -225,6 +226,8 @@ class CompiledTrainer:
     ):
         if member_batches and not (population and isinstance(placement, OneDevice)):
             raise ValueError("member_batches: a population's own batches per member train on one device")
+        if placement.micro_batches is not None:
+            check_micro_batch_loss(loss_fn)
         self.loss_fn = loss_fn
         self.skip_nonfinite = skip_nonfinite
         self.packing = packing
@@ -326,7 +329,10 @@ class CompiledTrainer:
     def _one(self, leaves: Leaves, batch: Batch) -> tuple[Leaves, StepMetrics]:
         old = self._combine(leaves)
         batch = self.placement.constrain(batch)
-        step = lambda s, b: train_step(s, b, self.loss_fn, axis_name=self.placement.axis_name)  # noqa: E731
+        micro_batches = self.placement.micro_batches
+        step = self.placement.per_device(
+            lambda s, b, axis: train_step(s, b, self.loss_fn, axis_name=axis, micro_batches=micro_batches)
+        )
         if self.population:
             # Array leaves only: a module's other leaves (BatchNorm's axis name) are not mapped.
             members = (eqx.if_array(0), eqx.if_array(0) if self.member_batches else None)

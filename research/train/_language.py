@@ -44,6 +44,7 @@ class NextTokenLoss:
     """
 
     grad_accum: int = 1
+    mean_over_batch = True  # its value_and_grad is a mean over the batch (`--deterministic-reduction` combines so)
 
     def __post_init__(self) -> None:
         if self.grad_accum < 1:

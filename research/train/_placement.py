@@ -25,8 +25,12 @@ class Placement(abc.ABC):
     """Where a run's arrays live and how its compiled steps run.
 
     - `name`: what `--parallel` calls it (`none`, `pmap`, `sharded`, `fsdp`).
-    - `axis_name`: the named device axis a traced step sees its batch split over (`jax.pmap`), or
-      `None` when the step sees the whole global batch (one device, or `jax.jit` over a mesh).
+    - `micro_batches`: `None`, or the fixed number of micro-batches of a layout-invariant step
+      (`--deterministic-reduction`, `_micro.py`): each device then runs the step on its own rows.
+    - `per_device(step)`: `step(state, batch, axis_name)` as a function of `(state, batch)`, run as
+      the placement runs a step: given the named device axis its batch is split over (`jax.pmap`, or
+      a mesh under `micro_batches`), or `None` when it sees the whole global batch (one device, or
+      `jax.jit` over a mesh, where XLA inserts the reductions).
     - `packs`: whether a small state may travel packed into one buffer (`_packing.py`).
     - `compile(fn, broadcast_last=...)`: `fn(leaves, stats, *inputs)` compiled with the leaves and
       statistics donated; `broadcast_last`: the last input is one host scalar for every device.
@@ -47,8 +51,11 @@ class Placement(abc.ABC):
     """
 
     name: str
-    axis_name: Any
     packs: Any
+    micro_batches: int | None
+
+    @abc.abstractmethod
+    def per_device(self, step: Callable) -> Callable: ...
 
     @abc.abstractmethod
     def compile(self, fn: Callable, *, broadcast_last: bool = False) -> Callable: ...
@@ -120,6 +127,17 @@ def batch_norm_layers(model: eqx.Module) -> list[eqx.nn.BatchNorm]:
     ]
 
 
+def check_micro_batches(micro_batches: int | None, rows: int, devices: int) -> None:
+    """Refuse micro-batches that `rows` rows or `devices` devices (in all processes) cannot share evenly."""
+    if micro_batches is None:
+        return
+    if rows % micro_batches or micro_batches % devices:
+        raise ConfigError(
+            f"--deterministic-reduction splits the batch of {rows} rows into --micro-batches {micro_batches}, which "
+            f"must divide the batch size and be a multiple of the {devices} device(s) it runs on"
+        )
+
+
 def check_batch_norm_axis(model: eqx.Module, axis_name: str | tuple[str, ...]) -> None:
     """Refuse a model whose BatchNorm layers would not reduce over the whole (global) batch."""
     for layer in batch_norm_layers(model):
@@ -137,10 +155,13 @@ class OneDevice(Placement):
     """One device, one process: everything on the default device, plain `jax.jit`."""
 
     devices: int = 1  # for symmetry with the multi-device placements' `devices`
+    micro_batches: int | None = dataclasses.field(default=None, kw_only=True)
     name = "none"
-    axis_name = None
     packs = True
     batch_axis = "batch"
+
+    def per_device(self, step: Callable) -> Callable:
+        return lambda state, batch: step(state, batch, None)
 
     def compile(self, fn: Callable, *, broadcast_last: bool = False) -> Callable:
         return jax.jit(fn, donate_argnums=(0, 1))
@@ -185,4 +206,5 @@ class OneDevice(Placement):
         return jax.eval_shape(fn, leaves, batch)
 
     def check(self, model: eqx.Module, rows: int) -> None:
+        check_micro_batches(self.micro_batches, rows, 1)
         check_batch_norm_axis(model, self.batch_axis)

@@ -93,28 +93,40 @@ def _strong(tree: PyTree) -> PyTree:
     return jax.tree.map(lambda x: jnp.asarray(x, dtype=x.dtype) if eqx.is_array(x) and x.weak_type else x, tree)
 
 
-# The named device axis of a data-parallel program that sees one slice of the batch per device
-# (`jax.pmap`), set by `train_step(..., axis_name=...)` while tracing. `forward` then gives every
-# example the key it would get in the whole batch, so dropout masks do not depend on the device count.
-_device_axis: contextvars.ContextVar[str | None] = contextvars.ContextVar("device_axis", default=None)
+# Where the batch a loss sees sits in the global batch, `(global rows, first row)`, set while tracing
+# a step whose batch is one device's slice (`jax.pmap`) or one micro-batch (`--deterministic-reduction`).
+# `forward` then gives every example the key it would get in the whole batch, so dropout masks do not
+# depend on the device count or on the micro-batches.
+_rows_in_batch: contextvars.ContextVar[tuple[int, Any] | None] = contextvars.ContextVar("rows_in_batch", default=None)
 
 
 @contextlib.contextmanager
-def _batch_split_over(axis_name: str | None) -> Iterator[None]:
-    token = _device_axis.set(axis_name)
+def rows_of_global_batch(total: int, first: Any) -> Iterator[None]:
+    """Inside it, a batch is rows `first, first + 1, ...` (a traced index may do) of a global batch of
+    `total` rows: `example_keys` gives each example its key in the global batch."""
+    token = _rows_in_batch.set((total, first))
     try:
         yield
     finally:
-        _device_axis.reset(token)
+        _rows_in_batch.reset(token)
+
+
+@contextlib.contextmanager
+def _batch_split_over(axis_name: str | None, rows: int) -> Iterator[None]:
+    if axis_name is None:
+        yield
+        return
+    with rows_of_global_batch(rows * jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name) * rows):
+        yield
 
 
 def _example_keys(key: PRNGKeyArray, count: int) -> Key[Array, " {count}"]:
-    axis = _device_axis.get()
-    if axis is None:
+    rows = _rows_in_batch.get()
+    if rows is None:
         return jax.random.split(key, count)
     # split(key, n)[i] does not depend on n (partitionable threefry), so this is the global batch's keys.
-    keys = jax.random.split(key, count * jax.lax.axis_size(axis))
-    return jax.lax.dynamic_slice_in_dim(keys, jax.lax.axis_index(axis) * count, count)
+    total, first = rows
+    return jax.lax.dynamic_slice_in_dim(jax.random.split(key, total), first, count)
 
 
 @typecheck
@@ -213,7 +225,7 @@ def loss_value_and_grad(
     and adds its noise once, to the global sum (a mean of per-device noisy means would shrink the
     signal by the device count and not the noise).
     """
-    with _batch_split_over(axis_name):
+    with _batch_split_over(axis_name, _rows(batch)):
         own = getattr(loss_fn, "value_and_grad", None)
         if own is not None:
             return own(model, model_state, batch, key, axis_name=axis_name)
@@ -225,8 +237,17 @@ def loss_value_and_grad(
     return (loss, (metrics, model_state)), grads
 
 
+def _rows(batch: Batch) -> int:
+    return jax.tree.leaves(batch)[0].shape[0]
+
+
 def train_step(
-    state: TrainState, batch: Batch, loss_fn: LossFn = classification_loss, *, axis_name: str | None = None
+    state: TrainState,
+    batch: Batch,
+    loss_fn: LossFn = classification_loss,
+    *,
+    axis_name: str | None = None,
+    micro_batches: int | None = None,
 ) -> tuple[TrainState, Metrics]:
     """One optimizer step: a pure function `TrainState, Batch -> TrainState, Metrics`.
 
@@ -240,11 +261,22 @@ def train_step(
     metrics are combined over it as the loss says (`loss_value_and_grad`), and each example keeps the
     key it has in the whole batch. (BatchNorm layers must reduce over that axis too: build them with
     `axis_name=(device_axis, "batch")`.)
+
+    `micro_batches`: the global batch is that many micro-batches whose gradients are summed in one
+    fixed order, so the step's bits do not depend on the device count (`_micro.py`; BatchNorm layers
+    then reduce over `"batch"` alone: each micro-batch is normalised on its own).
     """
     key, step_key = _split(state.key)
-    (_, (metrics, model_state)), grads = loss_value_and_grad(
-        loss_fn, state.model, state.model_state, batch, step_key, axis_name=axis_name
-    )
+    if micro_batches is None:
+        (_, (metrics, model_state)), grads = loss_value_and_grad(
+            loss_fn, state.model, state.model_state, batch, step_key, axis_name=axis_name
+        )
+    else:
+        from ._micro import micro_batch_value_and_grad  # it builds on this module
+
+        (_, (metrics, model_state)), grads = micro_batch_value_and_grad(
+            loss_fn, state.model, state.model_state, batch, step_key, micro_batches=micro_batches, axis_name=axis_name
+        )
     params = eqx.filter(state.model, eqx.is_inexact_array)
     updates, opt_state = state.optimizer.update(grads, state.opt_state, params)
     model = eqx.apply_updates(state.model, updates)
