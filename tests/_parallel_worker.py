@@ -75,11 +75,11 @@ class Config(TrainConfig):
 
 
 def build_state(config: Config) -> TrainState:
-    return _build_state(config.model, config.parallel, config.lr, config.seed)
+    return _build_state(config.model, config.parallel, config.lr, config.seed, config.deterministic_reduction)
 
 
 @functools.cache
-def _build_state(model_name: str, parallel: str, lr: float, seed: int) -> TrainState:
+def _build_state(model_name: str, parallel: str, lr: float, seed: int, deterministic: bool = False) -> TrainState:
     # One state object per setting: a fresh eqx.nn.State hashes differently each time, which would make
     # every run of this process compile its train step again (fit leaves the state it is given intact).
     model_key, train_key = jax.random.split(jax.random.key(seed))
@@ -88,7 +88,9 @@ def _build_state(model_name: str, parallel: str, lr: float, seed: int) -> TrainS
     if model_name in ("mlp", "wide"):
         model, model_state = MLP(2, 1, hidden=(8,) if model_name == "mlp" else (64, 64), key=model_key), None
     else:
-        model, model_state = eqx.nn.make_with_state(BatchNormNet)(batch_axis_name(parallel), key=model_key)
+        model, model_state = eqx.nn.make_with_state(BatchNormNet)(
+            batch_axis_name(parallel, deterministic), key=model_key
+        )
     return TrainState.create(model, optax.adam(lr), key=train_key, model_state=model_state)
 
 

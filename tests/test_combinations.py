@@ -160,7 +160,10 @@ PLACEMENTS = {  # the first is the reference the others must match
     "pmap4": ("--devices", "4", "--parallel", "pmap"),
     "sharded4": ("--devices", "4", "--parallel", "sharded"),
 }
-EMAS = {"noema": (), "ema": ("--ema-decay", "0.9")}
+# The second variant also trains with --deterministic-reduction (4 micro-batches: the 4 devices divide them, and
+# they divide every batch of the grid), compared like the rest with the same variant on one device: every
+# experiment meets the flag on every placement without doubling the grid.
+EMAS = {"noema": (), "ema-det": ("--ema-decay", "0.9", "--deterministic-reduction", "--micro-batches", "4")}
 # Every experiment once more with every tracker and a profile of step 2, fresh and resumed: each tracker must
 # hold metrics.jsonl's records (checked in `tracker_problems`). On one device: trackers run on process 0's host
 # whatever the placement (tests/test_parallel.py tracks a 2-process run), and the 4-device worker is the longer.
