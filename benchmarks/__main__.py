@@ -18,6 +18,7 @@ CASES = {
     "g": "fsdp",
     "h": "loaders",
     "i": "gpt",
+    "j": "deterministic",
 }
 
 
@@ -38,7 +39,20 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or ("runs/bench-quick" if args.quick else "docs"))
     out.mkdir(parents=True, exist_ok=True)
 
-    from . import _cnn, _dp_sgd, _frameworks, _fsdp, _gpt, _loaders, _mlp, _per_example, _population, _report, _xor
+    from . import (
+        _cnn,
+        _deterministic,
+        _dp_sgd,
+        _frameworks,
+        _fsdp,
+        _gpt,
+        _loaders,
+        _mlp,
+        _per_example,
+        _population,
+        _report,
+        _xor,
+    )
 
     modules = {
         "xor": _xor,
@@ -50,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         "fsdp": _fsdp,
         "loaders": _loaders,
         "gpt": _gpt,
+        "deterministic": _deterministic,
     }
     start = time.perf_counter()
     info = _report.machine()
@@ -63,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     skipped = {}
     for case in cases:
         name = CASES[case]
-        if name in ("cnn", "per_example", "population", "loaders") and not _frameworks.have_mnist1d():
+        if name in ("cnn", "per_example", "population", "loaders", "deterministic") and not _frameworks.have_mnist1d():
             skipped[case] = "skipped: the mnist1d package is not installed (run scripts/setup)"
             print(f"case ({case}) {name}: {skipped[case]}", file=sys.stderr)
             continue

@@ -178,6 +178,19 @@ def targets(results: dict) -> list[tuple[str, str, str, bool | None]]:
                 r >= 1.5,
             )
         )
+    for model, label in (("cnn", "MNIST-1D CNN"), ("lm", "LM")):
+        row = results.get("deterministic", {}).get("devices", {}).get("1 device", {}).get(model)
+        if row is not None:
+            ordinary, fixed = _find(row["step"], "ordinary"), _find(row["step"], "--deterministic")
+            r = fixed.median / ordinary.median
+            rows.append(
+                (
+                    f"(j) {label} step with --deterministic-reduction vs without, one device (issue 29)",
+                    "<= 1.25x the time",
+                    f"{r:.2f}x the time",
+                    r <= 1.25,
+                )
+            )
     return rows
 
 
@@ -362,6 +375,8 @@ def write_markdown(path: Path, results: dict, info: dict, quick: bool, seconds: 
         lines += _loaders_section(results["loaders"])
     if "gpt" in results:
         lines += _gpt_section(results["gpt"])
+    if "deterministic" in results:
+        lines += _deterministic_section(results["deterministic"])
     lines += ["", findings.strip(), ""]
     path.write_text("\n".join(lines))
 
@@ -432,6 +447,32 @@ def _gpt_section(results: dict) -> list[str]:
                 f"{100 * t.extra['fraction_of_peak']:.0f}% | {t.median / base:.2f} |"
             )
         lines += [""]
+    return lines
+
+
+def _deterministic_section(j: dict) -> list[str]:
+    lines = [
+        "",
+        "## (j) What --deterministic-reduction costs",
+        "",
+        "MNIST-1D's CNN (batch 128, 100 steps a compiled call) and `experiments/lm.py`'s language model (32 "
+        "windows of 128 bytes, 20 steps a call), trained warm by `fit` with the ordinary step and with the "
+        f"layout-invariant one ({j['micro_batches']} micro-batches in a `lax.scan`, summed in a fixed order), on "
+        "one device and on 4 simulated devices (`sharded`; they share this machine's cores). Temporary bytes: "
+        "XLA's buffers for one compiled call, per device (`memory_analysis().temp_size_in_bytes`).",
+        "",
+        "| model | devices | candidate | median per step | IQR | x ordinary | temporary bytes |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for devices, models in j["devices"].items():
+        for model, row in models.items():
+            base = _find(row["step"], "ordinary").median
+            for t in row["step"]:
+                q1, q3 = t.quartiles
+                lines.append(
+                    f"| {model} | {devices} | {t.name} | {_fmt_seconds(t.median)} | {_fmt_seconds(q1)} - "
+                    f"{_fmt_seconds(q3)} | {t.median / base:.2f}x | {_fmt_bytes(row['temp_bytes'][t.name])} |"
+                )
     return lines
 
 

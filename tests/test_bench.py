@@ -11,7 +11,8 @@ from benchmarks.__main__ import main
 @pytest.mark.slow
 def test_quick_benchmark_run_writes_the_report_with_every_case(tmp_path, capsys):
     with jax.numpy_rank_promotion("allow"):  # the other frameworks' idioms broadcast (x @ w + b)
-        # (g) starts three processes with simulated devices (a minute); tests/test_fsdp.py covers FSDP.
+        # (g) and (j) start processes with simulated devices (a minute each); tests/test_fsdp.py and
+        # tests/test_deterministic_reduction.py cover what they run.
         assert main(["--quick", "--cases", "a,b,c,d,e,f,h,i", "--out", str(tmp_path)]) == 0
     report = (tmp_path / "benchmarks.md").read_text()
     results = json.loads((tmp_path / "benchmarks.json").read_text())
