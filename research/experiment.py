@@ -33,22 +33,30 @@ from .data import Batch, DeviceLoader, GrainLoader, HostLoader, TorchLoader
 from .errors import CheckpointError, Preempted
 from .parallel import check_device_count, make_placement, process_zero_text
 from .population import evaluate_population
+from .progress import Progress
 from .provenance import describe_parameters, git_state, machine, parameter_counts, peak_memory, versions
 from .tracking import RunTrackers, open_trackers, run_files
 from .train import (
+    Checkpoint,
     Ending,
+    Engine,
+    Evaluate,
     Evaluator,
     FitResult,
+    JsonlTracker,
     LossFn,
+    NonFiniteGuard,
     Placement,
     Profile,
     RunDir,
+    ShowProgress,
+    Track,
+    Tracker,
     TrainState,
     bytes_on_first_device,
     check_micro_batch_loss,
     classification_loss,
     evaluate_state,
-    fit,
     load_checkpoint,
     read_header,
 )
@@ -239,15 +247,6 @@ def first_batch(data: DeviceLoader | TorchLoader | GrainLoader) -> Batch:
     return next(data.batches(0))
 
 
-def _setup_from(setup: Setup | None, kwargs: dict[str, Any]) -> tuple[Setup, dict[str, Any]]:
-    """Accept `run_experiment(name, config, setup)` and the older keyword form
-    `run_experiment(name, config, build_state=..., train_data=..., ...)`."""
-    if setup is not None:
-        return setup, kwargs
-    names = {f.name for f in dataclasses.fields(Setup)}
-    return Setup(**{k: v for k, v in kwargs.items() if k in names}), {k: v for k, v in kwargs.items() if k not in names}
-
-
 CURVE_PANELS = (("loss", "loss"), ("accuracy", "accuracy"))
 
 
@@ -299,10 +298,9 @@ def plot_curves(runs: Sequence[RunDir], labels: Sequence[str], out: str | Path, 
 def run_experiment(
     experiment: str,
     config: Options,
-    setup: Setup | None = None,
+    setup: Setup,
     *,
     summary_extra: dict[str, Any] | Callable[[FitResult], dict[str, Any]] | None = None,
-    **kwargs: Any,
 ) -> dict[str, Any]:
     """Train, evaluate and record one run; returns (and writes to `summary.json`) its final numbers,
     with `summary_extra` (say, the privacy spent) added: a dict, or a function of the run's
@@ -310,7 +308,8 @@ def run_experiment(
 
     The run directory gets `config.json` (with the resolved step count and library versions),
     `metrics.jsonl`, `checkpoints/`, `summary.json` and `curves.png` (and TensorBoard event files
-    with `--tensorboard`). Other keyword arguments go to `fit`.
+    with `--tensorboard`). The engine's hooks are the standard ones, chosen from the config by
+    `add_default_hooks`.
 
     With `config.ema_decay > 0` the state gets an EMA of the model (unless `build_state` gave it
     one): `test_accuracy`/`test_loss` are then the EMA model's, and `test_raw_accuracy`/
@@ -320,7 +319,6 @@ def run_experiment(
     BatchNorm layers with `research.parallel.batch_axis_name(config.parallel)`). With several
     processes every process trains and evaluates, and only process 0 writes the run directory.
     """
-    setup, fit_kwargs = _setup_from(setup, kwargs)
     check_device_count(config.devices)
     placement = make_placement(config.parallel, config.devices, micro_batches(config))
     check_combination(config, processes=jax.process_count())
@@ -365,7 +363,6 @@ def run_experiment(
             header,
             trackers,
             summary_extra,
-            fit_kwargs,
         )
         ending = "finished"
         return summary
@@ -398,14 +395,13 @@ def _run_and_summarize(
     header: dict[str, Any],
     trackers: RunTrackers,
     summary_extra: Any,
-    fit_kwargs: dict[str, Any],
 ) -> dict[str, Any]:
     """Train (or, checkpointed at its last step, only evaluate) and write the summary and curves.png."""
     start = time.perf_counter()
     if header.get("step") == setup.num_steps:  # checkpointed at its last step, stopped before its summary
         result = _evaluate_finished(setup, state, run, placement)
     else:
-        result = _train(experiment, config, setup, state, placement, run, writer, header, trackers, fit_kwargs)
+        result = _train(experiment, config, setup, state, placement, run, header, trackers)
     summary = {"experiment": experiment, **_summary(result), "wall_seconds": time.perf_counter() - start}
     if result.compile_seconds is not None:
         summary["compile_seconds"] = result.compile_seconds
@@ -448,42 +444,65 @@ def _train(
     state: TrainState,
     placement: Placement,
     run: RunDir,
-    writer: bool,
     header: dict[str, Any],
     trackers: RunTrackers,
-    fit_kwargs: dict[str, Any],
 ) -> FitResult:
-    """`fit` with the run's options: its hooks write into `run` (every process its shards of the
-    checkpoints; the `writer`, process 0, the rest, and to the `trackers`)."""
-    return fit(
-        state,
-        setup.train_data,
-        num_steps=setup.num_steps,
-        loss_fn=setup.loss_fn,
+    """Train `state` (step 0, or restored with the checkpoint `header`) to `setup.num_steps` with the
+    engine and the standard hooks of the config."""
+    engine = Engine(
+        setup.loss_fn,
         placement=placement,
-        population=setup.population,
-        evaluator=setup.evaluate_with(),
-        lr_schedule=setup.lr_schedule,
-        eval_data=setup.eval_data,
-        val_data=setup.val_data,
-        eval_every=config.eval_every or None,
         log_every=config.log_every,
         steps_per_call=config.steps_per_call,
-        run=run,
-        checkpoint_every=config.checkpoint_every or None,
-        keep_checkpoints=config.keep_checkpoints,
-        checkpoint_seconds=60 * config.checkpoint_minutes or None,
-        stop_signals=True,
-        checkpoint_header={"experiment": experiment, "config": config.to_dict()},
-        resume_window=header.get("window"),
-        resume_data=header.get("data"),
         skip_nonfinite=config.skip_nonfinite,
-        progress=config.progress and writer,
-        tracker=trackers if trackers.trackers else None,
         debug_nans=config.debug_nans,
-        profile=_profile(config, run, writer),
-        **fit_kwargs,
+        population=setup.population,
+        stop_signals=True,
     )
+    start = int(np.max(np.asarray(state.step)))  # a population steps its members together
+    add_default_hooks(engine, experiment, config, setup, run, trackers, start=start)
+    return engine.fit(
+        state, setup.train_data, setup.num_steps, resume_window=header.get("window"), resume_data=header.get("data")
+    )
+
+
+def add_default_hooks(
+    engine: Engine,
+    experiment: str,
+    config: Options,
+    setup: Setup,
+    run: RunDir,
+    trackers: RunTrackers,
+    *,
+    start: int,
+) -> None:
+    """Add a run's standard hooks, chosen from its config, in the order they run (a later hook sees what
+    an earlier one put in the record): the non-finite guard, evaluation (validation, then test),
+    tracking (metrics.jsonl and the `trackers`), progress, checkpoints (a step and a time cadence), the
+    profile. Every process checkpoints its shards; process 0 alone logs, tracks and shows progress.
+    `start` is the step the run starts from."""
+    writer = jax.process_index() == 0
+    header = {"experiment": experiment, "config": config.to_dict()}
+    checkpoint = Checkpoint(run, config.keep_checkpoints, header, 60 * config.checkpoint_minutes or None)
+    if not config.skip_nonfinite:  # a NaN state is not saved on preemption
+        engine.add_hook(NonFiniteGuard(run, checkpoint), on_preemption=True)
+    progress = config.progress and writer
+    for data, name in ((setup.val_data, "val"), (setup.eval_data, "test")):
+        if data is not None:
+            evaluate = Evaluate(data, progress, setup.evaluate_with(), name)
+            engine.add_hook(evaluate, every=config.eval_every or setup.num_steps)
+    tracked: list[Tracker] = [JsonlTracker(run)] if writer else []
+    if trackers.trackers:
+        tracked.append(trackers)
+    engine.add_hook(Track(tracked, setup.lr_schedule))
+    engine.add_hook(ShowProgress(Progress(setup.num_steps, initial=start, enabled=progress), start))
+    engine.add_hook(checkpoint, every=config.checkpoint_every or setup.num_steps, on_preemption=True)
+    if config.checkpoint_minutes:
+        engine.add_hook(checkpoint.when_due)
+    profile = _profile(config, run, writer)
+    if profile is not None:
+        engine.add_hook(profile, at=(profile.start, profile.stop))
+        profile.begin_if_due(start)
 
 
 def _profile(config: Options, run: RunDir, writer: bool) -> Profile | None:

@@ -24,7 +24,7 @@ with install_import_hook("research", "beartype.beartype"):  # the same shape che
     from research.cli import ConfigError, TrainConfig, option, parse_config
     from research.data import ArrayDataset, DeviceLoader, GrainLoader, TorchLoader, XORDataset, dataset_arrays
     from research.errors import Preempted
-    from research.experiment import run_experiment
+    from research.experiment import Setup, run_experiment
     from research.messages import messages_to_stderr
     from research.nn import MLP
     from research.parallel import batch_axis_name, exit_together, setup_devices
@@ -104,15 +104,14 @@ def main(config: Config) -> dict:
         train_data = GrainLoader(ArrayDataset(*dataset_arrays(train)), config.batch_size, seed=config.seed)
     test_data = DeviceLoader.from_dataset(XORDataset(100, seed=7), 50, shuffle=False)
     loss_fn = DPSGDLoss(1.0, 1.0, config.batch_size) if config.model == "dpsgd" else classification_loss
-    return run_experiment(
-        "worker",
-        config,
+    setup = Setup(
         build_state=lambda: build_state(config),
         train_data=train_data,
         eval_data=test_data,
         num_steps=config.steps,
         loss_fn=loss_fn,
     )
+    return run_experiment("worker", config, setup)
 
 
 if __name__ == "__main__":

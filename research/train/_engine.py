@@ -139,8 +139,8 @@ class Engine:
     ) -> "Engine":
         """Call `hook(info)` every `every` steps and at the end (`every=None`: at every stop), or only
         at the steps `at` (say a profile's first and last), and, with `on_preemption`, where a signal
-        stopped the run. A hook with a `close()` method (the checkpoint) is closed when fit ends,
-        normally or not."""
+        stopped the run. A hook with a `close()` method (the checkpoint, the progress bar, the
+        profile) is closed when fit ends, normally or not."""
         self.hooks.append((hook, every, tuple(at)))
         if on_preemption:
             self.preemption_hooks.append(hook)
@@ -159,10 +159,21 @@ class Engine:
         `window` of the checkpoint it came from, so a resumed run logs what an uninterrupted one would,
         and `resume_data` its host loader's state (`StepInfo.data_state`)."""
         start_time = time.perf_counter()
+        with self._closing_hooks():  # also when placing the state or laying out the statistics fails
+            trainer = self._trainer(state, train_data)
+            traces_before = dict(trainer.num_traces)
+            leaves, final, state_bytes, compile_seconds = self._train(
+                trainer, state, train_data, num_steps, resume_window, resume_data
+            )
+        _warn_on_retrace(trainer, traces_before)
+        result = _result(trainer.state(leaves), final, time.perf_counter() - start_time, state_bytes)
+        return dataclasses.replace(result, compile_seconds=compile_seconds)
+
+    def _trainer(self, state: TrainState, train_data: DeviceLoader | TorchLoader | GrainLoader) -> CompiledTrainer:
         member_batches = getattr(train_data, "members", None) is not None
         if member_batches and not self.population:
             raise ValueError("train_data has batches per member (DeviceLoader.for_members): train a population")
-        trainer = compiled_trainer(
+        return compiled_trainer(
             self.loss_fn,
             state,
             skip_nonfinite=self.skip_nonfinite,
@@ -170,7 +181,17 @@ class Engine:
             population=self.population,
             member_batches=member_batches,
         )
-        traces_before = dict(trainer.num_traces)
+
+    def _train(
+        self,
+        trainer: CompiledTrainer,
+        state: TrainState,
+        train_data: DeviceLoader | TorchLoader | GrainLoader,
+        num_steps: int,
+        resume_window: dict[str, Any] | None,
+        resume_data: Any,
+    ) -> tuple[Leaves, dict[str, Any], int, float | None]:
+        """The loop: the final leaves, the last record, the state's bytes a device, the compile seconds."""
         step = int(np.max(np.asarray(state.step)))
         leaves = trainer.place(state)  # fresh copies: the compiled steps donate them
         state_bytes = bytes_on_first_device(leaves)
@@ -182,12 +203,7 @@ class Engine:
             else trainer.placement.put_stats(_window_from_header(resume_window, feed.stats_layout(leaves)))
         )
         clock, record, final = _Clock(step, self.skip_nonfinite), {}, {}
-        with (
-            self._closing_hooks(),
-            _nan_checks(self.debug_nans),
-            _signals(self.stop_signals) as signals,
-            CompileTimer() as compiling,
-        ):
+        with _nan_checks(self.debug_nans), _signals(self.stop_signals) as signals, CompileTimer() as compiling:
             alone = jax.process_count() == 1  # several processes may only stop where all of them stop
             while step < num_steps:
                 until = self._next_stop(step, num_steps)
@@ -210,9 +226,7 @@ class Engine:
                         if received:
                             self._preempted(info, received)
                 final.update(record)
-        _warn_on_retrace(trainer, traces_before)
-        result = _result(trainer.state(leaves), final, time.perf_counter() - start_time, state_bytes)
-        return dataclasses.replace(result, compile_seconds=compiling.seconds)
+        return leaves, final, state_bytes, compiling.seconds
 
     @contextlib.contextmanager
     def _closing_hooks(self) -> Iterator[None]:

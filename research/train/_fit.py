@@ -1,4 +1,5 @@
-"""`fit`: the engine with the standard hooks, in one call."""
+"""`fit`: the engine with the standard hooks, in one call, for library users (an experiment script's
+run adds the same hooks from its config: `research.experiment.add_default_hooks`)."""
 
 from collections.abc import Callable
 from typing import Any
@@ -93,8 +94,7 @@ def fit(
     trackers = ([JsonlTracker(run)] if run is not None and writes else []) + ([tracker] if tracker is not None else [])
     engine.add_hook(Track(trackers, lr_schedule))
     start = int(np.max(np.asarray(state.step)))  # a population steps its members together
-    bar = Progress(num_steps, initial=start, enabled=progress)
-    engine.add_hook(ShowProgress(bar, start))
+    engine.add_hook(ShowProgress(Progress(num_steps, initial=start, enabled=progress), start))
     if checkpoint is not None:
         engine.add_hook(checkpoint, every=checkpoint_every or num_steps, on_preemption=True)
         if checkpoint_seconds:
@@ -102,9 +102,4 @@ def fit(
     if profile is not None:
         engine.add_hook(profile, at=(profile.start, profile.stop))
         profile.begin_if_due(start)
-    try:
-        return engine.fit(state, train_data, num_steps, resume_window=resume_window, resume_data=resume_data)
-    finally:
-        bar.close()
-        if profile is not None:
-            profile.close()
+    return engine.fit(state, train_data, num_steps, resume_window=resume_window, resume_data=resume_data)

@@ -1,8 +1,8 @@
 """The engine's standard hooks: what happens at a stop of the loop, each with its own cadence.
 
-Add them in this order (`fit` and `research.experiment` do): the non-finite guard, evaluation,
-tracking (metrics.jsonl and other trackers), progress, checkpoints; a later hook sees what an
-earlier one put in `StepInfo.record`.
+Add them in this order (`fit` and `research.experiment.add_default_hooks` do): the non-finite
+guard, evaluation, tracking (metrics.jsonl and other trackers), progress, checkpoints, the profile; a
+later hook sees what an earlier one put in `StepInfo.record`.
 """
 
 import dataclasses
@@ -88,7 +88,8 @@ class Track:
 
 @dataclasses.dataclass
 class ShowProgress:
-    """Advance the progress bar (or write a log line when not on a terminal) with the main numbers."""
+    """Advance the progress bar (or write a log line when not on a terminal) with the main numbers;
+    the engine closes the bar when fit ends."""
 
     bar: Progress
     step: int = 0  # where the bar stands
@@ -103,6 +104,9 @@ class ShowProgress:
                 {k: v for k, v in info.record.items() if k in self.shown},
                 rate=info.record.get("steps_per_s"),
             )
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 @dataclasses.dataclass
