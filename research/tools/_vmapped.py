@@ -20,8 +20,9 @@ from typing import Any
 from ..config import Options, vmappable_options
 from ..data import DeviceLoader
 from ..errors import CheckpointError
-from ..experiment import RUNS_ROOT, Setup, config_record, initial_state, plot_curves, run_experiment
+from ..experiment import RUNS_ROOT, Setup, config_record, initial_state, run_experiment
 from ..population import member, stack_members
+from ..report import plot_curves
 from ..tracking import track_finished_run, trackers_of
 from ..train import CheckpointWriter, RunDir, load_checkpoint
 from ._pool import Run

@@ -9,8 +9,8 @@ has a single test dot). Drawn with matplotlib's Agg canvas: no display needed.
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..experiment import plot_curves
 from ..messages import messages_to_stderr
+from ..report import plot_curves
 from ._runs import Parser, UsageError, fail, open_runs, run_labels
 
 
