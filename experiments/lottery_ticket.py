@@ -28,10 +28,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from research.cli import Checkpointing, ConfigError, Tracking, Training, main_entry, non_negative, option, positive
+from research.cli import Checkpointing, Tracking, Training, main_entry, non_negative, option, positive
 from research.data import MNIST1D_CLASSES, MNIST1D_LENGTH, load_mnist1d, train_and_eval_loaders
-from research.experiment import RUNS_ROOT, Setup, config_differences, run_experiment
+from research.experiment import Setup, run_experiment
 from research.nn import MLP, Masked, build_model
+from research.run_plan import Finished, Fresh, plan_directory
 from research.train import RunDir, TrainState, load_checkpoint
 from research.typing import PRNGKeyArray, PyTree
 
@@ -145,25 +146,6 @@ def setup(config: Config, masks: PyTree | None = None, *, reinit: bool = False) 
     )
 
 
-def experiment_dir(config: Config) -> tuple[RunDir, bool]:
-    """This experiment's directory (its rounds' run directories inside) and whether it continues one:
-    `--resume` as for a single run, but the checkpoints are the rounds'."""
-    path = Path(config.run_dir) if config.run_dir else (RunDir.latest(RUNS_ROOT, NAME) if config.resume else None)
-    if config.resume and path is not None and (path / "config.json").exists():
-        differences = config_differences(RunDir(path).read_config()["config"], config)
-        if differences:
-            raise ConfigError(f"--resume: the config differs from the run in {path}: " + "; ".join(differences))
-        return RunDir(path), True
-    if config.resume == "must":
-        raise ConfigError(f"--resume: no run to resume in {path or RUNS_ROOT / NAME}; start one without --resume")
-    path = path or RunDir.new_path(RUNS_ROOT, NAME)
-    if (path / "config.json").exists():
-        raise ConfigError(
-            f"--run-dir {path} already holds a run; pass --resume to continue it, or pick a new directory"
-        )
-    return RunDir(path), False
-
-
 def train_round(
     config: Config, run: RunDir, masks: PyTree | None, *, reinit: bool = False
 ) -> tuple[dict[str, Any], Masked]:
@@ -211,12 +193,13 @@ def run_rounds(config: Config, root: RunDir) -> tuple[list[dict[str, Any]], dict
 
 
 def main(config: Config) -> dict:
-    root, resuming = experiment_dir(config)
-    finished = root.read_summary() if resuming else None
-    if finished is not None and finished["rounds"] == config.rounds:  # a requeued finished run: report, touch nothing
-        print(report(finished, root))
-        return finished
-    if not resuming:
+    # `--resume` as for a single run, but the checkpoints are the rounds': more --rounds continue a finished run.
+    plan = plan_directory(NAME, config, finished=lambda summary: summary["rounds"] == config.rounds)
+    root = plan.run
+    if isinstance(plan, Finished):  # a requeued finished run: report, touch nothing
+        print(report(plan.summary, root))
+        return plan.summary
+    if isinstance(plan, Fresh):
         root.path.mkdir(parents=True, exist_ok=True)
         root.write_config(
             {

@@ -3,7 +3,6 @@ the summary; and `load_run`, which rebuilds a run's trained model from its direc
 
 import dataclasses
 import importlib.util
-import json
 import logging
 import sys
 import time
@@ -25,16 +24,16 @@ from .config import (
     check_combination,
     micro_batches,
     profile_window,
-    resumable_options,
     strip_optional,
 )
 from .data import Batch, DeviceLoader, GrainLoader, HostLoader, TorchLoader
 from .errors import CheckpointError, Preempted
-from .parallel import check_device_count, make_placement, process_zero_text
+from .parallel import check_device_count, make_placement
 from .population import evaluate_population
 from .progress import Progress
 from .provenance import git_state, machine, parameter_counts, peak_memory, versions
 from .report import plot_curves, run_summary, start_line, summary_line
+from .run_plan import RUNS_ROOT, EvaluateOnly, Finished, Fresh, Resume, plan_run
 from .tracking import RunTrackers, open_trackers, run_files
 from .train import (
     Checkpoint,
@@ -58,12 +57,9 @@ from .train import (
     classification_loss,
     evaluate_state,
     load_checkpoint,
-    read_header,
 )
 
 logger = logging.getLogger(__name__)  # research.messages: what shows them, and where
-
-RUNS_ROOT = Path("runs")
 
 
 def experiments_dir() -> Path:
@@ -99,71 +95,6 @@ def load_experiment(name: str) -> types.ModuleType:
     return module
 
 
-def config_differences(saved: dict[str, Any], config: Options) -> list[str]:
-    """`name: saved ..., now ...` for each option of `config` that differs from `saved` (the `config` of a
-    run's config.json), leaving out the `resumable` ones: what keeps `--resume` from continuing that run."""
-    current = json.loads(json.dumps(config.to_dict()))  # as config.json holds it: a tuple option is a list there
-    keys = sorted((set(saved) | set(current)) - resumable_options(config))
-    return [f"{k}: saved {saved.get(k)!r}, now {current.get(k)!r}" for k in keys if saved.get(k) != current.get(k)]
-
-
-def resolve_run_dir(
-    experiment: str, config: Options, *, writer: bool = True, num_steps: int | None = None
-) -> tuple[RunDir, Path | None]:
-    """The run directory to use and, when resuming, the checkpoint to resume from.
-
-    `--resume must` (bare `--resume`) refuses (with `ConfigError`) when there is no run or no valid
-    checkpoint to resume; `--resume auto` then starts the run in `--run-dir` instead (when that
-    directory holds no committed checkpoint at all, valid or damaged). Both refuse a config that differs
-    from the run's (but in `resumable` options) and, given `num_steps`, a run already past it. The
-    checkpoint returned may be the run's last step: `finished_summary` tells whether it finished.
-    Without `--resume` the `writer` (process 0) refuses a directory that already holds a run.
-    """
-    if config.resume:
-        path = Path(config.run_dir) if config.run_dir else None
-        if path is None:  # every process resumes process 0's latest run
-            latest = process_zero_text(str(RunDir.latest(RUNS_ROOT, experiment) or ""))
-            path = Path(latest) if latest else None
-        if config.resume == "auto" and path is not None and not RunDir(path).checkpoint_paths():
-            run = RunDir(path)
-            if (path / "config.json").exists():  # a run stopped before its first checkpoint: start it again
-                _check_same_config(run, config)
-                if writer:
-                    run.truncate_metrics(after_step=0)
-            return run, None
-        if path is None or not (path / "config.json").exists():
-            where = config.run_dir or f"{RUNS_ROOT / experiment}/*"
-            raise ConfigError(f"--resume: no run to resume in {where}; start one without --resume")
-        run = RunDir(path)
-        checkpoint, problems = run.latest_valid_checkpoint()
-        for problem in problems:
-            logger.warning("warning: skipping %s", problem)
-        if checkpoint is None:
-            raise ConfigError(f"--resume: no valid checkpoint in {run.checkpoints}")
-        _check_same_config(run, config)
-        if num_steps is not None:
-            step = read_header(checkpoint)["step"]
-            if step > num_steps:
-                raise ConfigError(
-                    f"--resume: the run in {path} is at step {step}, past the {num_steps} steps "
-                    "this config trains; resume with as many steps or more"
-                )
-        return run, checkpoint
-    # A new run's default name is the time: every process takes process 0's (they save into one directory).
-    path = Path(config.run_dir or process_zero_text(str(RunDir.new_path(RUNS_ROOT, experiment))))
-    if writer and (path / "config.json").exists():
-        raise ConfigError(
-            f"--run-dir {path} already holds a run; pass --resume to continue it, or pick a new directory"
-        )
-    return RunDir(path), None
-
-
-def _check_same_config(run: RunDir, config: Options) -> None:
-    differences = config_differences(run.read_config()["config"], config)
-    if differences:
-        raise ConfigError(f"--resume: the config differs from the run in {run.path}: " + "; ".join(differences))
-
-
 def config_record(experiment: str, config: Options, setup: "Setup", state: TrainState) -> dict[str, Any]:
     """What a run's config.json holds: the config, the resolved step count, the model's parameter count
     (of one member in a population), the machine, library versions, the git commit, the command."""
@@ -178,13 +109,6 @@ def config_record(experiment: str, config: Options, setup: "Setup", state: Train
         "git": git_state(),
         "command": [Path(sys.argv[0]).name, *sys.argv[1:]],
     }
-
-
-def finished_summary(run: RunDir, checkpoint: Path | None, num_steps: int) -> dict[str, Any] | None:
-    """The summary of a run that `resolve_run_dir` resumes at its last step after it finished; else None."""
-    if checkpoint is None or read_header(checkpoint)["step"] != num_steps:
-        return None
-    return run.read_summary()
 
 
 @dataclasses.dataclass
@@ -280,25 +204,20 @@ def run_experiment(
     if placement.micro_batches is not None:
         check_micro_batch_loss(setup.loss_fn)
     writer = jax.process_index() == 0
-    run, checkpoint = resolve_run_dir(experiment, config, writer=writer, num_steps=setup.num_steps)
-    finished = finished_summary(run, checkpoint, setup.num_steps)
-    if finished is not None:  # resumed after it finished (say, a requeued job): report it, touch nothing
+    plan = plan_run(experiment, config, num_steps=setup.num_steps, writer=writer)
+    if isinstance(plan, Finished):
         if writer:
-            logger.info("%s finished at step %s: nothing to train", run.path, setup.num_steps)
-            print(summary_line(experiment, finished, run))
-        return finished
-    start_step = 0
-    header: dict[str, Any] = {}
-    if checkpoint is not None:  # restored straight onto this run's devices, whatever it was saved from
-        state, header = load_checkpoint(checkpoint, state, sharding=placement.restore_sharding)
-        start_step = header["step"]
-        if writer:
-            run.truncate_metrics(after_step=start_step)
-            logger.info("resuming %s from step %s (%s)", run.path, start_step, checkpoint.name)
+            logger.info(plan.note())
+            print(summary_line(experiment, plan.summary, plan.run))
+        return plan.summary
+    state, header = _starting_state(plan, state, placement, writer)
+    run = plan.run
     trackers = RunTrackers({})
     if writer:
         previous = run.read_config().get("trackers", {}) if run.config_file.exists() else {}
-        trackers = open_trackers(experiment, config, run, runs_root=RUNS_ROOT, start_step=start_step, previous=previous)
+        trackers = open_trackers(
+            experiment, config, run, runs_root=RUNS_ROOT, start_step=header.get("step", 0), previous=previous
+        )
     ending: Ending = "failed"
     summary = None
     try:
@@ -310,7 +229,7 @@ def run_experiment(
             setup,
             state,
             placement,
-            run,
+            plan,
             writer,
             header,
             trackers,
@@ -323,6 +242,23 @@ def run_experiment(
         raise
     finally:
         trackers.close(ending, summary, run_files(run))
+
+
+def _starting_state(
+    plan: Fresh | Resume | EvaluateOnly, state: TrainState, placement: Placement, writer: bool
+) -> tuple[TrainState, dict[str, Any]]:
+    """The state the run starts from (the step-0 `state`, or the plan's checkpoint restored into it)
+    and that checkpoint's header; the `writer` drops the metrics logged after that step."""
+    if isinstance(plan, Fresh):
+        if plan.restart and writer:
+            plan.run.truncate_metrics(after_step=0)
+        return state, {}
+    # Restored straight onto this run's devices, whatever it was saved from.
+    state, header = load_checkpoint(plan.checkpoint, state, sharding=placement.restore_sharding)
+    if writer:
+        plan.run.truncate_metrics(after_step=header["step"])
+        logger.info("resuming %s from step %s (%s)", plan.run.path, header["step"], plan.checkpoint.name)
+    return state, header
 
 
 def _start_run(
@@ -342,15 +278,15 @@ def _run_and_summarize(
     setup: Setup,
     state: TrainState,
     placement: Placement,
-    run: RunDir,
+    plan: Fresh | Resume | EvaluateOnly,
     writer: bool,
     header: dict[str, Any],
     trackers: RunTrackers,
     summary_extra: Any,
 ) -> dict[str, Any]:
     """Train (or, checkpointed at its last step, only evaluate) and write the summary and curves.png."""
-    start = time.perf_counter()
-    if header.get("step") == setup.num_steps:  # checkpointed at its last step, stopped before its summary
+    start, run = time.perf_counter(), plan.run
+    if isinstance(plan, EvaluateOnly):
         result = _evaluate_finished(setup, state, run, placement)
     else:
         result = _train(experiment, config, setup, state, placement, run, header, trackers)

@@ -49,7 +49,7 @@ from ..errors import ConfigError, Preempted, ResearchInputError
 from ..experiment import RUNS_ROOT, experiment_script, load_experiment
 from ..messages import messages_to_stderr
 from ..progress import format_duration
-from ..train import RunDir
+from ..run_plan import Finished, plan_run
 from ._axes import SET_BY_SWEEP, Axis, check_passed_flags, flag_words, parse_axis, run_name, sweepable_fields
 from ._jobs import EXECUTORS, submit_and_collect
 from ._pool import INTERRUPTS, Outcome, Run, run_all
@@ -101,17 +101,24 @@ def _as_saved(config: Any) -> dict[str, Any]:
     return json.loads(json.dumps(config.to_dict()))
 
 
-def finished_before(run: Run, config: dict[str, Any]) -> bool:
+def finished_before(run: Run, config: Any) -> bool:
     """Whether `run` finished with this `config` (but the options the sweep sets): `--resume auto` would
-    then only print its summary, so the sweep skips it without starting a process (JAX takes seconds)."""
-    summary, saved = RunDir(run.path).read_summary(), run.path / "config.json"
-    if summary is None or not saved.exists():
+    then only print its summary (`plan_run`), so the sweep skips it without starting a process (JAX takes
+    seconds)."""
+    saved = run.path / "config.json"
+    if not saved.exists():
         return False
     saved_run = json.loads(saved.read_text())
     same = {k: v for k, v in saved_run.get("config", {}).items() if k not in SET_BY_SWEEP} == {
-        k: v for k, v in config.items() if k not in SET_BY_SWEEP
+        k: v for k, v in _as_saved(config).items() if k not in SET_BY_SWEEP
     }
-    return same and summary.get("step") == saved_run.get("resolved", {}).get("num_steps")
+    num_steps = saved_run.get("resolved", {}).get("num_steps")
+    if not same or num_steps is None:  # another option may change the step count, which only setup works out
+        return False
+    try:
+        return isinstance(plan_run(saved_run["experiment"], config, num_steps=num_steps), Finished)
+    except ConfigError:  # the run's own process refuses it, in its log
+        return False
 
 
 def grid_runs(make: Callable[[dict[str, str]], Run], axes: Sequence[Axis]) -> list[Run]:
@@ -196,7 +203,7 @@ def sweep_grid(runs: Sequence[Run], configs: Sequence[Any], sweep_dir: Path, job
 
     pending = []
     for run, config in zip(runs, configs, strict=True):
-        if finished_before(run, _as_saved(config)):
+        if finished_before(run, config):
             finished(Outcome(run, 0, 0.0, "", skipped=True))
         else:
             pending.append(run)
@@ -228,7 +235,7 @@ def sweep_jobs(args: Any, runs: Sequence[Run], configs: Sequence[Any], title: st
         )
         jobs = [Run("population", (), args.sweep_dir, command)]
     else:
-        jobs = [run for run, config in zip(runs, configs, strict=True) if not finished_before(run, _as_saved(config))]
+        jobs = [run for run, config in zip(runs, configs, strict=True) if not finished_before(run, config)]
     progress = Progress(len(runs), args.metric)
     for run in runs:
         if not args.vmapped and run not in jobs:
@@ -305,7 +312,7 @@ def sweep_population(
     progress = Progress(len(runs), metric)
     pending = []
     for run, config in zip(runs, configs, strict=True):
-        if finished_before(run, _as_saved(config)):
+        if finished_before(run, config):
             progress(Outcome(run, 0, 0.0, "", skipped=True))
         else:
             pending.append((run, config))
