@@ -212,28 +212,14 @@ def run_experiment(
         return plan.summary
     state, header = _starting_state(plan, state, placement, writer)
     run = plan.run
-    trackers = RunTrackers({})
-    if writer:
-        previous = run.read_config().get("trackers", {}) if run.config_file.exists() else {}
-        trackers = open_trackers(
-            experiment, config, run, runs_root=RUNS_ROOT, start_step=header.get("step", 0), previous=previous
-        )
+    trackers = _open_trackers(experiment, config, run, header.get("step", 0)) if writer else RunTrackers({})
     ending: Ending = "failed"
     summary = None
     try:
         if writer:
             _start_run(experiment, config, setup, state, run, trackers)
         summary = _run_and_summarize(
-            experiment,
-            config,
-            setup,
-            state,
-            placement,
-            plan,
-            writer,
-            header,
-            trackers,
-            summary_extra,
+            experiment, config, setup, state, placement, plan, writer, header, trackers, summary_extra
         )
         ending = "finished"
         return summary
@@ -242,6 +228,12 @@ def run_experiment(
         raise
     finally:
         trackers.close(ending, summary, run_files(run))
+
+
+def _open_trackers(experiment: str, config: Options, run: RunDir, start_step: int) -> RunTrackers:
+    """Process 0's trackers; a resumed run continues the remote runs its config.json names."""
+    previous = run.read_config().get("trackers", {}) if run.config_file.exists() else {}
+    return open_trackers(experiment, config, run, runs_root=RUNS_ROOT, start_step=start_step, previous=previous)
 
 
 def _starting_state(
