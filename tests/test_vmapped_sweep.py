@@ -6,6 +6,7 @@ import shutil
 
 import jax
 import jax.numpy as jnp
+import matplotlib.image
 import numpy as np
 import optax
 import pytest
@@ -15,7 +16,7 @@ from test_tracking import assert_same_history, jsonl_history, mlflow_history, ml
 from research import load_run
 from research.data import Batch, DeviceLoader, split_validation
 from research.errors import ConfigError
-from research.experiment import load_experiment
+from research.experiment import load_experiment, plot_curves
 from research.nn import build_model
 from research.population import member, stack_members
 from research.tools import sweep
@@ -39,7 +40,9 @@ def metrics(path):
 def swept(tmp_path_factory):
     """A 2 x 2 grid of xor runs (lr x seed) as one population, and the same runs one by one."""
     root = tmp_path_factory.mktemp("vmapped")
-    sweep.main(["xor", "lr=0.1,0.5", "seed=0,1", "--vmapped", "--sweep-dir", str(root / "v"), "--", *FLAGS])
+    with pytest.MonkeyPatch.context() as patch:  # a worker process draws some of the plots (4 are drawn here otherwise)
+        patch.setattr("research.tools._vmapped.plot_processes", lambda plots: 1)
+        sweep.main(["xor", "lr=0.1,0.5", "seed=0,1", "--vmapped", "--sweep-dir", str(root / "v"), "--", *FLAGS])
     xor = load_experiment("xor")
     for lr in ("0.1", "0.5"):
         for seed in ("0", "1"):
@@ -82,6 +85,31 @@ def test_each_member_equals_its_run_trained_alone(swept, name):
         "resume": "auto",
         "group": "v",
     }  # the sweep groups its runs in the trackers
+
+
+def files(path):
+    """The files of a run directory, relative, with the checkpoint's own (Orbax's) files left out."""
+    return sorted(
+        str(p.relative_to(path))
+        for p in path.rglob("*")
+        if p.is_file() and "step_" not in str(p.parent.relative_to(path))
+    )
+
+
+@pytest.mark.parametrize("name", NAMES[::3])
+def test_each_member_directory_holds_what_its_run_alone_holds(swept, name):
+    together, alone = swept / "v" / name, swept / "alone" / name
+    assert files(together) == files(alone) == ["config.json", "curves.png", "metrics.jsonl", "summary.json"]
+    assert [p.name for p in (together / "checkpoints").iterdir()] == ["step_000000056"]
+    assert (together / "checkpoints" / "step_000000056" / "checkpoint.json").exists()  # committed
+    saved, own = json.loads((together / "config.json").read_text()), json.loads((alone / "config.json").read_text())
+    # Its population's name instead of the identities of the trackers it was not tracked by (none for either).
+    assert sorted(saved) == sorted({*own, "vmapped"} - {"trackers"}) and own["trackers"] == {}
+    assert saved["parameters"] == own["parameters"]
+    assert saved["resolved"] == own["resolved"] and saved["machine"] == own["machine"]
+    # curves.png, drawn (by a worker process, or here) from the records in memory, is the plot of metrics.jsonl.
+    again = plot_curves([RunDir(together)], [name], swept / f"{name}.png", title=f"xor {name} (vmapped)")
+    np.testing.assert_array_equal(matplotlib.image.imread(together / "curves.png"), matplotlib.image.imread(again))
 
 
 def test_rerunning_skips_the_finished_runs_with_or_without_vmapped(swept, capsys):

@@ -7,6 +7,12 @@ its metrics with one value per member): a killed sweep resumes it. Each member's
 config.json, its own metrics.jsonl and summary.json (the member's values taken out of the
 population's), a checkpoint of its final state and curves.png, so `load_run`, `compare_runs`,
 `--resume auto` and a later sweep without `--vmapped` treat it as the finished run it equals.
+
+Writing K run directories costs more than training K small members (`scripts/bench` case (f)), so
+it is batched: config.json's provenance is worked out once, the checkpoints are written one after
+another in the background, and the plots are drawn by a `research.curves.CurvePool` (worker
+processes started with the sweep, and this process once it has queued everything else); each
+summary.json, which marks a run finished, comes last, once everything else is on disk.
 """
 
 import dataclasses
@@ -18,9 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Options, vmappable_options
+from ..curves import CurvePool, plot_processes
 from ..data import DeviceLoader
 from ..errors import CheckpointError
-from ..experiment import RUNS_ROOT, Setup, config_record, initial_state, plot_curves, run_experiment
+from ..experiment import RUNS_ROOT, Setup, config_record, initial_state, run_experiment
 from ..population import member, stack_members
 from ..tracking import track_finished_run, trackers_of
 from ..train import CheckpointWriter, RunDir, load_checkpoint
@@ -81,36 +88,53 @@ def _population_setup(experiment: str, configs: Sequence[Options], setups: Seque
     )
 
 
-def _write_member(
+def _write_members(
     experiment: str,
-    run: Run,
-    config: Options,
-    setup: Setup,
+    members: Sequence[tuple[int, Run, Options, Setup]],
     state: Any,
     records: list[dict[str, Any]],
     summary: dict[str, Any],
-    k: int,
-    writer: CheckpointWriter,
+    curves: CurvePool,
 ) -> None:
-    out = RunDir(run.path).create()
-    own = member(state, k)
-    saved = {**config_record(experiment, config, setup, own), "vmapped": summary["population"]}
-    out.write_config(saved)
-    out.metrics_file.write_text("")
-    for record in records:
-        out.log(member_values(record, k))
-    step = int(summary["step"])
-    last = member_values(records[-1], k)
-    evaluated = {key: value for key, value in last.items() if key.startswith(("test/", "val/"))}
-    header = {"experiment": experiment, "config": config.to_dict(), "step": step, "eval": evaluated}
-    writer.save(out.checkpoint_path(step), own, header)  # written while the plot is drawn
-    plot_curves([out], [run.name], out.path / "curves.png", title=f"{experiment} {run.name} (vmapped)")
-    writer.wait()  # the summary says the run finished: only once its checkpoint is committed
+    """Write the run directories of `members` (`(k, run, config, setup)`), batched: first what every
+    member's directory holds but its summary (config.json, metrics.jsonl, a checkpoint written in the
+    background, curves.png drawn by `curves`), then, once all of that is on disk, each summary.json,
+    which says the run finished."""
+    # The members differ only in vmappable options, which show only in "config": the rest of config.json
+    # (parameter counts, machine, versions, git state) is member 0's, worked out once.
+    shared = config_record(experiment, members[0][2], members[0][3], member(state, members[0][0]))
+    writer, step = CheckpointWriter(), int(summary["step"])
+    try:
+        for k, run, config, _ in members:
+            out = RunDir(run.path).create()
+            out.write_config({**shared, "config": config.to_dict(), "vmapped": summary["population"]})
+            out.metrics_file.write_text("")
+            own = [member_values(record, k) for record in records]
+            for record in own:
+                out.log(record)
+            evaluated = {key: value for key, value in own[-1].items() if key.startswith(("test/", "val/"))}
+            header = {"experiment": experiment, "config": config.to_dict(), "step": step, "eval": evaluated}
+            writer.save(out.checkpoint_path(step), member(state, k), header)  # written while the others go on
+            curves.draw([(own, run.name)], out.path / "curves.png", title=f"{experiment} {run.name} (vmapped)")
+        curves.close()  # every plot drawn (the workers' leftovers here, while the last checkpoint is written)
+        writer.wait()
+    finally:
+        writer.close()
+    for k, run, config, setup in members:
+        _finish_member(experiment, RunDir(run.path), config, setup, summary, k)
+
+
+def _finish_member(
+    experiment: str, out: RunDir, config: Options, setup: Setup, summary: dict[str, Any], k: int
+) -> None:
+    """Member `k`'s summary.json (the experiment's own numbers added, as a run alone gets them), and its
+    tracked run."""
     own_summary = {key: value for key, value in member_values(summary, k).items() if key != "population"}
     if setup.summarize_run is not None:  # the experiment's numbers from the member's records, as alone
         own_summary.update(setup.summarize_run(out, own_summary) or {})
     out.write_summary(own_summary)
     if len(trackers_of(config)) > 1:  # one tracked run a member, as its own run would have been
+        saved = out.read_config()
         out.write_config({**saved, "trackers": track_finished_run(experiment, config, out, runs_root=RUNS_ROOT)})
 
 
@@ -129,14 +153,32 @@ def sweep_vmapped(
     training (rerun the sweep: the population resumes from its last checkpoint)."""
     setups = [module.setup(config) for config in configs]
     population = _population_setup(experiment, configs, setups)
+    chosen = [
+        (k, run, config, setup)
+        for k, (run, config, setup) in enumerate(zip(runs, configs, setups, strict=True))
+        if write is None or run.name in write
+    ]
+    start = time.perf_counter()
+    # The members' plots are drawn by processes started now, ready by the time the population has trained.
+    with CurvePool(plot_processes(len(chosen))) as curves:
+        state, records, summary = _train_population(experiment, runs, configs[0], population, sweep_dir)
+        if chosen:
+            _write_members(experiment, chosen, state, records, summary, curves)
+    return [run for _, run, _, _ in chosen], time.perf_counter() - start
+
+
+def _train_population(
+    experiment: str, runs: Sequence[Run], config: Options, population: Setup, sweep_dir: Path
+) -> tuple[Any, list[dict[str, Any]], dict[str, Any]]:
+    """Train (or resume, or find finished) the population run `SWEEP_DIR/population-<hash>`; returns its
+    trained state, its records and its summary."""
     names = "\n".join(run.name for run in runs)
     path = sweep_dir / f"population-{hashlib.sha1(names.encode()).hexdigest()[:8]}"
-    # The members are tracked as their runs (`_write_member`), the population itself only in its metrics.jsonl.
+    # The members are tracked as their runs (`_finish_member`), the population itself only in its metrics.jsonl.
     population_config = dataclasses.replace(
-        configs[0], run_dir=str(path), resume="auto", progress=True, tracker="jsonl", tensorboard=False
+        config, run_dir=str(path), resume="auto", progress=True, tracker="jsonl", tensorboard=False
     )
     print(f"sweep: training {len(runs)} runs as one vmapped population in {path}", file=sys.stderr, flush=True)
-    start = time.perf_counter()
     summary = run_experiment(experiment, population_config, population, summary_extra={"members": names.split("\n")})
     summary["population"] = path.name
     population_run = RunDir(path)
@@ -146,13 +188,4 @@ def sweep_vmapped(
             f"{path}: the population left no valid checkpoint to write its members from; rerun the sweep"
         )
     state, _ = load_checkpoint(checkpoint, initial_state(population, population_config))
-    records = population_run.read_metrics()
-    written, writer = [], CheckpointWriter()
-    try:
-        for k, (run, config, setup) in enumerate(zip(runs, configs, setups, strict=True)):
-            if write is None or run.name in write:
-                _write_member(experiment, run, config, setup, state, records, summary, k, writer)
-                written.append(run)
-    finally:
-        writer.close()
-    return written, time.perf_counter() - start
+    return state, population_run.read_metrics(), summary
