@@ -23,7 +23,7 @@ from .config import ConfigError, Options, check_combination, profile_window, res
 from .curves import draw_curves
 from .data import Batch, DeviceLoader, GrainLoader, HostLoader, TorchLoader
 from .errors import CheckpointError, Preempted
-from .parallel import check_device_count, make_placement, process_zero_text
+from .parallel import check_device_count, make_placement, population_placement, process_zero_text
 from .population import evaluate_population
 from .provenance import describe_parameters, git_state, machine, parameter_counts, peak_memory, versions
 from .tracking import RunTrackers, open_trackers, run_files
@@ -282,6 +282,7 @@ def run_experiment(
     check_combination(config, processes=jax.process_count())
     _check_profile_window(config, setup.num_steps)
     state = initial_state(setup, config)
+    placement = _population_placement(setup, state, placement) if setup.population else placement
     placement.check(state.model, setup.train_data.batch_size)
     writer = jax.process_index() == 0
     run, checkpoint = resolve_run_dir(experiment, config, writer=writer, num_steps=setup.num_steps)
@@ -328,6 +329,13 @@ def run_experiment(
         raise
     finally:
         trackers.close(ending, summary, run_files(run))
+
+
+def _population_placement(setup: Setup, state: TrainState, placement: Placement) -> Placement:
+    """A population's placement on several devices: its members, or each batch, split over them."""
+    member_batches = getattr(setup.train_data, "members", None) is not None
+    members, rows = population.num_members(state), setup.train_data.batch_size
+    return population_placement(placement, members=members, rows=rows, member_batches=member_batches)
 
 
 def _start_run(

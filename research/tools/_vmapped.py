@@ -13,6 +13,9 @@ it is batched: config.json's provenance is worked out once, the checkpoints are 
 another in the background, and the plots are drawn by a `research.curves.CurvePool` (worker
 processes started with the sweep, and this process once it has queued everything else); each
 summary.json, which marks a run finished, comes last, once everything else is on disk.
+
+With `--devices N` the population trains on N devices, its members (or, when N does not divide
+them, each batch) split over them (`research.parallel.population_placement`).
 """
 
 import dataclasses
@@ -37,7 +40,7 @@ from ._runs import UsageError
 
 def check_vmappable(config_class: type, keys: Sequence[str], config: Options) -> None:
     """Refuse, before any work, a grid one program cannot train: a swept option that changes more than
-    array values, or a config that is not one device."""
+    array values, several processes, or a placement other than one device or a mesh of them."""
     allowed = vmappable_options(config_class)
     fixed = [key for key in keys if key not in allowed]
     if fixed:
@@ -45,10 +48,16 @@ def check_vmappable(config_class: type, keys: Sequence[str], config: Options) ->
             f"--vmapped: {', '.join(fixed)} cannot vary inside one program (this experiment's "
             f"vmappable options: {', '.join(sorted(allowed)) or 'none'}); sweep it without --vmapped"
         )
-    if getattr(config, "devices", 1) > 1 or getattr(config, "num_processes", None) not in (None, 1):
+    if getattr(config, "num_processes", None) not in (None, 1):
         raise UsageError(
-            "--vmapped trains its population on one device in one process; drop --devices and the "
-            "multi-process options (or sweep without --vmapped)"
+            "--vmapped trains its population in one process; drop the multi-process options (or sweep "
+            "without --vmapped)"
+        )
+    parallel = getattr(config, "parallel", "auto")
+    if getattr(config, "devices", 1) > 1 and parallel not in ("auto", "sharded"):
+        raise UsageError(
+            f"--vmapped splits its population's members (or its batches) over --devices with --parallel auto "
+            f"or sharded, not {parallel}"
         )
     if getattr(config, "loader", "device") != "device":
         raise UsageError("--vmapped gathers each member's batches on the device: use --loader device")

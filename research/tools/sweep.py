@@ -48,6 +48,7 @@ from ..cli import parse_config, use_compilation_cache
 from ..errors import ConfigError, Preempted, ResearchInputError
 from ..experiment import RUNS_ROOT, experiment_script, load_experiment
 from ..messages import messages_to_stderr
+from ..parallel import setup_devices
 from ..progress import format_duration
 from ..train import RunDir
 from ._axes import SET_BY_SWEEP, Axis, check_passed_flags, flag_words, parse_axis, run_name, sweepable_fields
@@ -310,8 +311,9 @@ def sweep_population(
         else:
             pending.append((run, config))
     if pending:
-        use_compilation_cache(getattr(configs[0], "compilation_cache", True))
         try:
+            setup_devices(configs[0])  # --devices: simulated on the CPU before JAX starts; here, where it trains
+            use_compilation_cache(getattr(configs[0], "compilation_cache", True))
             trained, seconds = sweep_vmapped(
                 experiment, module, runs, configs, sweep_dir, write={run.name for run, _ in pending}
             )
