@@ -19,6 +19,7 @@ them, each batch) split over them (`research.parallel.population_placement`).
 """
 
 import dataclasses
+import functools
 import hashlib
 import sys
 import time
@@ -87,7 +88,10 @@ def _population_setup(experiment: str, configs: Sequence[Options], setups: Seque
     if len({setup.num_steps for setup in setups}) > 1 or any(s.loss_fn != first.loss_fn for s in setups):
         raise UsageError("--vmapped: the members train for different numbers of steps or with different losses")
     return Setup(
-        build_state=lambda: stack_members([initial_state(s, c) for s, c in zip(setups, configs, strict=True)]),
+        # Built once: the population's run and then the skeleton its checkpoint is read into (K members' builds).
+        build_state=functools.cache(
+            lambda: stack_members([initial_state(s, c) for s, c in zip(setups, configs, strict=True)])
+        ),
         train_data=DeviceLoader.for_members(loaders),
         eval_data=first.eval_data,
         val_data=first.val_data,
