@@ -2,8 +2,10 @@
 trained one after another as `scripts/run` trains each (run directory, evaluation, checkpoint, plot;
 a compilation per run, since each learning rate is another optimizer), against the same K runs as
 ONE vmapped population (`scripts/sweep --vmapped`: one compilation, then the K run directories
-written out). Both run in this process: a sweep of processes pays each run's start-up on top
-(about 3 s here: importing JAX, loading the data)."""
+written out, batched: checkpoints in the background, plots by a `research.curves.CurvePool` worker
+started with the sweep). Both times include writing every run directory. Both run in this process:
+a sweep of processes pays each run's start-up on top (about 3 s here: importing JAX, loading the
+data)."""
 
 import contextlib
 import io

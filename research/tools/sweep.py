@@ -19,7 +19,9 @@ A search keeps its trials in `SWEEP_DIR/study.db` (Optuna, SQLite), so it resume
 
 `--vmapped` trains a grid over vmappable options (the seed; hyperparameters the optimizer keeps in
 its state, marked `option(vmappable=True)`) as one population in one compiled program (`_vmapped`)
-and writes the same run directories; a killed one resumes when rerun.
+and writes the same run directories; a killed one resumes when rerun. With `--devices N` after `--`
+the population trains on N devices of this process (simulated on the CPU), its members or its
+batches split over them.
 
 `--executor slurm` submits each run (or the `--vmapped` population) as a SLURM job through submitit
 (`_jobs`; `--slurm-*` options), each running the same `--resume auto` command, so requeued and preempted
