@@ -118,12 +118,12 @@ def test_each_member_directory_holds_what_its_run_alone_holds(swept, name):
     np.testing.assert_array_equal(matplotlib.image.imread(together / "curves.png"), matplotlib.image.imread(again))
 
 
-def sweep_on_devices(sweep_dir, devices):
+def sweep_on_devices(sweep_dir, devices, *flags):
     """The sweep of `swept`, as a process whose JAX has `devices` simulated CPU devices."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the sweep simulates its own devices
     command = ["xor", "lr=0.1,0.5", "seed=0,1", "--vmapped", "--sweep-dir", str(sweep_dir)]
     result = subprocess.run(
-        [sys.executable, "-m", "research.tools.sweep", *command, "--", *FLAGS, "--devices", str(devices)],
+        [sys.executable, "-m", "research.tools.sweep", *command, "--", *FLAGS, *flags, "--devices", str(devices)],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -134,31 +134,48 @@ def sweep_on_devices(sweep_dir, devices):
     return json.loads(next(sweep_dir.glob("population-*/summary.json")).read_text())
 
 
+def assert_same_members(together, reference):
+    """Each member's records and final state in sweep directory `together` equal those in `reference`."""
+    for name in NAMES:
+        logged, expected = metrics(together / name), metrics(reference / name)
+        assert [sorted(r) for r in logged] == [sorted(r) for r in expected]
+        for got, want in zip(logged, expected, strict=True):
+            np.testing.assert_allclose([got[k] for k in sorted(got)], [want[k] for k in sorted(want)], rtol=1e-5)
+        a, b = load_run(together / name), load_run(reference / name)
+        assert a.step == b.step == 56
+        for x, y in zip(jax.tree.leaves(a.state), jax.tree.leaves(b.state), strict=True):
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("devices, split", [(2, "members"), (8, "batch")])
-def test_a_population_on_several_devices_equals_it_on_one(swept, tmp_path, devices, split):
+def test_a_population_on_several_devices_equals_it_on_one(swept, tmp_path, capsys, devices, split):
     """2 devices split the 4 members (2 each, whole); 8 do not divide them and split each batch of 32 rows
     (4 each, the state replicated). Member by member, the runs equal the one-device population's to the
     tolerance of tests/test_parallel.py. Not bitwise in general: XLA vectorises the members' arithmetic
     over the member axis, and that axis's length on a device (or the split rows) can move the last bits
     (measured on a 2-core x86 CPU: bitwise on 2 devices here, but 14 of 16 members of a K=16 grid on 2
-    devices differ, by at most 2.4e-7 in any parameter; 2.4e-7 here on 8)."""
-    summary = sweep_on_devices(tmp_path / "v", devices)
+    devices differ, by at most 2.4e-7 in any parameter; 2.4e-7 here on 8). A checkpoint of the population
+    split over its members resumes on one device."""
+    every = ["--checkpoint-every", "24", "--keep-checkpoints", "3"]
+    summary = sweep_on_devices(tmp_path / "v", devices, *every)
     alone = load_run(swept / "v" / NAMES[0]).state  # the whole population's state: 4 of these
     state_bytes = len(NAMES) * sum(x.nbytes for x in jax.tree.leaves(eqx.filter(alone, eqx.is_array)))
     assert summary["state_bytes_per_device"] == (state_bytes // devices if split == "members" else state_bytes)
-    for name in NAMES:
-        logged, expected = metrics(tmp_path / "v" / name), metrics(swept / "v" / name)
-        assert [sorted(r) for r in logged] == [sorted(r) for r in expected]
-        for got, want in zip(logged, expected, strict=True):
-            np.testing.assert_allclose([got[k] for k in sorted(got)], [want[k] for k in sorted(want)], rtol=1e-5)
-        a, b = load_run(tmp_path / "v" / name), load_run(swept / "v" / name)
-        assert a.step == b.step == 56
-        for x, y in zip(jax.tree.leaves(a.state), jax.tree.leaves(b.state), strict=True):
-            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
+    assert_same_members(tmp_path / "v", swept / "v")
     # Not vacuous: the members are far apart, each close only to itself.
     first, other = (jax.tree.leaves(load_run(swept / "v" / name).model) for name in NAMES[:2])
     assert max(float(np.max(np.abs(x - y))) for x, y in zip(first, other, strict=True)) > 0.1
+    if split == "members":  # killed after step 48's checkpoint, rerun on this process's one device
+        population = next((tmp_path / "v").glob("population-*"))
+        shutil.rmtree(population / "checkpoints" / "step_000000056")
+        (population / "summary.json").unlink()
+        for name in NAMES:
+            shutil.rmtree(tmp_path / "v" / name)
+        command = ["xor", "lr=0.1,0.5", "seed=0,1", "--vmapped", "--sweep-dir", str(tmp_path / "v")]
+        code, _, err = run_sweep([*command, "--", *FLAGS, *every], capsys)
+        assert code == 0 and "from step 48" in err, err
+        assert_same_members(tmp_path / "v", swept / "v")
 
 
 def test_rerunning_skips_the_finished_runs_with_or_without_vmapped(swept, capsys):
