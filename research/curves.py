@@ -11,6 +11,7 @@ the time of a matplotlib import. Keep it that way.
 """
 
 import collections
+import io
 import json
 import math
 import os
@@ -64,7 +65,7 @@ class CurveFigure:
         (test,) = ax.plot([], [], color=f"C{i}", linestyle="--", marker="o", markersize=4, linewidth=1.2)
         return train, test
 
-    def draw(self, runs: Sequence[tuple[Records, str]], out: str | Path, *, title: str) -> Path:
+    def draw(self, runs: Sequence[tuple[Records, str]], out: str | Path | io.BytesIO, *, title: str) -> None:
         """Plot `runs` (each its logged records and its label in the legend) into the PNG file `out`."""
         for ax, (metric, _), lines in zip(self.axes, CURVE_PANELS, self.lines, strict=True):
             for (records, label), (train, test) in zip(runs, lines, strict=True):
@@ -74,10 +75,11 @@ class CurveFigure:
             self._scale(ax, metric)
         self.axes[0].legend(title="run", fontsize=9)
         self.title.set_text(title)
-        out = Path(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        self.figure.savefig(out)
-        return out
+        if isinstance(out, io.BytesIO):
+            self.figure.savefig(out, format="png")
+            return
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        self.figure.savefig(out)  # in the format its name says (PNG for curves.png)
 
     @staticmethod
     def _scale(ax: Any, metric: str) -> None:
@@ -94,7 +96,8 @@ class CurveFigure:
 
 def draw_curves(runs: Sequence[tuple[Records, str]], out: str | Path, *, title: str) -> Path:
     """Plot `runs` (each its logged records and its label) into the PNG file `out`; returns its path."""
-    return CurveFigure(len(runs)).draw(runs, out, title=title)
+    CurveFigure(len(runs)).draw(runs, out, title=title)
+    return Path(out)
 
 
 Job = dict[str, Any]  # {"runs": [[records, label], ...], "out": path, "title": title}
@@ -223,7 +226,9 @@ def plot_processes(plots: int) -> int:
 
 def _serve() -> None:
     """A `CurvePool` worker: draw each job read from stdin (one JSON object a line) until stdin closes."""
-    figures: dict[int, CurveFigure] = {}
+    # Ready before the first job comes: matplotlib imported, a one-run figure drawn once (fonts loaded).
+    figures = {1: CurveFigure(1)}
+    figures[1].draw([([], "")], io.BytesIO(), title="")
     for line in sys.stdin:
         job = json.loads(line)
         runs = [(records, label) for records, label in job["runs"]]
