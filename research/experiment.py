@@ -20,7 +20,7 @@ import numpy as np
 
 from . import population
 from .config import ConfigError, Options, check_combination, profile_window, resumable_options, strip_optional
-from .curves import draw_curves
+from .curves import CurvePool, draw_curves
 from .data import Batch, DeviceLoader, GrainLoader, HostLoader, TorchLoader
 from .errors import CheckpointError, Preempted
 from .parallel import check_device_count, make_placement, population_placement, process_zero_text
@@ -239,17 +239,29 @@ def _setup_from(setup: Setup | None, kwargs: dict[str, Any]) -> tuple[Setup, dic
     return Setup(**{k: v for k, v in kwargs.items() if k in names}), {k: v for k, v in kwargs.items() if k not in names}
 
 
-def plot_curves(runs: Sequence[RunDir], labels: Sequence[str], out: str | Path, *, title: str | None = None) -> Path:
+def plot_curves(
+    runs: Sequence[RunDir],
+    labels: Sequence[str],
+    out: str | Path,
+    *,
+    title: str | None = None,
+    pool: CurvePool | None = None,
+) -> Path:
     """Draw the learning curves of `runs` (one colour each, named by `labels`) into the PNG file `out`;
     returns its path. Training metrics are solid lines, test metrics dashed with dots
-    (`research.curves.draw_curves`). `scripts/plot_runs` (`research.tools.plot_runs`) draws several runs with it."""
+    (`research.curves.draw_curves`); with a `pool`, queued to it (drawn once the pool is closed at the
+    latest). `scripts/plot_runs` (`research.tools.plot_runs`) draws several runs with it."""
     experiments = []
     for run in runs:
         experiment = run.read_config().get("experiment")
         if experiment and experiment not in experiments:
             experiments.append(experiment)
     records = [(run.read_metrics(), label) for run, label in zip(runs, labels, strict=True)]
-    return draw_curves(records, out, title=title or ", ".join(experiments) or "runs")
+    title = title or ", ".join(experiments) or "runs"
+    if pool is None:
+        return draw_curves(records, out, title=title)
+    pool.draw(records, out, title=title)
+    return Path(out)
 
 
 def run_experiment(
@@ -258,6 +270,7 @@ def run_experiment(
     setup: Setup | None = None,
     *,
     summary_extra: dict[str, Any] | Callable[[FitResult], dict[str, Any]] | None = None,
+    curves: CurvePool | None = None,
     **kwargs: Any,
 ) -> dict[str, Any]:
     """Train, evaluate and record one run; returns (and writes to `summary.json`) its final numbers,
@@ -266,7 +279,9 @@ def run_experiment(
 
     The run directory gets `config.json` (with the resolved step count and library versions),
     `metrics.jsonl`, `checkpoints/`, `summary.json` and `curves.png` (and TensorBoard event files
-    with `--tensorboard`). Other keyword arguments go to `fit`.
+    with `--tensorboard`); `curves.png` is drawn by `curves` when given (a `research.curves.CurvePool`
+    the caller closes: a vmapped sweep's, whose worker is idle when its population finishes). Other
+    keyword arguments go to `fit`.
 
     With `config.ema_decay > 0` the state gets an EMA of the model (unless `build_state` gave it
     one): `test_accuracy`/`test_loss` are then the EMA model's, and `test_raw_accuracy`/
@@ -321,6 +336,7 @@ def run_experiment(
             trackers,
             summary_extra,
             fit_kwargs,
+            curves=curves,
         )
         ending = "finished"
         return summary
@@ -361,6 +377,8 @@ def _run_and_summarize(
     trackers: RunTrackers,
     summary_extra: Any,
     fit_kwargs: dict[str, Any],
+    *,
+    curves: CurvePool | None = None,
 ) -> dict[str, Any]:
     """Train (or, checkpointed at its last step, only evaluate) and write the summary and curves.png."""
     start = time.perf_counter()
@@ -379,7 +397,7 @@ def _run_and_summarize(
     if writer:
         summary.update((setup.summarize_run(run, summary) if setup.summarize_run is not None else None) or {})
         run.write_summary(summary)
-        plot_curves([run], [run.path.resolve().name], run.path / "curves.png")
+        plot_curves([run], [run.path.resolve().name], run.path / "curves.png", pool=curves)
         print(summary_line(experiment, summary, run))
     return summary
 

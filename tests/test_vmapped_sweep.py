@@ -118,6 +118,12 @@ def test_each_member_directory_holds_what_its_run_alone_holds(swept, name):
     np.testing.assert_array_equal(matplotlib.image.imread(together / "curves.png"), matplotlib.image.imread(again))
 
 
+def test_the_populations_own_plot_is_drawn_by_the_pool_as_a_run_draws_it(swept):
+    population = next((swept / "v").glob("population-*"))
+    again = plot_curves([RunDir(population)], [population.name], swept / "population.png")
+    np.testing.assert_array_equal(matplotlib.image.imread(population / "curves.png"), matplotlib.image.imread(again))
+
+
 def sweep_on_devices(sweep_dir, devices, *flags):
     """The sweep of `swept`, as a process whose JAX has `devices` simulated CPU devices."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the sweep simulates its own devices

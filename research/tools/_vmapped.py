@@ -172,19 +172,19 @@ def sweep_vmapped(
         if write is None or run.name in write
     ]
     start = time.perf_counter()
-    # The members' plots are drawn by processes started now, ready by the time the population has trained.
+    # The plots (the population's, then its members') are drawn by processes started now, ready once it has trained.
     with CurvePool(plot_processes(len(chosen))) as curves:
-        state, records, summary = _train_population(experiment, runs, configs[0], population, sweep_dir)
+        state, records, summary = _train_population(experiment, runs, configs[0], population, sweep_dir, curves)
         if chosen:
             _write_members(experiment, chosen, state, records, summary, curves)
     return [run for _, run, _, _ in chosen], time.perf_counter() - start
 
 
 def _train_population(
-    experiment: str, runs: Sequence[Run], config: Options, population: Setup, sweep_dir: Path
+    experiment: str, runs: Sequence[Run], config: Options, population: Setup, sweep_dir: Path, curves: CurvePool
 ) -> tuple[Any, list[dict[str, Any]], dict[str, Any]]:
-    """Train (or resume, or find finished) the population run `SWEEP_DIR/population-<hash>`; returns its
-    trained state, its records and its summary."""
+    """Train (or resume, or find finished) the population run `SWEEP_DIR/population-<hash>`, its curves.png
+    drawn by `curves`; returns its trained state, its records and its summary."""
     names = "\n".join(run.name for run in runs)
     path = sweep_dir / f"population-{hashlib.sha1(names.encode()).hexdigest()[:8]}"
     # The members are tracked as their runs (`_finish_member`), the population itself only in its metrics.jsonl.
@@ -192,7 +192,8 @@ def _train_population(
         config, run_dir=str(path), resume="auto", progress=True, tracker="jsonl", tensorboard=False
     )
     print(f"sweep: training {len(runs)} runs as one vmapped population in {path}", file=sys.stderr, flush=True)
-    summary = run_experiment(experiment, population_config, population, summary_extra={"members": names.split("\n")})
+    members = {"members": names.split("\n")}
+    summary = run_experiment(experiment, population_config, population, summary_extra=members, curves=curves)
     summary["population"] = path.name
     population_run = RunDir(path)
     checkpoint, _ = population_run.latest_valid_checkpoint()
