@@ -342,8 +342,9 @@ def write_markdown(path: Path, results: dict, info: dict, quick: bool, seconds: 
             "`scripts/run` trains each (run directory, evaluation, checkpoint, plot; one compilation per run, "
             "since each learning rate is another optimizer), against the same runs as one vmapped population "
             "(`scripts/sweep --vmapped`: one compilation, each member on its own run's batch order, then the K "
-            "run directories written out); both in this process (a sweep of processes pays each run's "
-            "start-up on top).",
+            "run directories written out, batched: the checkpoints in the background, the plots by a worker "
+            "process started with the sweep and by the sweep itself); both in this process (a sweep of "
+            "processes pays each run's start-up on top). Both times include writing every run directory.",
             "",
         ]
         for grid, timings in results["population"]["grids"].items():

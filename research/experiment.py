@@ -26,9 +26,10 @@ from .config import (
     profile_window,
     strip_optional,
 )
+from .curves import CurvePool
 from .data import Batch, DeviceLoader, GrainLoader, HostLoader, TorchLoader
 from .errors import CheckpointError, Preempted
-from .parallel import check_device_count, make_placement
+from .parallel import check_device_count, make_placement, population_placement
 from .population import evaluate_population
 from .progress import Progress
 from .provenance import git_state, machine, parameter_counts, peak_memory, versions
@@ -177,6 +178,7 @@ def run_experiment(
     setup: Setup,
     *,
     summary_extra: dict[str, Any] | Callable[[FitResult], dict[str, Any]] | None = None,
+    curves: CurvePool | None = None,
 ) -> dict[str, Any]:
     """Train, evaluate and record one run; returns (and writes to `summary.json`) its final numbers,
     with `summary_extra` (say, the privacy spent) added: a dict, or a function of the run's
@@ -185,7 +187,8 @@ def run_experiment(
     The run directory gets `config.json` (with the resolved step count and library versions),
     `metrics.jsonl`, `checkpoints/`, `summary.json` and `curves.png` (and TensorBoard event files
     with `--tensorboard`). The engine's hooks are the standard ones, chosen from the config by
-    `add_default_hooks`.
+    `add_default_hooks`. `curves.png` is drawn by `curves` when given (a `research.curves.CurvePool`
+    the caller closes: a vmapped sweep's, whose worker is idle when its population finishes).
 
     With `config.ema_decay > 0` the state gets an EMA of the model (unless `build_state` gave it
     one): `test_accuracy`/`test_loss` are then the EMA model's, and `test_raw_accuracy`/
@@ -200,6 +203,7 @@ def run_experiment(
     check_combination(config, processes=jax.process_count())
     _check_profile_window(config, setup.num_steps)
     state = initial_state(setup, config)
+    placement = _population_placement(setup, state, placement) if setup.population else placement
     placement.check(state.model, setup.train_data.batch_size)
     if placement.micro_batches is not None:
         check_micro_batch_loss(setup.loss_fn)
@@ -219,7 +223,7 @@ def run_experiment(
         if writer:
             _start_run(experiment, config, setup, state, run, trackers)
         summary = _run_and_summarize(
-            experiment, config, setup, state, placement, plan, writer, header, trackers, summary_extra
+            experiment, config, setup, state, placement, plan, writer, header, trackers, summary_extra, curves=curves
         )
         ending = "finished"
         return summary
@@ -253,6 +257,13 @@ def _starting_state(
     return state, header
 
 
+def _population_placement(setup: Setup, state: TrainState, placement: Placement) -> Placement:
+    """A population's placement on several devices: its members, or each batch, split over them."""
+    member_batches = getattr(setup.train_data, "members", None) is not None
+    members, rows = population.num_members(state), setup.train_data.batch_size
+    return population_placement(placement, members=members, rows=rows, member_batches=member_batches)
+
+
 def _start_run(
     experiment: str, config: Options, setup: Setup, state: TrainState, run: RunDir, trackers: RunTrackers
 ) -> None:
@@ -275,6 +286,8 @@ def _run_and_summarize(
     header: dict[str, Any],
     trackers: RunTrackers,
     summary_extra: Any,
+    *,
+    curves: CurvePool | None = None,
 ) -> dict[str, Any]:
     """Train (or, checkpointed at its last step, only evaluate) and write the summary and curves.png."""
     start, run = time.perf_counter(), plan.run
@@ -293,7 +306,7 @@ def _run_and_summarize(
     if writer:
         summary.update((setup.summarize_run(run, summary) if setup.summarize_run is not None else None) or {})
         run.write_summary(summary)
-        plot_curves([run], [run.path.resolve().name], run.path / "curves.png")
+        plot_curves([run], [run.path.resolve().name], run.path / "curves.png", pool=curves)
         print(summary_line(experiment, summary, run))
     return summary
 

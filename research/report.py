@@ -1,13 +1,13 @@
 """What a run reports: the line it prints when it starts, its summary (`summary.json`'s numbers and the
 line it prints when it ends), and its learning curves (`curves.png`, and `scripts/plot_runs`)."""
 
-import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from .curves import CurvePool, draw_curves
 from .provenance import describe_parameters
 from .train import FitResult, RunDir, TrainState
 
@@ -55,49 +55,26 @@ def summary_line(experiment: str, summary: dict[str, Any], run: RunDir) -> str:
     )
 
 
-CURVE_PANELS = (("loss", "loss"), ("accuracy", "accuracy"))
-
-
-def _curve(records: list[dict[str, Any]], name: str) -> tuple[list[int], list[float]]:
-    points = [(r["step"], r[name]) for r in records if isinstance(r.get(name), (int, float)) and math.isfinite(r[name])]
-    return [s for s, _ in points], [v for _, v in points]
-
-
-def plot_curves(runs: Sequence[RunDir], labels: Sequence[str], out: str | Path, *, title: str | None = None) -> Path:
+def plot_curves(
+    runs: Sequence[RunDir],
+    labels: Sequence[str],
+    out: str | Path,
+    *,
+    title: str | None = None,
+    pool: CurvePool | None = None,
+) -> Path:
     """Draw the learning curves of `runs` (one colour each, named by `labels`) into the PNG file `out`;
-    returns its path. Training metrics are solid lines, test metrics dashed with dots.
-    `scripts/plot_runs` (`research.tools.plot_runs`) draws several runs with it."""
-    from matplotlib.figure import Figure  # imported here: a second to import, needed only at the end of a run
-    from matplotlib.ticker import PercentFormatter
-
-    figure = Figure(figsize=(11, 4.2), dpi=110)
-    # Fixed margins: the constrained layout engine measured as half of the time of every run's plot.
-    figure.subplots_adjust(left=0.06, right=0.99, bottom=0.12, top=0.87, wspace=0.2)
-    axes = figure.subplots(1, len(CURVE_PANELS))
+    returns its path. Training metrics are solid lines, test metrics dashed with dots
+    (`research.curves.draw_curves`); with a `pool`, queued to it (drawn once the pool is closed at the
+    latest). `scripts/plot_runs` (`research.tools.plot_runs`) draws several runs with it."""
     experiments = []
-    for i, (run, label) in enumerate(zip(runs, labels, strict=True)):
-        records = run.read_metrics()
+    for run in runs:
         experiment = run.read_config().get("experiment")
         if experiment and experiment not in experiments:
             experiments.append(experiment)
-        for ax, (metric, _) in zip(axes, CURVE_PANELS, strict=True):
-            steps, values = _curve(records, f"train/{metric}")
-            ax.plot(steps, values, color=f"C{i}", linewidth=1.6, label=label)
-            steps, values = _curve(records, f"test/{metric}")
-            ax.plot(steps, values, color=f"C{i}", linestyle="--", marker="o", markersize=4, linewidth=1.2)
-    for ax, (metric, ylabel) in zip(axes, CURVE_PANELS, strict=True):
-        ax.set_xlabel("step")
-        ax.set_ylabel(ylabel)
-        ax.set_title(f"{metric} (solid: train, dashed: test)", fontsize=10, y=1.0)  # y: no auto-placement (slow)
-        ax.grid(True, alpha=0.3)
-        values = [y for line in ax.get_lines() for y in line.get_ydata()]
-        if metric == "loss" and values and min(values) > 0 and max(values) / min(values) > 20:
-            ax.set_yscale("log")  # losses fall over orders of magnitude
-        if metric == "accuracy":
-            ax.yaxis.set_major_formatter(PercentFormatter(1.0))
-    axes[0].legend(title="run", fontsize=9)
-    figure.suptitle(title or ", ".join(experiments) or "runs")
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out)
-    return out
+    records = [(run.read_metrics(), label) for run, label in zip(runs, labels, strict=True)]
+    title = title or ", ".join(experiments) or "runs"
+    if pool is None:
+        return draw_curves(records, out, title=title)
+    pool.draw(records, out, title=title)
+    return Path(out)

@@ -2,6 +2,12 @@
 each member equals its own run, and the engine's hooks (evaluation, metrics, checkpoints, resume,
 EMA, skipping non-finite steps) work on it without code of its own."""
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import equinox as eqx
 import jax
 import numpy as np
@@ -9,10 +15,13 @@ import optax
 import pytest
 
 from research.data import DeviceLoader, XORDataset
+from research.errors import ConfigError, DeviceError
 from research.nn import MLP
+from research.parallel import Fsdp, OneDevice, Pmap, PopulationMesh, Sharded, population_placement
 from research.population import evaluate_ensemble, evaluate_population, member, num_members, stack_states, with_ema
-from research.train import RunDir, TrainState, evaluate, evaluate_state, fit, load_checkpoint
+from research.train import RunDir, TrainState, evaluate, evaluate_state, fit, load_checkpoint, read_header
 
+ROOT = Path(__file__).parent.parent
 OPTIMIZER = optax.adam(1e-2)  # one object: members and single runs share the compiled code
 
 
@@ -122,3 +131,48 @@ def test_a_population_skips_a_non_finite_member_step_member_by_member(xor):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)  # member 0 trained as if alone
     for a, b in zip(arrays(member(result.state, 1).model), arrays(member(poisoned, 1).model), strict=True):
         np.testing.assert_array_equal(a, b)  # member 1 never changed
+
+
+def test_a_population_on_several_devices_splits_its_members_when_they_divide_else_the_batch():
+    own = {"member_batches": True}
+    assert population_placement(Sharded(2), members=4, rows=32, **own) == PopulationMesh(2, "members", True)
+    assert population_placement(Sharded(8), members=4, rows=32, **own) == PopulationMesh(8, "batch", True)
+    shared = {"member_batches": False}  # every member on the same batches (experiments/ensemble.py)
+    assert population_placement(Sharded(4), members=8, rows=100, **shared) == PopulationMesh(4, "members", False)
+    assert population_placement(Sharded(4), members=2, rows=100, **shared) == PopulationMesh(4, "batch", False)
+    for kept in (OneDevice(), Pmap(2), Fsdp(2)):
+        assert population_placement(kept, members=4, rows=32, **shared) is kept
+    with pytest.raises(ConfigError, match="^--parallel pmap cannot train a population whose members take their own"):
+        population_placement(Pmap(2), members=4, rows=32, **own)
+    with pytest.raises(DeviceError, match="^a population of 3 members with batches of 9 rows cannot be split over 2"):
+        population_placement(Sharded(2), members=3, rows=9, **own)
+
+
+def ensemble_summary(run_dir, devices, data_dir):
+    """experiments/ensemble.py, 4 members of 8 hidden units for 2 epochs, in a process with `devices` CPU devices."""
+    flags = ["--num-members", "4", "--hidden", "8", "--epochs", "2", "--batch-size", "200", "--devices", str(devices)]
+    result = subprocess.run(
+        [sys.executable, "experiments/ensemble.py", *flags, "--data-dir", str(data_dir), "--run-dir", str(run_dir)],
+        cwd=ROOT,
+        env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},  # --devices simulates them
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+@pytest.mark.slow
+def test_an_ensemble_split_over_two_devices_by_its_members_equals_it_on_one(tmp_path, mnist1d_dir):
+    """Every member on the same batches, each device training two of the four: the same numbers as on one
+    device, to the tolerance of tests/test_parallel.py (the members' arithmetic is vectorised over a member
+    axis of another length, which can move the last bits), and half the state on each device."""
+    one, two = (ensemble_summary(tmp_path / f"d{d}", d, mnist1d_dir) for d in (1, 2))
+    compared = [key for key in one if key.startswith(("test_", "train_")) and "seconds" not in key]
+    assert {"test_member_loss", "test_ensemble_accuracy", "train_loss"} <= set(compared)
+    for key in compared:
+        np.testing.assert_allclose(two[key], one[key], rtol=1e-5, err_msg=key)
+    leaves = read_header(next((tmp_path / "d1" / "checkpoints").iterdir()))["leaves"]  # [path, shape, dtype]
+    state_bytes = sum(np.prod(shape, dtype=int) * np.dtype(dtype).itemsize for _, shape, dtype in leaves)
+    assert two["state_bytes_per_device"] == state_bytes // 2

@@ -22,17 +22,20 @@ from ._placements import (
     process_rows,
     unreplicate,
 )
+from ._population import MEMBER_AXIS, PopulationMesh, population_placement
 
 __all__ = [
     "DATA_AXIS",
     "DEVICE_AXIS",
     "DeviceError",
     "LOST_PEER_STATUS",
+    "MEMBER_AXIS",
     "Fsdp",
     "OneDevice",
     "ParallelName",
     "Placement",
     "Pmap",
+    "PopulationMesh",
     "ProcessGroup",
     "Sharded",
     "batch_axis_name",
@@ -41,6 +44,7 @@ __all__ = [
     "exit_together",
     "local_copy",
     "make_placement",
+    "population_placement",
     "process_group",
     "process_zero_text",
     "process_rows",

@@ -7,9 +7,19 @@ its metrics with one value per member): a killed sweep resumes it. Each member's
 config.json, its own metrics.jsonl and summary.json (the member's values taken out of the
 population's), a checkpoint of its final state and curves.png, so `load_run`, `compare_runs`,
 `--resume auto` and a later sweep without `--vmapped` treat it as the finished run it equals.
+
+Writing K run directories costs more than training K small members (`scripts/bench` case (f)), so
+it is batched: config.json's provenance is worked out once, the checkpoints are written one after
+another in the background, and the plots are drawn by a `research.curves.CurvePool` (worker
+processes started with the sweep, and this process once it has queued everything else); each
+summary.json, which marks a run finished, comes last, once everything else is on disk.
+
+With `--devices N` the population trains on N devices, its members (or, when N does not divide
+them, each batch) split over them (`research.parallel.population_placement`).
 """
 
 import dataclasses
+import functools
 import hashlib
 import sys
 import time
@@ -18,11 +28,11 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Options, vmappable_options
+from ..curves import CurvePool, plot_processes
 from ..data import DeviceLoader
 from ..errors import CheckpointError
 from ..experiment import RUNS_ROOT, Setup, config_record, initial_state, run_experiment
 from ..population import member, stack_members
-from ..report import plot_curves
 from ..tracking import track_finished_run, trackers_of
 from ..train import CheckpointWriter, RunDir, load_checkpoint
 from ._pool import Run
@@ -31,7 +41,7 @@ from ._runs import UsageError
 
 def check_vmappable(config_class: type, keys: Sequence[str], config: Options) -> None:
     """Refuse, before any work, a grid one program cannot train: a swept option that changes more than
-    array values, or a config that is not one device."""
+    array values, several processes, or a placement other than one device or a mesh of them."""
     allowed = vmappable_options(config_class)
     fixed = [key for key in keys if key not in allowed]
     if fixed:
@@ -39,10 +49,16 @@ def check_vmappable(config_class: type, keys: Sequence[str], config: Options) ->
             f"--vmapped: {', '.join(fixed)} cannot vary inside one program (this experiment's "
             f"vmappable options: {', '.join(sorted(allowed)) or 'none'}); sweep it without --vmapped"
         )
-    if getattr(config, "devices", 1) > 1 or getattr(config, "num_processes", None) not in (None, 1):
+    if getattr(config, "num_processes", None) not in (None, 1):
         raise UsageError(
-            "--vmapped trains its population on one device in one process; drop --devices and the "
-            "multi-process options (or sweep without --vmapped)"
+            "--vmapped trains its population in one process; drop the multi-process options (or sweep "
+            "without --vmapped)"
+        )
+    parallel = getattr(config, "parallel", "auto")
+    if getattr(config, "devices", 1) > 1 and parallel not in ("auto", "sharded"):
+        raise UsageError(
+            f"--vmapped splits its population's members (or its batches) over --devices with --parallel auto "
+            f"or sharded, not {parallel}"
         )
     if getattr(config, "loader", "device") != "device":
         raise UsageError("--vmapped gathers each member's batches on the device: use --loader device")
@@ -72,7 +88,10 @@ def _population_setup(experiment: str, configs: Sequence[Options], setups: Seque
     if len({setup.num_steps for setup in setups}) > 1 or any(s.loss_fn != first.loss_fn for s in setups):
         raise UsageError("--vmapped: the members train for different numbers of steps or with different losses")
     return Setup(
-        build_state=lambda: stack_members([initial_state(s, c) for s, c in zip(setups, configs, strict=True)]),
+        # Built once: the population's run and then the skeleton its checkpoint is read into (K members' builds).
+        build_state=functools.cache(
+            lambda: stack_members([initial_state(s, c) for s, c in zip(setups, configs, strict=True)])
+        ),
         train_data=DeviceLoader.for_members(loaders),
         eval_data=first.eval_data,
         val_data=first.val_data,
@@ -82,36 +101,53 @@ def _population_setup(experiment: str, configs: Sequence[Options], setups: Seque
     )
 
 
-def _write_member(
+def _write_members(
     experiment: str,
-    run: Run,
-    config: Options,
-    setup: Setup,
+    members: Sequence[tuple[int, Run, Options, Setup]],
     state: Any,
     records: list[dict[str, Any]],
     summary: dict[str, Any],
-    k: int,
-    writer: CheckpointWriter,
+    curves: CurvePool,
 ) -> None:
-    out = RunDir(run.path).create()
-    own = member(state, k)
-    saved = {**config_record(experiment, config, setup, own), "vmapped": summary["population"]}
-    out.write_config(saved)
-    out.metrics_file.write_text("")
-    for record in records:
-        out.log(member_values(record, k))
-    step = int(summary["step"])
-    last = member_values(records[-1], k)
-    evaluated = {key: value for key, value in last.items() if key.startswith(("test/", "val/"))}
-    header = {"experiment": experiment, "config": config.to_dict(), "step": step, "eval": evaluated}
-    writer.save(out.checkpoint_path(step), own, header)  # written while the plot is drawn
-    plot_curves([out], [run.name], out.path / "curves.png", title=f"{experiment} {run.name} (vmapped)")
-    writer.wait()  # the summary says the run finished: only once its checkpoint is committed
+    """Write the run directories of `members` (`(k, run, config, setup)`), batched: first what every
+    member's directory holds but its summary (config.json, metrics.jsonl, a checkpoint written in the
+    background, curves.png drawn by `curves`), then, once all of that is on disk, each summary.json,
+    which says the run finished."""
+    # The members differ only in vmappable options, which show only in "config": the rest of config.json
+    # (parameter counts, machine, versions, git state) is member 0's, worked out once.
+    shared = config_record(experiment, members[0][2], members[0][3], member(state, members[0][0]))
+    writer, step = CheckpointWriter(), int(summary["step"])
+    try:
+        for k, run, config, _ in members:
+            out = RunDir(run.path).create()
+            out.write_config({**shared, "config": config.to_dict(), "vmapped": summary["population"]})
+            out.metrics_file.write_text("")
+            own = [member_values(record, k) for record in records]
+            for record in own:
+                out.log(record)
+            evaluated = {key: value for key, value in own[-1].items() if key.startswith(("test/", "val/"))}
+            header = {"experiment": experiment, "config": config.to_dict(), "step": step, "eval": evaluated}
+            writer.save(out.checkpoint_path(step), member(state, k), header)  # written while the others go on
+            curves.draw([(own, run.name)], out.path / "curves.png", title=f"{experiment} {run.name} (vmapped)")
+        curves.close()  # every plot drawn (the workers' leftovers here, while the last checkpoint is written)
+        writer.wait()
+    finally:
+        writer.close()
+    for k, run, config, setup in members:
+        _finish_member(experiment, RunDir(run.path), config, setup, summary, k)
+
+
+def _finish_member(
+    experiment: str, out: RunDir, config: Options, setup: Setup, summary: dict[str, Any], k: int
+) -> None:
+    """Member `k`'s summary.json (the experiment's own numbers added, as a run alone gets them), and its
+    tracked run."""
     own_summary = {key: value for key, value in member_values(summary, k).items() if key != "population"}
     if setup.summarize_run is not None:  # the experiment's numbers from the member's records, as alone
         own_summary.update(setup.summarize_run(out, own_summary) or {})
     out.write_summary(own_summary)
     if len(trackers_of(config)) > 1:  # one tracked run a member, as its own run would have been
+        saved = out.read_config()
         out.write_config({**saved, "trackers": track_finished_run(experiment, config, out, runs_root=RUNS_ROOT)})
 
 
@@ -130,15 +166,34 @@ def sweep_vmapped(
     training (rerun the sweep: the population resumes from its last checkpoint)."""
     setups = [module.setup(config) for config in configs]
     population = _population_setup(experiment, configs, setups)
+    chosen = [
+        (k, run, config, setup)
+        for k, (run, config, setup) in enumerate(zip(runs, configs, setups, strict=True))
+        if write is None or run.name in write
+    ]
+    start = time.perf_counter()
+    # The plots (the population's, then its members') are drawn by processes started now, ready once it has trained.
+    with CurvePool(plot_processes(len(chosen))) as curves:
+        state, records, summary = _train_population(experiment, runs, configs[0], population, sweep_dir, curves)
+        if chosen:
+            _write_members(experiment, chosen, state, records, summary, curves)
+    return [run for _, run, _, _ in chosen], time.perf_counter() - start
+
+
+def _train_population(
+    experiment: str, runs: Sequence[Run], config: Options, population: Setup, sweep_dir: Path, curves: CurvePool
+) -> tuple[Any, list[dict[str, Any]], dict[str, Any]]:
+    """Train (or resume, or find finished) the population run `SWEEP_DIR/population-<hash>`, its curves.png
+    drawn by `curves`; returns its trained state, its records and its summary."""
     names = "\n".join(run.name for run in runs)
     path = sweep_dir / f"population-{hashlib.sha1(names.encode()).hexdigest()[:8]}"
-    # The members are tracked as their runs (`_write_member`), the population itself only in its metrics.jsonl.
+    # The members are tracked as their runs (`_finish_member`), the population itself only in its metrics.jsonl.
     population_config = dataclasses.replace(
-        configs[0], run_dir=str(path), resume="auto", progress=True, tracker="jsonl", tensorboard=False
+        config, run_dir=str(path), resume="auto", progress=True, tracker="jsonl", tensorboard=False
     )
     print(f"sweep: training {len(runs)} runs as one vmapped population in {path}", file=sys.stderr, flush=True)
-    start = time.perf_counter()
-    summary = run_experiment(experiment, population_config, population, summary_extra={"members": names.split("\n")})
+    members = {"members": names.split("\n")}
+    summary = run_experiment(experiment, population_config, population, summary_extra=members, curves=curves)
     summary["population"] = path.name
     population_run = RunDir(path)
     checkpoint, _ = population_run.latest_valid_checkpoint()
@@ -147,13 +202,4 @@ def sweep_vmapped(
             f"{path}: the population left no valid checkpoint to write its members from; rerun the sweep"
         )
     state, _ = load_checkpoint(checkpoint, initial_state(population, population_config))
-    records = population_run.read_metrics()
-    written, writer = [], CheckpointWriter()
-    try:
-        for k, (run, config, setup) in enumerate(zip(runs, configs, setups, strict=True)):
-            if write is None or run.name in write:
-                _write_member(experiment, run, config, setup, state, records, summary, k, writer)
-                written.append(run)
-    finally:
-        writer.close()
-    return written, time.perf_counter() - start
+    return state, population_run.read_metrics(), summary

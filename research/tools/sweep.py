@@ -19,7 +19,9 @@ A search keeps its trials in `SWEEP_DIR/study.db` (Optuna, SQLite), so it resume
 
 `--vmapped` trains a grid over vmappable options (the seed; hyperparameters the optimizer keeps in
 its state, marked `option(vmappable=True)`) as one population in one compiled program (`_vmapped`)
-and writes the same run directories; a killed one resumes when rerun.
+and writes the same run directories; a killed one resumes when rerun. With `--devices N` after `--`
+the population trains on N devices of this process (simulated on the CPU), its members or its
+batches split over them.
 
 `--executor slurm` submits each run (or the `--vmapped` population) as a SLURM job through submitit
 (`_jobs`; `--slurm-*` options), each running the same `--resume auto` command, so requeued and preempted
@@ -48,6 +50,7 @@ from ..cli import parse_config, use_compilation_cache
 from ..errors import ConfigError, Preempted, ResearchInputError
 from ..experiment import RUNS_ROOT, experiment_script, load_experiment
 from ..messages import messages_to_stderr
+from ..parallel import setup_devices
 from ..progress import format_duration
 from ..run_plan import Finished, plan_run
 from ._axes import SET_BY_SWEEP, Axis, check_passed_flags, flag_words, parse_axis, run_name, sweepable_fields
@@ -317,8 +320,9 @@ def sweep_population(
         else:
             pending.append((run, config))
     if pending:
-        use_compilation_cache(getattr(configs[0], "compilation_cache", True))
         try:
+            setup_devices(configs[0])  # --devices: simulated on the CPU before JAX starts; here, where it trains
+            use_compilation_cache(getattr(configs[0], "compilation_cache", True))
             trained, seconds = sweep_vmapped(
                 experiment, module, runs, configs, sweep_dir, write={run.name for run, _ in pending}
             )

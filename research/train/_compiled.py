@@ -224,8 +224,11 @@ class CompiledTrainer:
         population: bool = False,
         member_batches: bool = False,
     ):
-        if member_batches and not (population and isinstance(placement, OneDevice)):
-            raise ValueError("member_batches: a population's own batches per member train on one device")
+        takes_member_batches = getattr(placement, "member_batches", isinstance(placement, OneDevice))
+        if member_batches and not (population and takes_member_batches):
+            raise ValueError(
+                "member_batches: a population's own batches per member need one device or a PopulationMesh"
+            )
         if placement.micro_batches is not None:
             check_micro_batch_loss(loss_fn)
         self.loss_fn = loss_fn
