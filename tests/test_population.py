@@ -146,6 +146,13 @@ def test_a_population_on_several_devices_splits_its_members_when_they_divide_els
         population_placement(Pmap(2), members=4, rows=32, **own)
     with pytest.raises(DeviceError, match="^a population of 3 members with batches of 9 rows cannot be split over 2"):
         population_placement(Sharded(2), members=3, rows=9, **own)
+    # --deterministic-reduction: members split, each member's micro-batched step whole on one device; a split
+    # of the rows would leave the reductions to XLA, so it is refused.
+    micro = Sharded(2, micro_batches=8)
+    expected = PopulationMesh(2, "members", True, micro_batches=8)
+    assert population_placement(micro, members=4, rows=32, **own) == expected
+    with pytest.raises(ConfigError, match="splitting its 3 members over them: pick a number of devices that divides 3"):
+        population_placement(micro, members=3, rows=32, **own)
 
 
 def ensemble_summary(run_dir, devices, data_dir):
