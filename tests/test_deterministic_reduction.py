@@ -23,7 +23,7 @@ import numpy as np
 import optax
 import pytest
 from _entry import run_entry
-from test_parallel import WORKER, group, losses, run_worker, worker_args
+from test_parallel import LAUNCH_TWO, group, losses, run_worker, worker_args
 
 from research.data import Batch
 from research.errors import ConfigError
@@ -205,16 +205,7 @@ def test_two_processes_of_two_devices_give_the_bits_of_one_device(layout_runs, t
         group("dpsgd", "sharded", 2, tmp_path / "dpsgd", *det),
     ]
     launched = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "research.tools.launch",
-            "--num-processes",
-            "2",
-            "--",
-            str(WORKER),
-            *worker_args(*groups),
-        ],
+        [*LAUNCH_TWO, *worker_args(*groups)],
         cwd=tmp_path,
         capture_output=True,
         text=True,

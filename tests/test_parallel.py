@@ -45,6 +45,7 @@ worker = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(worker)
 
 TOLERANCE = 1e-5
+LAUNCH_TWO = [sys.executable, "-m", "research.tools.launch", "--num-processes", "2", "--", str(WORKER)]  # + worker args
 
 
 def worker_args(*groups: list[str]) -> list[str]:
@@ -165,16 +166,7 @@ def test_two_processes_give_the_same_numbers_and_stop_together_when_one_dies(one
         group("mlp", "sharded", 1, tmp_path / "endless", "--steps", "10000000", "--log-every", "20"),
     ]
     launcher = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "research.tools.launch",
-            "--num-processes",
-            "2",
-            "--",
-            str(WORKER),
-            *worker_args(*groups),
-        ],
+        [*LAUNCH_TWO, *worker_args(*groups)],
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -240,14 +232,13 @@ def test_two_processes_stop_together_on_sigterm_and_resume_to_the_same_bits(one_
         "0",
         "--no-progress",
     ]
-    launch_cmd = [sys.executable, "-m", "research.tools.launch", "--num-processes", "2", "--", str(WORKER)]
     # No --run-dir: the processes must agree on the default one (named after the time) to save into it
-    straight = subprocess.run([*launch_cmd, *args], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    straight = subprocess.run([*LAUNCH_TWO, *args], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert straight.returncode == 0, straight.stderr[-3000:]
     [straight_dir] = (tmp_path / "runs" / "worker").iterdir()
     tracked = [*args, "--run-dir", str(tmp_path / "stopped"), "--tracker", "wandb,mlflow"]
     launcher = subprocess.Popen(
-        [*launch_cmd, *tracked], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [*LAUNCH_TWO, *tracked], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     metrics = tmp_path / "stopped" / "metrics.jsonl"
     deadline = time.monotonic() + 600
@@ -263,7 +254,7 @@ def test_two_processes_stop_together_on_sigterm_and_resume_to_the_same_bits(one_
     assert 0 < step < 400 and step % 20 == 0
     assert (tmp_path / "stopped" / "checkpoints" / f"step_{step:09d}" / "checkpoint.json").exists()
     resumed = subprocess.run(
-        [*launch_cmd, *tracked, "--resume", "auto"], cwd=tmp_path, capture_output=True, text=True, timeout=600
+        [*LAUNCH_TWO, *tracked, "--resume", "auto"], cwd=tmp_path, capture_output=True, text=True, timeout=600
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 

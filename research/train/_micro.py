@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from ..data import Batch
 from ..errors import ConfigError
 from ..typing import PRNGKeyArray, PyTree
-from ._state import LossFn, loss_value_and_grad, rows_of_global_batch
+from ._state import LossFn, batch_rows, loss_value_and_grad, rows_of_global_batch
 
 
 def tree_sum(stacked: PyTree) -> PyTree:
@@ -96,7 +96,7 @@ def micro_batch_value_and_grad(
     along `axis_name` (all of it without), as `micro_batches` micro-batches combined in a fixed order."""
     devices = 1 if axis_name is None else jax.lax.axis_size(axis_name)
     local = micro_batches // devices
-    rows = jax.tree.leaves(batch)[0].shape[0] // local
+    rows = batch_rows(batch) // local
     first = 0 if axis_name is None else jax.lax.axis_index(axis_name) * local
     micro = jax.tree.map(lambda x: x.reshape(local, rows, *x.shape[1:]), batch)
 

@@ -225,7 +225,7 @@ def loss_value_and_grad(
     and adds its noise once, to the global sum (a mean of per-device noisy means would shrink the
     signal by the device count and not the noise).
     """
-    with _batch_split_over(axis_name, _rows(batch)):
+    with _batch_split_over(axis_name, batch_rows(batch)):
         own = getattr(loss_fn, "value_and_grad", None)
         if own is not None:
             return own(model, model_state, batch, key, axis_name=axis_name)
@@ -237,7 +237,8 @@ def loss_value_and_grad(
     return (loss, (metrics, model_state)), grads
 
 
-def _rows(batch: Batch) -> int:
+def batch_rows(batch: Batch) -> int:
+    """The rows of a batch (its leading axis)."""
     return jax.tree.leaves(batch)[0].shape[0]
 
 
