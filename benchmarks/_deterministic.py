@@ -48,11 +48,10 @@ def _temp_bytes(trainer, state, data, steps: int) -> int | None:
     """XLA's temporary buffers for one compiled call of `steps` of `trainer`'s steps, on one device."""
     import numpy as np
 
-    from research.data import Batch
     from research.train._compiled import StepStats
 
     leaves = trainer.place(state)
-    example = Batch(*(a[np.zeros(data.index_shape, np.int32)] for a in data.host))
+    example = data.host.take(np.zeros(data.index_shape, np.int32))
     stats = trainer.placement.put_stats(StepStats.init(trainer.stats_layout(leaves, example)))
     indices = trainer.placement.put_indices(np.zeros((steps, *data.index_shape), np.int32))
     device_data = trainer.placement.put_data(data.host, data.arrays)

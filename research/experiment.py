@@ -167,8 +167,7 @@ def initial_state(setup: Setup, config: Options) -> TrainState:
 def first_batch(data: DeviceLoader | TorchLoader | GrainLoader) -> Batch:
     """The batch of training step 0, as the train loop would see it."""
     if isinstance(data, DeviceLoader):
-        index = data.step_indices(0, 1)[0]
-        return Batch(data.arrays.inputs[index], data.arrays.labels[index])
+        return data.step_batch(0)
     return next(data.batches(0))
 
 

@@ -17,6 +17,11 @@ class Batch(NamedTuple):
     inputs: Any
     labels: Any
 
+    def take(self, rows: Any) -> "Batch":
+        """The examples at `rows` as a batch: a step's indices (`[batch]`, or `[members, batch]` for a
+        population), numpy or jax, traced or not. Every gather of a step's batch goes through here."""
+        return Batch(self.inputs[rows], self.labels[rows])
+
 
 @runtime_checkable
 class Dataset(Protocol):
@@ -245,13 +250,18 @@ class DeviceLoader:
             return np.stack([m.step_indices(start_step, num_steps) for m in self.members], axis=1)
         return self.order.step_indices(start_step, num_steps)
 
+    def step_batch(self, step: int) -> Batch:
+        """The batch of training step `step`, gathered from the device arrays (one call's worth of
+        steps gathers inside the compiled call instead, from `step_indices`)."""
+        return self.arrays.take(self.step_indices(step, 1)[0])
+
     def padded_batches(self) -> Iterator[tuple[Batch, np.ndarray]]:
         """Every example once, in order, as full-size batches; the last one padded, with a 0/1 mask."""
         for start in range(0, self.size, self.batch_size):
             index = np.arange(start, start + self.batch_size)
             mask = index < self.size
             index = np.where(mask, index, 0)
-            yield Batch(self.host.inputs[index], self.host.labels[index]), mask.astype(np.float32)
+            yield self.host.take(index), mask.astype(np.float32)
 
 
 class ArrayDataset:
@@ -304,7 +314,7 @@ def split_validation(train: Batch, size: int, *, seed: int = 0) -> tuple[Batch, 
     """`(train, validation)`: `size` examples of `train` held out (`validation_rows`); the rest keep their
     order."""
     kept, held_out = validation_rows(len(train.labels), size, seed=seed)
-    return Batch(train.inputs[kept], train.labels[kept]), Batch(train.inputs[held_out], train.labels[held_out])
+    return train.take(kept), train.take(held_out)
 
 
 def eval_loader(data: Batch, batch_size: int, kind: Literal["device", "torch"] = "device") -> DeviceLoader | HostLoader:

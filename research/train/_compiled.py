@@ -385,9 +385,8 @@ class CompiledTrainer:
         self._record_trace("run", leaves, stats=stats, data=data, indices=indices, num_steps=num_steps)
 
         def body(i, carry):
-            index = indices[i]
             leaves, stats = carry
-            return self._record(leaves, stats, Batch(data.inputs[index], data.labels[index]))
+            return self._record(leaves, stats, data.take(indices[i]))
 
         if indices.shape[0] == 1:
             # One row: no loop. XLA CPU runs convolutions several times slower inside a while loop

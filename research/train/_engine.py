@@ -293,7 +293,7 @@ class _Feed:
         self.layout: Layout | None = None
         self.several_devices = not isinstance(trainer.placement, OneDevice)
         if isinstance(data, DeviceLoader):
-            self.example = Batch(*(a[np.zeros(data.index_shape, np.int32)] for a in data.host))
+            self.example = data.host.take(np.zeros(data.index_shape, np.int32))  # shaped like a step's batch
             self.device_data = trainer.placement.put_data(data.host, data.arrays)
             self.host_batches = None
         else:
@@ -349,8 +349,7 @@ class _Feed:
 
     def _one_step(self, leaves: Leaves, stats: StepStats, position: int) -> tuple[Leaves, StepStats]:
         if isinstance(self.data, DeviceLoader):
-            index = self.data.step_indices(position, 1)[0]
-            batch = Batch(self.data.arrays.inputs[index], self.data.arrays.labels[index])
+            batch = self.data.step_batch(position)
         else:
             assert self.host_batches is not None  # made for every host loader
             batch = next(self.host_batches)
