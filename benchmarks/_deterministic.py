@@ -48,11 +48,8 @@ def _temp_bytes(trainer, state, data, steps: int) -> int | None:
     """XLA's temporary buffers for one compiled call of `steps` of `trainer`'s steps, on one device."""
     import numpy as np
 
-    from research.train._compiled import StepStats
-
     leaves = trainer.place(state)
-    example = data.host.take(np.zeros(data.index_shape, np.int32))
-    stats = trainer.placement.put_stats(StepStats.init(trainer.stats_layout(leaves, example)))
+    stats = trainer.init_stats(leaves, data.host.take(np.zeros(data.index_shape, np.int32)))
     indices = trainer.placement.put_indices(np.zeros((steps, *data.index_shape), np.int32))
     device_data = trainer.placement.put_data(data.host, data.arrays)
     lowered = trainer._run.lower(leaves, stats.words, device_data, indices, trainer.placement.put_count(steps))

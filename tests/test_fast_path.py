@@ -13,10 +13,9 @@ from research.data import Batch, XORDataset
 from research.nn import MLP
 from research.state import RunningMean
 from research.train import CompiledTrainer, TrainState, classification_loss, compiled_trainer, train_step
-from research.train._compiled import NONFINITE_GRADIENT, NONFINITE_LOSS, StepStats, host_means, layout_of
-from research.train._engine import _window_from_header, window_to_header
 from research.train._keys import split_key_data
 from research.train._packing import PACK_LIMIT, Packing
+from research.train._stats import NONFINITE_GRADIENT, NONFINITE_LOSS, StepStats, layout_of
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2**31 - 1])
@@ -56,14 +55,16 @@ def test_packed_statistics_are_the_running_mean_of_the_finite_steps_and_flag_the
         ok = all(np.isfinite(float(v)) for v in metrics.values())
         if ok:
             reference, _ = reference.update(metrics)
+    view = stats.fetch()
     for name, value in reference.mean().items():
-        assert float(stats.metrics.mean()[name]) == float(value)
-        assert float(host_means(np.asarray(stats.sums), stats.layout)[name]) == float(value)
-    assert float(stats.metrics.weight) == 2
-    assert (int(stats.first_bad_step), int(stats.bad_quantity), int(stats.skipped)) == (11, NONFINITE_LOSS, 2)
-    gradient_first = jax.jit(StepStats.record)(StepStats.init(stats.layout), jnp.int32(7), steps[2])
+        assert float(view.total[name] / view.weight) == float(value)
+        assert float(view.means()[name]) == float(value)
+    assert view.weight == 2
+    assert (view.first_bad_step, view.bad_quantity, view.skipped) == (11, NONFINITE_LOSS, 2)
+    gradient_first = jax.jit(StepStats.record)(StepStats.init(stats.layout), jnp.int32(7), steps[2]).fetch()
     assert (gradient_first.first_bad_step, gradient_first.bad_quantity) == (7, NONFINITE_GRADIENT)
-    assert (StepStats.init(stats.layout).first_bad_step, StepStats.init(stats.layout).bad_quantity) == (-1, 0)
+    fresh = StepStats.init(stats.layout).fetch()
+    assert (fresh.first_bad_step, fresh.bad_quantity, fresh.skipped, fresh.weight) == (-1, 0, 0, 0)
 
 
 def test_a_logging_window_survives_the_checkpoint_header_exactly():
@@ -71,10 +72,48 @@ def test_a_logging_window_survives_the_checkpoint_header_exactly():
     for i, value in enumerate([0.1, 0.7, 1 / 3]):
         stats = stats.record(jnp.int32(i), step_metrics(value, value / 2, value * 3))
     stats = stats.record(jnp.int32(3), step_metrics(np.nan, 0, 0))
-    header = json.loads(json.dumps(window_to_header(stats)))
-    restored = _window_from_header(header, stats.layout)
-    np.testing.assert_array_equal(restored.sums, stats.sums)
-    assert int(restored.skipped) == 1 and int(restored.first_bad_step) == -1  # counters other than skipped restart
+    header = json.loads(json.dumps(stats.fetch().window()))
+    restored, saved = StepStats.from_window(header, stats.layout).fetch(), stats.fetch()
+    for name, total in saved.total.items():
+        np.testing.assert_array_equal(restored.total[name], total)
+    assert restored.weight == saved.weight
+    assert restored.skipped == 1 and restored.first_bad_step == -1  # counters other than skipped restart
+
+
+def read_by_position(words, layout):
+    """The statistics as the packed words hold them, read by position (the documented layout: float32
+    metric sums in layout order, the weight, then int32 first-bad code and skipped count)."""
+    words = np.asarray(words)
+    sums, (code, skipped) = words[:-2].view(np.float32), words[-2:].view(np.int32)
+    first_bad = (-1, 0) if code == np.iinfo(np.int32).max else (code // 2, 2 if code % 2 else 1)
+    return (
+        dict(zip([name for name, _ in layout], sums[:-1].tolist(), strict=True)),
+        float(sums[-1]),
+        int(skipped),
+        first_bad,
+    )
+
+
+def test_the_host_view_names_what_real_steps_left_in_the_packed_words():
+    # Two finite steps, a step with a NaN input (non-finite loss: skipped), then a finite one.
+    state = xor_state()
+    trainer = compiled_trainer(classification_loss, state, skip_nonfinite=True)
+    data = XORDataset(32, seed=0)
+    good = Batch(jnp.asarray(data.inputs), jnp.asarray(data.labels))
+    bad = Batch(good.inputs.at[0].set(jnp.nan), good.labels)
+    leaves = trainer.place(state)
+    stats = trainer.init_stats(leaves, good)
+    for batch in (good, good, bad, good):
+        leaves, stats = trainer.step(leaves, stats, batch)
+    total, weight, skipped, first_bad = read_by_position(stats.words, stats.layout)
+    view = stats.fetch()
+    assert {name: float(value) for name, value in view.total.items()} == total
+    assert (view.weight, view.skipped, (view.first_bad_step, view.bad_quantity)) == (weight, skipped, first_bad)
+    assert (weight, skipped, first_bad) == (3, 1, (2, NONFINITE_LOSS))
+    assert {name: float(value) for name, value in view.means().items()} == {
+        name: float(np.float32(value) / weight) for name, value in total.items()
+    }
+    assert view.window() == {"total": total, "weight": weight, "skipped": skipped}
 
 
 def test_statistics_refuse_metrics_they_were_not_laid_out_for():
@@ -128,12 +167,12 @@ def test_a_packed_trainer_runs_bitwise_like_an_unpacked_one():
         stats = trainer.init_stats(leaves, Batch(arrays.inputs[:32], arrays.labels[:32]))
         leaves, stats = trainer.run(leaves, stats, arrays, indices[:10], 10)  # ten steps in one loop
         model = jax.tree.leaves(eqx.filter(trainer.state(leaves), eqx.is_array))
-        after_run.append([np.asarray(x) for x in [*model, stats.sums, stats.counters]])
+        after_run.append([np.asarray(x) for x in [*model, stats.words]])
         for index in indices[10:]:  # then two one call each
             leaves, stats = trainer.step(leaves, stats, Batch(arrays.inputs[index], arrays.labels[index]))
         after_steps.append(jax.tree.leaves(eqx.filter(trainer.state(leaves), eqx.is_array)))
     # The loop body sees the same leaves, so XLA compiles it alike: the same bits.
-    for a, b in zip(*after_run, strict=True):  # the state's leaves, the metric sums and counters
+    for a, b in zip(*after_run, strict=True):  # the state's leaves, the statistics (metric sums and counters)
         np.testing.assert_array_equal(a, b)
     # A single step is one straight-line program, which XLA fuses differently around the packing.
     for a, b in zip(*after_steps, strict=True):

@@ -76,7 +76,7 @@ def test_fast_path_equals_the_filter_jit_step_and_never_retraces(xor):
     for batch in batches:
         sums = trainer.init_stats(leaves, batch)
         leaves, sums = trainer.step(leaves, sums, batch)
-        losses.append(float(sums.metrics.mean()["loss"]))
+        losses.append(float(sums.fetch().means()["loss"]))
     assert trainer.num_traces["step"] - traces <= 1
     np.testing.assert_allclose(losses, reference_losses, rtol=1e-6)
     assert_trees_close(trainer.state(leaves), reference)
@@ -99,8 +99,8 @@ def test_compiled_run_of_many_steps_equals_single_steps(xor):
     many_sums = trainer.init_stats(many_leaves, Batch(loader.arrays.inputs[:64], loader.arrays.labels[:64]))
     many_leaves, many_sums = trainer.run(many_leaves, many_sums, loader.arrays, padded, 10)
     assert_trees_close(trainer.state(many_leaves), trainer.state(leaves))
-    assert_trees_close(many_sums.metrics.mean(), sums.metrics.mean())
-    assert float(many_sums.metrics.weight) == 10
+    assert_trees_close(many_sums.fetch().means(), sums.fetch().means())
+    assert many_sums.fetch().weight == 10
 
 
 def test_a_one_row_run_is_one_step_without_a_loop_and_zero_steps_change_nothing(xor):
@@ -117,10 +117,10 @@ def test_a_one_row_run_is_one_step_without_a_loop_and_zero_steps_change_nothing(
     leaves, sums = trainer.step(*fresh(), Batch(loader.arrays.inputs[index[0]], loader.arrays.labels[index[0]]))
     run_leaves, run_sums = trainer.run(*fresh(), loader.arrays, index, 1)
     assert_trees_close(trainer.state(run_leaves), trainer.state(leaves))
-    assert_trees_close(run_sums.metrics.mean(), sums.metrics.mean())
+    assert_trees_close(run_sums.fetch().means(), sums.fetch().means())
     idle_leaves, idle_sums = trainer.run(*fresh(), loader.arrays, index, 0)
     assert_trees_close(trainer.state(idle_leaves), state)
-    assert float(idle_sums.metrics.weight) == 0
+    assert idle_sums.fetch().weight == 0
 
 
 def test_fit_is_independent_of_steps_per_call_and_leaves_the_input_state_usable(xor):

@@ -7,11 +7,7 @@ state's leaves travel packed into one buffer (`_packing.py`), since each array i
 costs dispatch time.
 """
 
-import dataclasses
-import functools
-import math
 import threading
-from typing import Any
 
 import equinox as eqx
 import jax
@@ -21,168 +17,12 @@ from jax.core import Tracer
 
 from ..data import Batch
 from ..debug import RetraceLog
-from ..state import RunningMean
-from ..typing import Array, Float, Int, UInt32
+from ..typing import Array
 from ._micro import check_micro_batch_loss
 from ._packing import Packing, describe_spec
 from ._placement import Leaves, OneDevice, Placement
 from ._state import LossFn, TrainState, train_step
-
-# A step's metrics: scalars, or one value per member of a population.
-StepMetrics = dict[str, Float[Array, "*members"]]
-
-NONFINITE_LOSS, NONFINITE_GRADIENT = 1, 2
-NONFINITE_NAMES = {NONFINITE_LOSS: "loss", NONFINITE_GRADIENT: "gradient"}
-NO_BAD_STEP = int(np.iinfo(np.int32).max)  # `StepStats.counters[0]` while every step was finite
-
-
-def decode_first_bad(code: int) -> tuple[int, int]:
-    """`(step, quantity)` of the first non-finite step from `StepStats.counters[0]`; `(-1, 0)`: none."""
-    if code == NO_BAD_STEP:
-        return -1, 0
-    return code // 2, NONFINITE_GRADIENT if code % 2 else NONFINITE_LOSS
-
-
-# The names and shapes of the metrics packed into `StepStats.sums`, in order (sorted by name).
-Layout = tuple[tuple[str, tuple[int, ...]], ...]
-
-
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("words",), meta_fields=("layout",))
-@dataclasses.dataclass(frozen=True)
-class StepStats:
-    """What the compiled steps accumulate on the device between two host synchronisations, packed
-    into one `uint32` vector. Every array in or out of a compiled call costs dispatch time, and so
-    does a pytree node: the compiled functions take and return `words` alone (a plain array), and
-    `CompiledTrainer.step`/`run` wrap it again.
-
-    `words` holds, bitcast:
-    - the weighted sums of the step metrics over finite steps (float32, in `layout` order), then
-      the total weight (`sums`; `metrics` reads them as a `RunningMean`);
-    - two int32 counters (`counters`): the first non-finite step, as `2 * step + 1` when only its
-      gradient was non-finite and `2 * step` when its loss was (`NO_BAD_STEP` while all were
-      finite; read it with `first_bad_step` and `bad_quantity`), then `skipped` (steps whose update
-      was skipped because it was not finite). (Steps are counted in int32: codes hold steps below
-      2**30.) The counters live in an integer vector, so no float operation can touch their bits.
-    - `layout`: static; the name and shape of each metric in the sums.
-
-    On the host, `fetch()` reads both parts in one transfer.
-    """
-
-    # Fresh statistics hold numpy words: the compiled call they go into transfers them with its other
-    # arguments (a separate `jnp.asarray` cost ~100 us a logging stop). A leading device axis under `jax.pmap`.
-    words: UInt32[Array | np.ndarray, "*devices packed"]
-    layout: Layout
-
-    @staticmethod
-    def init(layout: Layout) -> "StepStats":
-        """Zeroed statistics for `layout`, on the host."""
-        return StepStats(_join(np.zeros(_size(layout) + 1, np.float32), _FRESH_COUNTERS), layout)
-
-    @staticmethod
-    def from_window(total: dict[str, Any], weight: float, skipped: int, layout: Layout) -> "StepStats":
-        """Statistics holding a saved logging window (`fit`'s `resume_window`): its sums, its weight,
-        its skipped steps, and no non-finite step yet."""
-        packed = [np.ravel(np.asarray(total[name], np.float32)) for name, _ in layout]
-        sums = np.concatenate([*packed, np.asarray([weight], np.float32)])
-        return StepStats(_join(sums, np.array([NO_BAD_STEP, skipped], np.int32)), layout)
-
-    @property
-    def sums(self) -> Float[Array, "*devices sums"]:
-        return jax.lax.bitcast_convert_type(self.words[..., :-2], jnp.float32)
-
-    @property
-    def counters(self) -> Int[Array, "*devices 2"]:
-        return jax.lax.bitcast_convert_type(self.words[..., -2:], jnp.int32)
-
-    def fetch(self) -> tuple[np.ndarray, np.ndarray]:
-        """`(sums, counters)` on the host, in one transfer (numpy views of the fetched words)."""
-        words = np.asarray(jax.device_get(self.words))
-        return words[..., :-2].view(np.float32), words[..., -2:].view(np.int32)
-
-    @property
-    def metrics(self) -> RunningMean:
-        return RunningMean(unpack_sums(self.sums, self.layout), self.sums[-1])
-
-    def first_bad(self) -> tuple[int, int]:
-        """`(first_bad_step, bad_quantity)`, in one transfer."""
-        return decode_first_bad(int(self.fetch()[1][0]))
-
-    @property
-    def first_bad_step(self) -> int:
-        """The index of the first step whose loss or gradient was not finite; -1: none yet."""
-        return self.first_bad()[0]
-
-    @property
-    def bad_quantity(self) -> int:
-        """`NONFINITE_LOSS` or `NONFINITE_GRADIENT` for `first_bad_step` (0: none)."""
-        return self.first_bad()[1]
-
-    @property
-    def skipped(self) -> Int[Array, ""]:
-        return self.counters[1]
-
-    def record(self, step: Int[Array, ""], metrics: StepMetrics) -> "StepStats":
-        """Add one step's metrics. A population's metrics have one value per member: its step counts
-        as finite when every member's was (a member's non-finite metrics are left out of the sums)."""
-        if [name for name, _ in self.layout] != sorted(metrics) or self.words.shape[-1] != _size(self.layout) + 3:
-            raise ValueError(
-                f"the step's metrics {sorted(metrics)} are not the ones these statistics were made for "
-                f"{[name for name, _ in self.layout]} ({self.words.shape[-1]} words); make them with "
-                "the trainer's init_stats"
-            )
-        member_ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
-        clean = [jnp.ravel(jnp.where(member_ok, metrics[name], 0.0)).astype(jnp.float32) for name, _ in self.layout]
-        loss_ok, ok = _all(jnp.isfinite(metrics["loss"])), _all(member_ok)
-        code = jnp.where(ok, NO_BAD_STEP, 2 * step + loss_ok.astype(jnp.int32))
-        # Both parts update elementwise over the whole vector (an add, a minimum, a select on the
-        # position), so XLA writes the donated buffer in place: one kernel and no copy a step.
-        floats = self.words.shape[-1] - 2
-        added = jnp.concatenate([*clean, ok.astype(jnp.float32)[None], jnp.zeros(2, jnp.float32)])
-        counted = jnp.concatenate([jnp.zeros(floats, jnp.int32), jnp.stack([jnp.int32(0), (~ok).astype(jnp.int32)])])
-        ceiling = jnp.concatenate([jnp.full(floats, NO_BAD_STEP, jnp.int32), jnp.stack([code, jnp.int32(NO_BAD_STEP)])])
-        as_float, as_int = (jax.lax.bitcast_convert_type(self.words, t) for t in (jnp.float32, jnp.int32))
-        words = jnp.where(
-            jnp.arange(floats + 2) < floats,
-            jax.lax.bitcast_convert_type(as_float + added, jnp.uint32),
-            jax.lax.bitcast_convert_type(jnp.minimum(as_int + counted, ceiling), jnp.uint32),
-        )
-        return StepStats(words, self.layout)
-
-
-_FRESH_COUNTERS = np.array([NO_BAD_STEP, 0], np.int32)
-
-
-def _size(layout: Layout) -> int:
-    """How many float32 values the metrics of `layout` take (the weight not counted)."""
-    return sum(math.prod(shape) for _, shape in layout)
-
-
-def _join(sums: np.ndarray, counters: np.ndarray) -> np.ndarray:
-    """The `StepStats.words` of host sums and counters (made in numpy: one transfer, no op)."""
-    return np.concatenate([sums.view(np.uint32), counters.view(np.uint32)])
-
-
-def _all(flags: Array) -> Array:
-    return flags if flags.ndim == 0 else jnp.all(flags)
-
-
-def host_means(sums: np.ndarray, layout: Layout) -> dict[str, np.ndarray]:
-    """The running means of `StepStats.sums` fetched to the host (numpy: no device op per metric)."""
-    return {k: np.asarray(v / max(float(sums[-1]), 1e-30)) for k, v in unpack_sums(sums, layout).items()}
-
-
-def unpack_sums(sums, layout: Layout) -> dict:
-    total, start = {}, 0
-    for name, shape in layout:
-        size = math.prod(shape)
-        total[name] = sums[start : start + size].reshape(shape)
-        start += size
-    return total
-
-
-def layout_of(shapes: dict[str, Any]) -> Layout:
-    """The `StepStats` layout of a step's metrics (arrays or `jax.ShapeDtypeStruct`s)."""
-    return tuple((name, tuple(value.shape)) for name, value in sorted(shapes.items()))
+from ._stats import Layout, StepMetrics, StepStats, layout_of
 
 
 class CompiledTrainer:

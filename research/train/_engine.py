@@ -26,10 +26,11 @@ from ..data import Batch, DeviceLoader, GrainLoader, TorchLoader
 from ..debug import describe_nan_error
 from ..errors import DataError, NonFiniteError, Preempted
 from ..provenance import CompileTimer
-from ._compiled import CompiledTrainer, Layout, StepStats, compiled_trainer, host_means, unpack_sums
+from ._compiled import CompiledTrainer, compiled_trainer
 from ._placement import Leaves, OneDevice, Placement, bytes_on_first_device
 from ._signals import StopSignals
 from ._state import LossFn, TrainState, classification_loss
+from ._stats import HostStats, Layout, StepStats
 
 Hook = Callable[["StepInfo"], None]
 
@@ -73,10 +74,11 @@ class StepInfo:
         return self.trainer.saved_state(self.leaves)
 
     def first_bad_step(self) -> tuple[int, int]:
-        return self.trainer.host(self.checked).first_bad()
+        checked = self.trainer.host(self.checked).fetch()
+        return checked.first_bad_step, checked.bad_quantity
 
     def window(self) -> dict[str, Any]:
-        return window_to_header(self.trainer.host(self.running))
+        return self.trainer.host(self.running).fetch().window()
 
 
 @dataclasses.dataclass
@@ -200,7 +202,7 @@ class Engine:
         stats = (
             fresh()
             if resume_window is None
-            else trainer.placement.put_stats(_window_from_header(resume_window, feed.stats_layout(leaves)))
+            else trainer.placement.put_stats(StepStats.from_window(resume_window, feed.stats_layout(leaves)))
         )
         clock, record, final = _Clock(step, self.skip_nonfinite), {}, {}
         with _nan_checks(self.debug_nans), _signals(self.stop_signals) as signals, CompileTimer() as compiling:
@@ -216,7 +218,7 @@ class Engine:
                     )
                 checked, record = stats, {}
                 if step % self.log_every == 0 or step == num_steps:
-                    record = clock.window_record(step, trainer.host(stats))
+                    record = clock.window_record(step, trainer.host(stats).fetch())
                     stats = fresh()
                 info = StepInfo(step, num_steps, record, trainer, leaves, checked, stats, feed.data_state)
                 with clock.paused():
@@ -356,7 +358,7 @@ class _Feed:
         before = self.trainer.placement.place(leaves) if self.debug_nans else None  # the step donates its inputs
         try:
             leaves, stats = self.trainer.step(leaves, stats, self.trainer.placement.put_batch(batch))
-            if before is not None and stats.first_bad_step >= 0:
+            if before is not None and stats.fetch().first_bad_step >= 0:
                 # The statistics hold only finite values, so a NaN loss need not reach any output JAX
                 # checks: replay the step op by op to find where it came from.
                 self.trainer.replay_eagerly(before, batch)
@@ -382,13 +384,12 @@ class _Clock:
     def __init__(self, step: int, count_skipped: bool):
         self.start, self.step, self.count_skipped = time.perf_counter(), step, count_skipped
 
-    def window_record(self, step: int, stats: StepStats) -> dict[str, Any]:
-        sums, counters = stats.fetch()  # one transfer, then numpy
-        means = host_means(sums, stats.layout)
+    def window_record(self, step: int, stats: HostStats) -> dict[str, Any]:
+        means = stats.means()
         record: dict[str, Any] = {f"train/{k}": _scalar(v) for k, v in means.items()}
         record.update({f"train/member_{k}": v.tolist() for k, v in means.items() if v.ndim})
         if self.count_skipped:
-            record["train/skipped"] = int(counters[1])
+            record["train/skipped"] = stats.skipped
         now = time.perf_counter()
         record["steps_per_s"] = (step - self.step) / max(now - self.start, 1e-9)
         self.start, self.step = now, step
@@ -469,21 +470,6 @@ def _summarise_type_error(error: TypeCheckError) -> str:
         f"the data does not fit the model: {function} parameter '{parameter}' got {got}, expected {expected}"
         f"{where_sizes}"
     )
-
-
-def window_to_header(stats: StepStats) -> dict[str, Any]:
-    """The running metrics of an unfinished logging window, exactly, as JSON (float32 -> float is exact)."""
-    sums, counters = stats.fetch()
-    total = unpack_sums(sums, stats.layout)
-    return {
-        "total": {k: np.asarray(v).tolist() for k, v in total.items()},
-        "weight": float(sums[-1]),
-        "skipped": int(counters[1]),
-    }
-
-
-def _window_from_header(window: dict[str, Any], layout: Layout) -> StepStats:
-    return StepStats.from_window(window["total"], window["weight"], window["skipped"], layout)
 
 
 def _warn_on_retrace(trainer: CompiledTrainer, before: dict[str, int]) -> None:

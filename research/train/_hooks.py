@@ -19,10 +19,10 @@ from ..data import DeviceLoader, HostLoader
 from ..errors import NonFiniteError
 from ..progress import Progress
 from ._checkpoint import CheckpointWriter
-from ._compiled import NONFINITE_NAMES
 from ._engine import StepInfo
 from ._evaluate import evaluate_state
 from ._rundir import RunDir
+from ._stats import NONFINITE_NAMES
 from ._tracking import Tracker
 
 # evaluate(state, data, progress=...) -> (metrics, raw_metrics or None), like `evaluate_state`.

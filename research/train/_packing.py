@@ -5,6 +5,9 @@ out), which is most of a step when the model is tiny: the XOR MLP's TrainState h
 all 32-bit leaves (float32, int32, uint32) travel bitcast into one `uint32` vector; leaves of other
 dtypes travel as they are. The compiled functions unpack the vector on entry and pack it on exit,
 so what runs in between, a `fori_loop` of train steps included, sees the same leaves as before.
+
+The step statistics (`_stats.py:StepStats`) are one such buffer too: their float sums and integer
+counters are the leaves of a `Packing`, so one vector goes in and out of each compiled call.
 """
 
 import dataclasses
@@ -40,6 +43,21 @@ class Packing:
 
     specs: Specs
 
+    @property
+    def size(self) -> int:
+        """The buffer's length in words."""
+        return sum(math.prod(shape) for shape, dtype in self.specs if _in_buffer(dtype))
+
+    def holds(self, dtype) -> np.ndarray:
+        """For each word of the buffer, whether it holds (a bitcast element of) a leaf of `dtype`."""
+        return np.concatenate(
+            [
+                np.full(math.prod(shape), np.dtype(kind) == np.dtype(dtype))
+                for shape, kind in self.specs
+                if _in_buffer(kind)
+            ]
+        )
+
     @staticmethod
     def specs_of(leaves: Leaves) -> Specs:
         return tuple((tuple(x.shape), np.dtype(x.dtype)) for x in leaves)
@@ -71,7 +89,7 @@ class Packing:
 
         return self._split(packed[0], packed[1:], leaf)
 
-    def _split(self, buffer, others: Leaves, leaf) -> Leaves:
+    def _split(self, buffer, others: list, leaf) -> list:
         """Each leaf in order: `leaf(words, dtype)` of its `[shape]` slice of `buffer`, or the next of `others`."""
         rest, leaves, start = iter(others), [], 0
         for shape, dtype in self.specs:
@@ -83,10 +101,14 @@ class Packing:
             start += size
         return leaves
 
+    def buffer_on_host(self, leaves: list) -> np.ndarray:
+        """The buffer of `pack(leaves)` for concrete arrays (jax, numpy, numpy scalars), made in numpy: no
+        transfer, no device op."""
+        return np.concatenate([np.asarray(x).view(_WORD).ravel() for x in leaves if _in_buffer(x.dtype)])
+
     def pack_on_host(self, leaves: Leaves) -> Leaves:
-        """`pack` of concrete arrays, done in numpy (bitcasts are views) with one transfer back."""
-        words = [np.asarray(x).view(_WORD).ravel() for x in leaves if _in_buffer(x.dtype)]
-        return [jnp.asarray(np.concatenate(words)), *(x for x in leaves if not _in_buffer(x.dtype))]
+        """`pack` of concrete arrays, done in numpy with one transfer back."""
+        return [jnp.asarray(self.buffer_on_host(leaves)), *(x for x in leaves if not _in_buffer(x.dtype))]
 
     def unpack_on_host(self, packed: Leaves) -> Leaves:
         """`unpack` of concrete arrays, done in numpy; the leaves are copies (a view would keep the
@@ -96,3 +118,7 @@ class Packing:
             return jnp.asarray(words.view(dtype).copy())
 
         return self._split(np.asarray(packed[0]), packed[1:], leaf)
+
+    def views_on_host(self, buffer: np.ndarray) -> list[np.ndarray]:
+        """The leaves of a numpy buffer whose leaves are all 32-bit, as numpy views of it (no copy)."""
+        return self._split(buffer, [], lambda words, dtype: words.view(dtype))
