@@ -9,10 +9,10 @@ import numpy as np
 import optax
 import pytest
 
-from research.data import Batch, XORDataset
+from research.data import Batch, DeviceLoader, XORDataset
 from research.nn import MLP
 from research.state import RunningMean
-from research.train import CompiledTrainer, TrainState, classification_loss, compiled_trainer, train_step
+from research.train import CompiledTrainer, Engine, TrainState, classification_loss, compiled_trainer, train_step
 from research.train._keys import split_key_data
 from research.train._packing import PACK_LIMIT, Packing
 from research.train._stats import NONFINITE_GRADIENT, NONFINITE_LOSS, StepStats, layout_of
@@ -114,6 +114,38 @@ def test_the_host_view_names_what_real_steps_left_in_the_packed_words():
         name: float(np.float32(value) / weight) for name, value in total.items()
     }
     assert view.window() == {"total": total, "weight": weight, "skipped": skipped}
+
+
+def test_hooks_see_the_statistics_of_their_stop_by_name():
+    data = XORDataset(256, seed=0)
+    inputs = np.array(data.inputs, np.float32)
+    inputs[7] = np.nan  # the steps whose batch holds example 7 are skipped
+    loader = DeviceLoader(inputs, np.asarray(data.labels), 32, seed=0)
+    seen = []
+
+    def look(info):
+        by_position = read_by_position(info.stats.words, info.stats.layout)
+        seen.append((info.step, info.logged, dict(info.record), info.host_stats, by_position, info.window()))
+
+    Engine(log_every=4, steps_per_call=3, skip_nonfinite=True).add_hook(look, every=2).fit(xor_state(), loader, 12)
+    assert [(step, logged) for step, logged, *_ in seen] == [
+        (2, False),
+        (4, True),
+        (6, False),
+        (8, True),
+        (10, False),
+        (12, True),
+    ]
+    assert sum(view.skipped for _, logged, _, view, *_ in seen if logged) >= 1
+    for _, logged, record, view, (total, weight, skipped, first_bad), window in seen:
+        assert ({k: float(v) for k, v in view.total.items()}, view.weight, view.skipped) == (total, weight, skipped)
+        assert (view.first_bad_step, view.bad_quantity) == first_bad
+        if logged:  # the record took the window's metrics; the next steps start a new window
+            assert record["train/loss"] == float(np.float32(total["loss"]) / max(weight, 1e-30))
+            assert record["train/skipped"] == skipped
+            assert window == {"total": {name: 0.0 for name in total}, "weight": 0.0, "skipped": 0}
+        else:
+            assert window == {"total": total, "weight": weight, "skipped": skipped}
 
 
 def test_statistics_refuse_metrics_they_were_not_laid_out_for():

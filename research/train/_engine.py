@@ -47,6 +47,9 @@ class StepInfo:
       must ask for it at the same stops: it may gather shards across them).
     - `saved_state`: fresh copies of the state's arrays where the placement keeps them, for a
       checkpoint (built on first use; every process asks for it at the same stops).
+    - `stats`: the step statistics since the train metrics were last fetched, up to here (on the
+      devices); `host_stats`: the same on the host (fetched on first use, once a stop); `logged`:
+      whether `record` took their metrics here (a `log_every` stop: the next steps start afresh).
     - `first_bad_step()`: `(step, quantity)` of the first non-finite step since the last fetch.
     - `window()`: the running metrics not yet logged, as a checkpoint header stores them.
     - `data_state()`: the host loader's own state at this step (a Grain iterator's), or None.
@@ -57,8 +60,8 @@ class StepInfo:
     record: dict[str, Any]
     trainer: CompiledTrainer
     leaves: Leaves
-    checked: StepStats  # the statistics of the steps up to here, before a fetch restarted them
-    running: StepStats  # the statistics the next steps add to
+    stats: StepStats
+    logged: bool = False
     data_state: Callable[[], Any] = lambda: None
 
     @property
@@ -73,12 +76,16 @@ class StepInfo:
     def saved_state(self) -> TrainState:
         return self.trainer.saved_state(self.leaves)
 
+    @functools.cached_property
+    def host_stats(self) -> HostStats:
+        return self.trainer.host(self.stats).fetch()
+
     def first_bad_step(self) -> tuple[int, int]:
-        checked = self.trainer.host(self.checked).fetch()
-        return checked.first_bad_step, checked.bad_quantity
+        return self.host_stats.first_bad_step, self.host_stats.bad_quantity
 
     def window(self) -> dict[str, Any]:
-        return self.trainer.host(self.running).fetch().window()
+        # After a log stop nothing is left unlogged: an empty window, made on the host.
+        return (StepStats.init(self.stats.layout).fetch() if self.logged else self.host_stats).window()
 
 
 @dataclasses.dataclass
@@ -198,36 +205,29 @@ class Engine:
         leaves = trainer.place(state)  # fresh copies: the compiled steps donate them
         state_bytes = bytes_on_first_device(leaves)
         feed = _Feed(trainer, train_data, step, self.steps_per_call, self.debug_nans, resume_data)
-        fresh = lambda: feed.init_stats(leaves)  # noqa: E731
-        stats = (
-            fresh()
-            if resume_window is None
-            else trainer.placement.put_stats(StepStats.from_window(resume_window, feed.stats_layout(leaves)))
-        )
-        clock, record, final = _Clock(step, self.skip_nonfinite), {}, {}
+        stats = feed.init_stats(leaves, resume_window)
+        clock, final = _Clock(step, self.skip_nonfinite), {}
         with _nan_checks(self.debug_nans), _signals(self.stop_signals) as signals, CompileTimer() as compiling:
             alone = jax.process_count() == 1  # several processes may only stop where all of them stop
             while step < num_steps:
                 until = self._next_stop(step, num_steps)
                 leaves, stats, step = feed.advance(leaves, stats, step, until, signals if alone else None)
                 compiling.freeze()  # the first stop's calls compiled the step: later ones reuse it
+                logs = step % self.log_every == 0 or step == num_steps  # (never where a signal stopped early)
+                info = StepInfo(step, num_steps, {}, trainer, leaves, stats, logs, feed.data_state)
                 if step < until:  # `advance` stops early only when a signal came
                     assert signals is not None and signals.received is not None
-                    self._preempted(
-                        StepInfo(step, num_steps, {}, trainer, leaves, stats, stats, feed.data_state), signals.received
-                    )
-                checked, record = stats, {}
-                if step % self.log_every == 0 or step == num_steps:
-                    record = clock.window_record(step, trainer.host(stats).fetch())
-                    stats = fresh()
-                info = StepInfo(step, num_steps, record, trainer, leaves, checked, stats, feed.data_state)
+                    self._preempted(info, signals.received)
+                if logs:
+                    info.record.update(clock.window_record(step, info.host_stats))
+                    stats = feed.init_stats(leaves)
                 with clock.paused():
                     self._run_hooks(info)
                     if signals is not None and not alone and step < num_steps:
                         received = _agreed_signal(signals)
                         if received:
                             self._preempted(info, received)
-                final.update(record)
+                final.update(info.record)
         return leaves, final, state_bytes, compiling.seconds
 
     @contextlib.contextmanager
@@ -317,9 +317,11 @@ class _Feed:
                 raise DataError(_summarise_type_error(e)) from None
         return self.layout
 
-    def init_stats(self, leaves: Leaves) -> StepStats:
-        """Zeroed statistics for the next steps, placed."""
-        return self.trainer.placement.put_stats(StepStats.init(self.stats_layout(leaves)))
+    def init_stats(self, leaves: Leaves, window: dict[str, Any] | None = None) -> StepStats:
+        """Zeroed statistics for the next steps (holding `window`, a checkpoint's unlogged one), placed."""
+        layout = self.stats_layout(leaves)
+        stats = StepStats.init(layout) if window is None else StepStats.from_window(window, layout)
+        return self.trainer.placement.put_stats(stats)
 
     def advance(
         self, leaves: Leaves, stats: StepStats, step: int, until: int, signals: StopSignals | None = None
