@@ -1,5 +1,31 @@
 """`fit`: the engine with the standard hooks, in one call, for library users (an experiment script's
-run adds the same hooks from its config: `research.experiment.add_default_hooks`)."""
+run adds the same hooks from its config: `research.experiment.add_default_hooks`).
+
+**Arguments of `fit`** (besides `Engine`'s `loss_fn`, `placement`, `log_every`, `steps_per_call`,
+`skip_nonfinite`, `debug_nans`, `population`, and `Engine.fit`'s `resume_window`, `resume_data`):
+
+- `state`: the starting TrainState (step 0, or a restored checkpoint); left untouched.
+- `train_data`: a `DeviceLoader` (batches gathered on the device; `steps_per_call` steps run in
+  one compiled call), a `TorchLoader` (host batches from a torch DataLoader, one call a step) or a
+  `GrainLoader` (host batches through Grain).
+  Batch order is a pure function of the seed and the step, so a resumed run sees the same data.
+- `num_steps`: the total number of steps (not the number still to take).
+- `eval_data`, `eval_every`, `evaluator`: evaluate every `eval_every` steps (`None`: only at the
+  end) and at the end (`Evaluate`); `val_data` likewise, logged as `val/...`.
+- `run`: where to log (`metrics.jsonl`) and checkpoint; nothing is written when `None`. With
+  several processes pass it on every process: each saves its shards of the checkpoints (in the
+  background), process 0 commits them and logs.
+- `checkpoint_every`, `keep_checkpoints`, `checkpoint_header`: `Checkpoint`'s cadence, how many
+  to keep and the JSON header written with each (`None`: only the final step, which is always
+  checkpointed); `checkpoint_seconds`: also checkpoint at the first stop after so many seconds.
+- `stop_signals`: on SIGTERM/SIGINT stop after the compiled call in flight, checkpoint there
+  (with `run`) and raise `Preempted` (see `Engine`).
+- `progress`: show a progress bar (or log lines when not on a terminal).
+- `tracker`: another destination for the logged records (say a `TensorBoardTracker`); the
+  caller owns it and calls its `finish()`.
+- `lr_schedule`: the optimizer's schedule (`step -> lr`), logged as `lr`.
+- `profile`: a `Profile` hook tracing its window of steps.
+"""
 
 from collections.abc import Callable
 from typing import Any
@@ -47,33 +73,8 @@ def fit(
     stop_signals: bool = False,
     profile: Profile | None = None,
 ) -> FitResult:
-    """Train `state` until `state.step == num_steps`: an `Engine` with the standard hooks.
-
-    **Arguments** (besides `Engine`'s `loss_fn`, `placement`, `log_every`, `steps_per_call`,
-    `skip_nonfinite`, `debug_nans`, `population`, and `Engine.fit`'s `resume_window`, `resume_data`):
-
-    - `state`: the starting TrainState (step 0, or a restored checkpoint); left untouched.
-    - `train_data`: a `DeviceLoader` (batches gathered on the device; `steps_per_call` steps run in
-      one compiled call), a `TorchLoader` (host batches from a torch DataLoader, one call a step) or a
-      `GrainLoader` (host batches through Grain).
-      Batch order is a pure function of the seed and the step, so a resumed run sees the same data.
-    - `num_steps`: the total number of steps (not the number still to take).
-    - `eval_data`, `eval_every`, `evaluator`: evaluate every `eval_every` steps (`None`: only at the
-      end) and at the end (`Evaluate`); `val_data` likewise, logged as `val/...`.
-    - `run`: where to log (`metrics.jsonl`) and checkpoint; nothing is written when `None`. With
-      several processes pass it on every process: each saves its shards of the checkpoints (in the
-      background), process 0 commits them and logs.
-    - `checkpoint_every`, `keep_checkpoints`, `checkpoint_header`: `Checkpoint`'s cadence, how many
-      to keep and the JSON header written with each (`None`: only the final step, which is always
-      checkpointed); `checkpoint_seconds`: also checkpoint at the first stop after so many seconds.
-    - `stop_signals`: on SIGTERM/SIGINT stop after the compiled call in flight, checkpoint there
-      (with `run`) and raise `Preempted` (see `Engine`).
-    - `progress`: show a progress bar (or log lines when not on a terminal).
-    - `tracker`: another destination for the logged records (say a `TensorBoardTracker`); the
-      caller owns it and calls its `finish()`.
-    - `lr_schedule`: the optimizer's schedule (`step -> lr`), logged as `lr`.
-    - `profile`: a `Profile` hook tracing its window of steps.
-    """
+    """Train `state` until `state.step == num_steps`: an `Engine` with the standard hooks. The arguments
+    are described in this module's docstring (`help(research.train._fit)`)."""
     engine = Engine(
         loss_fn,
         placement=placement,
@@ -90,9 +91,7 @@ def fit(
     for data, name in ((val_data, "val"), (eval_data, "test")):
         if data is not None:
             engine.add_hook(Evaluate(data, progress, evaluator, name), every=eval_every or num_steps)
-    writes = run is not None and jax.process_index() == 0  # every process checkpoints, process 0 logs
-    trackers = ([JsonlTracker(run)] if run is not None and writes else []) + ([tracker] if tracker is not None else [])
-    engine.add_hook(Track(trackers, lr_schedule))
+    engine.add_hook(Track(_trackers(run, tracker), lr_schedule))
     start = int(np.max(np.asarray(state.step)))  # a population steps its members together
     engine.add_hook(ShowProgress(Progress(num_steps, initial=start, enabled=progress), start))
     if checkpoint is not None:
@@ -103,3 +102,9 @@ def fit(
         engine.add_hook(profile, at=(profile.start, profile.stop))
         profile.begin_if_due(start)
     return engine.fit(state, train_data, num_steps, resume_window=resume_window, resume_data=resume_data)
+
+
+def _trackers(run: RunDir | None, tracker: Tracker | None) -> list[Tracker]:
+    """`tracker`, after metrics.jsonl in `run` on process 0 (every process checkpoints, process 0 logs)."""
+    logs = [JsonlTracker(run)] if run is not None and jax.process_index() == 0 else []
+    return logs + ([tracker] if tracker is not None else [])
