@@ -30,7 +30,7 @@ from research.train import CheckpointWriter, OneDevice, load_checkpoint
 def lm_state(directory: Path, dim: int, depth: int):
     (directory / "text.txt").write_bytes(b"some text to learn. " * 500)  # the state does not depend on it
     module = load_experiment("lm")
-    config = module.Config(text=str(directory / "text.txt"), progress=False, dim=dim, depth=depth)
+    config = module.Config.from_options(text=str(directory / "text.txt"), progress=False, dim=dim, depth=depth)
     return initial_state(module.setup(config), config)
 
 
