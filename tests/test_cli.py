@@ -250,6 +250,52 @@ def test_resume_auto_completes_a_run_stopped_between_its_last_checkpoint_and_its
     assert stamps(tmp_path / "r/checkpoints") == checkpoints and (tmp_path / "r/metrics.jsonl").read_bytes() == metrics
 
 
+# The `config` of a config.json written before the option groups were nested (commit 6fa46b2, by
+# `run_xor(["--run-dir", "r"])`): every option by its name alone. Runs still write it so.
+FLAT_CONFIG = {
+    "batch_size": 32, "checkpoint_every": 0, "checkpoint_minutes": 10.0, "compilation_cache": True,
+    "coordinator_address": None, "debug_nans": False, "deterministic_reduction": False, "devices": 1,
+    "distributed_timeout": 60, "ema_decay": 0.0, "epochs": 1, "eval_every": 0, "group": None, "hidden": 8,
+    "keep_checkpoints": 3, "loader": "device", "log_every": 190, "lr": 0.1, "micro_batches": 8, "mlflow_uri": None,
+    "num_processes": None, "parallel": "auto", "process_id": None, "profile_steps": None, "progress": False,
+    "resume": None, "run_dir": "r", "seed": 0, "skip_nonfinite": False, "steps_per_call": 100, "tensorboard": False,
+    "test_seed": 123, "test_size": 64, "tracker": "jsonl", "train_seed": 42, "train_size": 256,
+}  # fmt: skip
+
+
+def test_a_run_dir_from_before_the_nested_groups_resumes_and_loads(tmp_path, monkeypatch, capsys):
+    from research.experiment import load_run
+
+    monkeypatch.chdir(tmp_path)
+    run_xor(["--run-dir", "r"])
+    record = json.loads((tmp_path / "r/config.json").read_text())
+    assert record["config"] == FLAT_CONFIG  # the same flat record as before
+    for config in (FLAT_CONFIG, {"training": {"lr": 0.1}, **{k: v for k, v in FLAT_CONFIG.items() if k != "lr"}}):
+        (tmp_path / "r/config.json").write_text(json.dumps({**record, "config": config}))  # nested: read too
+        loaded = load_run("r")
+        assert (loaded.step, loaded.config.training.lr, loaded.config.epochs) == (8, 0.1, 1)
+        assert parse_config(xor.Config, ["--config", "r/config.json"], prog="xor.py").to_dict() == {
+            **FLAT_CONFIG,
+            "run_dir": None,  # --config takes what a run trains, not where it lives
+        }
+    with pytest.raises(SystemExit):  # a changed option is still refused, named as before
+        run_xor(["--run-dir", "r", "--resume", "--epochs", "2", "--hidden", "4"])
+    assert "the config differs from the run in r: hidden: saved 8, now 4" in capsys.readouterr().err
+    run_xor(["--run-dir", "r", "--resume", "--epochs", "2"])
+    assert "resuming r from step 8" in capsys.readouterr().err
+    assert json.loads((tmp_path / "r/summary.json").read_text())["step"] == 16
+
+
+def test_a_config_file_may_nest_options_by_group(tmp_path, capsys):
+    (tmp_path / "c.yaml").write_text("training:\n  lr: 0.3\n  batch-size: 64\nepochs: 2\ndevices: {ema_decay: 0.5}\n")
+    with pytest.raises(SystemExit):  # ema_decay is not a device option: a group holds its own options only
+        parse_config(xor.Config, ["--config", str(tmp_path / "c.yaml")], prog="xor.py")
+    assert "'devices.ema_decay' is not an option of xor" in capsys.readouterr().err
+    (tmp_path / "c.yaml").write_text("training:\n  lr: 0.3\n  batch-size: 64\nepochs: 2\nema: {ema_decay: 0.5}\n")
+    config = parse_config(xor.Config, ["--config", str(tmp_path / "c.yaml"), "--lr", "0.2"], prog="xor.py")
+    assert (config.training.lr, config.training.batch_size, config.epochs, config.ema.ema_decay) == (0.2, 64, 2, 0.5)
+
+
 def test_resume_must_refuses_an_empty_run_dir_in_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as info:
