@@ -33,8 +33,12 @@ def shapes() -> dict[str, dict]:
     return {
         "width 128, 4 blocks, context 64, batch 12": dict(dim=128, depth=4, heads=4, context=64, batch=12),
         f"the lm default (width {default.dim}, {default.depth} blocks, context {default.context}, batch "
-        f"{default.batch_size})": dict(
-            dim=default.dim, depth=default.depth, heads=default.heads, context=default.context, batch=default.batch_size
+        f"{default.training.batch_size})": dict(
+            dim=default.dim,
+            depth=default.depth,
+            heads=default.heads,
+            context=default.context,
+            batch=default.training.batch_size,
         ),
     }
 
