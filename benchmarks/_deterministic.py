@@ -34,11 +34,11 @@ def _experiment(model: str, quick: bool):
 
     if model == "cnn":
         module = load_experiment("mnist1d")
-        config = module.Config(model="cnn", steps=1000, data_dir="data", progress=False).resolved()
+        config = module.Config.from_options(model="cnn", steps=1000, data_dir="data", progress=False)
         calls = 100
     else:
         module = load_experiment("lm")
-        config = module.Config(steps=1000, text_bytes=400_000, progress=False)
+        config = module.Config.from_options(steps=1000, text_bytes=400_000, progress=False)
         calls = 20
     setup = module.setup(config)
     return setup.build_state(), setup.train_data, setup.loss_fn, 10 if quick else calls

@@ -29,12 +29,16 @@ def shapes() -> dict[str, dict]:
     """The two shapes of the issue: nanoGPT's CPU "baby GPT", and `./scripts/run lm`'s defaults."""
     import experiments.lm as lm
 
-    default = lm.Config()
+    default = lm.Config.from_options()
     return {
         "width 128, 4 blocks, context 64, batch 12": dict(dim=128, depth=4, heads=4, context=64, batch=12),
         f"the lm default (width {default.dim}, {default.depth} blocks, context {default.context}, batch "
-        f"{default.batch_size})": dict(
-            dim=default.dim, depth=default.depth, heads=default.heads, context=default.context, batch=default.batch_size
+        f"{default.training.batch_size})": dict(
+            dim=default.dim,
+            depth=default.depth,
+            heads=default.heads,
+            context=default.context,
+            batch=default.training.batch_size,
         ),
     }
 
@@ -54,7 +58,7 @@ def ours(steps: int, *, dim: int, depth: int, heads: int, context: int, batch: i
     """`steps` steps of experiments/lm.py's state in one compiled call."""
     import experiments.lm as lm
 
-    config = lm.Config(dim=dim, depth=depth, heads=heads, context=context, batch_size=batch, lr=LR)
+    config = lm.Config.from_options(dim=dim, depth=depth, heads=heads, context=context, batch_size=batch, lr=LR)
     return compiled_run(
         NextTokenLoss(), lm.build_state(config), Batch(*map(jnp.asarray, _windows(context, batch))), steps
     )
@@ -116,7 +120,7 @@ def parameter_count(dim: int, depth: int, heads: int, context: int, batch: int) 
     import experiments.lm as lm
     from research.provenance import parameter_counts
 
-    config = lm.Config(dim=dim, depth=depth, heads=heads, context=context, batch_size=batch)
+    config = lm.Config.from_options(dim=dim, depth=depth, heads=heads, context=context, batch_size=batch)
     return {
         "ours": parameter_counts(lm.build_state(config).model)["total"],
         "pytorch": sum(p.numel() for p in TorchGPT(dim, depth, heads, context).parameters()),

@@ -36,8 +36,7 @@ def _runs(module, grid: dict, fixed: dict, root: Path) -> tuple[list[Run], list]
     for values in itertools.product(*grid.values()):
         swept = dict(zip(grid, values, strict=True))
         name = ",".join(f"{k}={v}" for k, v in swept.items())
-        config = module.Config(**fixed, **swept, run_dir=str(root / name), progress=False)
-        config = config.resolved() if hasattr(config, "resolved") else config
+        config = module.Config.from_options(**fixed, **swept, run_dir=str(root / name), progress=False)
         runs.append(Run(name, tuple((k, str(v)) for k, v in swept.items()), root / name, ()))
         configs.append(config)
     return runs, configs

@@ -23,6 +23,7 @@ from pathlib import Path
 import equinox as eqx
 import jax
 
+from research.cli import ema_of
 from research.experiment import initial_state, load_experiment
 from research.train import CheckpointWriter, OneDevice, load_checkpoint
 
@@ -30,8 +31,8 @@ from research.train import CheckpointWriter, OneDevice, load_checkpoint
 def lm_state(directory: Path, dim: int, depth: int):
     (directory / "text.txt").write_bytes(b"some text to learn. " * 500)  # the state does not depend on it
     module = load_experiment("lm")
-    config = module.Config(text=str(directory / "text.txt"), progress=False, dim=dim, depth=depth)
-    return initial_state(module.setup(config), config)
+    config = module.Config.from_options(text=str(directory / "text.txt"), progress=False, dim=dim, depth=depth)
+    return initial_state(module.setup(config), ema_of(config))
 
 
 def single_file_save(path: Path, state) -> None:

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import optax
 
-from research.cli import EMA, Checkpointing, Devices, Tracking, Training, main_entry, option, positive
+from research.cli import TrainConfig, Training, group, main_entry, option, positive
 from research.data import DeviceLoader
 from research.experiment import Setup, run_experiment
 from research.nn import build_model
@@ -15,14 +15,19 @@ from research.typing import Float, Int, typecheck
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(Training, Checkpointing, Devices, EMA, Tracking):
+class CirclesTraining(Training):
+    lr: float = option(0.01, "peak learning rate of the cosine schedule", check=positive)
+    log_every: int = option(50, "steps between logged training metrics", check=positive)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(TrainConfig):
     """Tell the inner circle from the outer one with a tanh MLP (Adam, cosine learning-rate decay)."""
 
+    training: CirclesTraining = group(CirclesTraining)
     epochs: int = option(10, "passes over the 2,000 training points", check=positive, resumable=True)
     hidden: int = option(32, "units in each of the two hidden layers", check=positive)
     noise: float = option(0.1, "standard deviation of the noise added to each coordinate", check=positive)
-    lr: float = option(0.01, "peak learning rate of the cosine schedule", check=positive)
-    log_every: int = option(50, "steps between logged training metrics", check=positive)
 
 
 @typecheck
@@ -38,11 +43,12 @@ def circles(size: int, noise: float, seed: int) -> tuple[Float[np.ndarray, "size
 
 def setup(config: Config) -> Setup:
     """The model, optimizer and data of a run, built without training anything."""
-    train = DeviceLoader(*circles(2000, config.noise, seed=1), config.batch_size, seed=config.seed)
-    test = DeviceLoader(*circles(500, config.noise, seed=2), config.batch_size, shuffle=False)
+    training = config.training
+    train = DeviceLoader(*circles(2000, config.noise, seed=1), training.batch_size, seed=training.seed)
+    test = DeviceLoader(*circles(500, config.noise, seed=2), training.batch_size, shuffle=False)
     num_steps = config.epochs * train.steps_per_epoch
-    schedule = optax.cosine_decay_schedule(config.lr, decay_steps=num_steps)
-    model_key, train_key = jax.random.split(jax.random.key(config.seed))
+    schedule = optax.cosine_decay_schedule(training.lr, decay_steps=num_steps)
+    model_key, train_key = jax.random.split(jax.random.key(training.seed))
 
     def build_state() -> TrainState:
         model, _ = build_model("mlp", in_size=2, out_size=2, hidden=(config.hidden,) * 2, key=model_key)

@@ -25,13 +25,11 @@ import jax
 import optax
 
 from research.cli import (
-    EMA,
-    Checkpointing,
     ConfigError,
-    Devices,
-    Tracking,
+    TrainConfig,
     Training,
     flag_name,
+    group,
     main_entry,
     open_unit_interval,
     option,
@@ -101,10 +99,19 @@ def positive_widths(widths: tuple[int, ...]) -> str | None:
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(Training, Checkpointing, Devices, EMA, Tracking):
+class DoubleDescentTraining(Training):
+    batch_size: int = option(100, "examples per step", check=positive)
+    lr: float = option(0.01, "SGD learning rate", check=positive)
+    steps_per_call: int = option(200, "training steps per compiled call", check=positive)
+    log_every: int = option(2000, "steps between logged training metrics", check=positive, resumable=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(TrainConfig):
     """MNIST-1D with noisy training labels: MLPs of growing width, their test error (the double descent
     curve) and its peak beside the notebook's. One run per width (--width), or all of --widths."""
 
+    training: DoubleDescentTraining = group(DoubleDescentTraining)
     width: int | None = option(
         None, "train the one MLP of this hidden width; unset: a run for each of --widths and the curve", check=positive
     )
@@ -114,8 +121,6 @@ class Config(Training, Checkpointing, Devices, EMA, Tracking):
     jobs: int = option(1, "runs of the curve trained at a time (each a process)", check=positive)
     label_noise: float = option(0.15, "fraction of the training labels changed to another class", check=unit_interval)
     epochs: int = option(500, "passes over the training signals", check=positive, resumable=True)
-    batch_size: int = option(100, "examples per step", check=positive)
-    lr: float = option(0.01, "SGD learning rate", check=positive)
     momentum: float = option(0.9, "SGD momentum", check=unit_interval)
     num_samples: int = option(
         16_000, "MNIST-1D signals generated (the notebook's: 4,000 training, 12,000 test)", check=positive
@@ -124,12 +129,10 @@ class Config(Training, Checkpointing, Devices, EMA, Tracking):
         0.25, "fraction of the signals (the first ones) in the training set", check=open_unit_interval
     )
     data_dir: str = option("data", "where MNIST-1D is generated and cached")
-    steps_per_call: int = option(200, "training steps per compiled call", check=positive)
-    log_every: int = option(2000, "steps between logged training metrics", check=positive, resumable=True)
 
 
 def build_state(config: Config) -> TrainState:
-    model_key, train_key = jax.random.split(jax.random.key(config.seed))
+    model_key, train_key = jax.random.split(jax.random.key(config.training.seed))
     model, _ = build_model(
         "mlp",
         in_size=MNIST1D_LENGTH,
@@ -138,7 +141,7 @@ def build_state(config: Config) -> TrainState:
         activation="relu",
         key=model_key,
     )
-    return TrainState.create(model, optax.sgd(config.lr, momentum=config.momentum), key=train_key)
+    return TrainState.create(model, optax.sgd(config.training.lr, momentum=config.momentum), key=train_key)
 
 
 def setup(config: Config) -> Setup:
@@ -146,8 +149,8 @@ def setup(config: Config) -> Setup:
     if config.width is None:
         raise ConfigError("double_descent: setup builds one run; pass --width")
     train, test = load_mnist1d(config.data_dir, num_samples=config.num_samples, train_split=config.train_split)
-    noisy = corrupt_labels(train.labels, config.label_noise, MNIST1D_CLASSES, seed=config.seed)
-    train_data = DeviceLoader(train.inputs, noisy, config.batch_size, seed=config.seed)
+    noisy = corrupt_labels(train.labels, config.label_noise, MNIST1D_CLASSES, seed=config.training.seed)
+    train_data = DeviceLoader(train.inputs, noisy, config.training.batch_size, seed=config.training.seed)
     eval_data = DeviceLoader(test.inputs, test.labels, min(EVAL_BATCH, len(test.labels)), shuffle=False)
     return Setup(lambda: build_state(config), train_data, eval_data, config.epochs * train_data.steps_per_epoch)
 
@@ -161,12 +164,11 @@ def train_accuracy(train_data: DeviceLoader) -> Callable[[FitResult], dict[str, 
 def forwarded_flags(config: Config) -> list[str]:
     """The command-line flags of every option that differs from its default (but `NOT_FORWARDED`): what
     each run of the curve gets after the sweep's `--`."""
-    words = []
-    for field in dataclasses.fields(config):
-        value = getattr(config, field.name)
-        if field.name in NOT_FORWARDED or value == field.default:
+    words, defaults = [], type(config)().to_dict()
+    for name, value in config.to_dict().items():
+        if name in NOT_FORWARDED or value == defaults[name]:
             continue
-        flag = flag_name(field.name)
+        flag = flag_name(name)
         if isinstance(value, bool):
             words.append(flag if value else "--no-" + flag[2:])
         else:
@@ -237,7 +239,8 @@ def run_curve(config: Config) -> dict[str, Any]:
             "the curve trains one process per width (--jobs at a time), not across several "
             "processes; pass --width W to train one width over several processes"
         )
-    sweep_dir = Path(config.run_dir) if config.run_dir else RunDir.new_path(RUNS_ROOT, "double_descent")
+    run_dir = config.checkpointing.run_dir
+    sweep_dir = Path(run_dir) if run_dir else RunDir.new_path(RUNS_ROOT, "double_descent")
     widths = sorted(set(config.widths))
     with warnings.catch_warnings():
         # JAX (started by main_entry) warns at every fork; each run's fork is followed at once by an exec.

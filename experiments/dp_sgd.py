@@ -15,11 +15,9 @@ import jax
 import optax
 
 from research.cli import (
-    EMA,
-    Checkpointing,
-    Devices,
-    Tracking,
+    TrainConfig,
     Training,
+    group,
     main_entry,
     micro_batches,
     non_negative,
@@ -35,9 +33,18 @@ from research.train import TrainState
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(Training, Checkpointing, Devices, EMA, Tracking):
+class DPSGDTraining(Training):
+    batch_size: int = option(512, "expected examples per step (Poisson sampling)", check=positive)
+    lr: float = option(3e-2, "learning rate", check=positive)
+    steps_per_call: int = option(100, "training steps per compiled call", check=positive)
+    log_every: int = option(100, "steps between logged training metrics", check=positive)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(TrainConfig):
     """Train the MNIST-1D CNN with DP-SGD; print the test accuracy and the privacy spent (epsilon at delta)."""
 
+    training: DPSGDTraining = group(DPSGDTraining)
     noise_multiplier: float = option(
         2.0, "sigma: noise std on the clipped sum, in units of --clip-norm", check=non_negative
     )
@@ -45,7 +52,6 @@ class Config(Training, Checkpointing, Devices, EMA, Tracking):
     delta: float = option(
         1e-5, "the delta epsilon is reported at (well below 1 / 4000 examples)", check=open_unit_interval
     )
-    batch_size: int = option(512, "expected examples per step (Poisson sampling)", check=positive)
     max_batch_size: int = option(
         0,
         "rows of a compiled batch (0: expected + 4 std + 4, rounded up to a multiple of the devices, or of "
@@ -60,7 +66,6 @@ class Config(Training, Checkpointing, Devices, EMA, Tracking):
         resumable=True,
     )
     optimizer: Literal["adam", "sgd"] = option("adam", "adam (DP-Adam) or sgd with momentum 0.9 (DP-SGD)")
-    lr: float = option(3e-2, "learning rate", check=positive)
     channels: int = option(25, "channels of the CNN's convolutions", check=positive)
     chunk_size: int = option(
         64, "per-example gradients this many examples at a time (0: the whole batch)", check=non_negative
@@ -74,14 +79,14 @@ class Config(Training, Checkpointing, Devices, EMA, Tracking):
         resumable=True,
     )
     data_dir: str = option("data", "where MNIST-1D is generated and cached")
-    steps_per_call: int = option(100, "training steps per compiled call", check=positive)
-    log_every: int = option(100, "steps between logged training metrics", check=positive)
 
 
 def build_state(config: Config) -> TrainState:
-    model_key, train_key = jax.random.split(jax.random.key(config.seed))
+    model_key, train_key = jax.random.split(jax.random.key(config.training.seed))
     model, _ = build_model("cnn", channels=config.channels, key=model_key)
-    optimizer = optax.adam(config.lr) if config.optimizer == "adam" else optax.sgd(config.lr, momentum=0.9)
+    optimizer = (
+        optax.adam(config.training.lr) if config.optimizer == "adam" else optax.sgd(config.training.lr, momentum=0.9)
+    )
     return TrainState.create(model, optimizer, key=train_key)
 
 
@@ -91,10 +96,10 @@ def setup(config: Config) -> Setup:
     train_data = PoissonLoader(
         train.inputs,
         train.labels,
-        config.batch_size,
-        seed=config.seed,
+        config.training.batch_size,
+        seed=config.training.seed,
         max_batch_size=config.max_batch_size or None,
-        multiple_of=micro_batches(config) or config.devices * jax.process_count(),
+        multiple_of=micro_batches(config.devices) or config.devices.devices * jax.process_count(),
     )
     return Setup(
         build_state=lambda: build_state(config),

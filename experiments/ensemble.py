@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import optax
 
-from research.cli import EMA, Checkpointing, Devices, Tracking, Training, main_entry, option, positive
+from research.cli import TrainConfig, Training, group, main_entry, option, positive
 from research.data import MNIST1D_CLASSES, MNIST1D_LENGTH, load_mnist1d, train_and_eval_loaders
 from research.experiment import Setup, run_experiment
 from research.nn import build_model
@@ -25,25 +25,30 @@ from research.train import TrainState, evaluate, fit
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(Training, Checkpointing, Devices, EMA, Tracking):
+class EnsembleTraining(Training):
+    batch_size: int = option(100, "examples per training step", check=positive)
+    lr: float = option(1e-2, "Adam learning rate", check=positive)
+    steps_per_call: int = option(125, "training steps per compiled call", check=positive)
+    log_every: int = option(250, "steps between logged training metrics", check=positive)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(TrainConfig):
     """Train --num-members MNIST-1D models from different seeds in one compiled program; print each
     member's test accuracy and the averaged-prediction ensemble's."""
 
+    training: EnsembleTraining = group(EnsembleTraining)
     num_members: int = option(8, "K: members, each with its own initialisation and training key", check=positive)
     model: Literal["mlp", "cnn"] = option(
         "mlp", "mlp: 40 -> hidden -> hidden -> 10 (ReLU); cnn: MNIST-1D's reference CNN"
     )
     hidden: int = option(100, "hidden units of the mlp", check=positive)
     epochs: int = option(50, "passes over the 4000 training examples", check=positive, resumable=True)
-    batch_size: int = option(100, "examples per training step", check=positive)
-    lr: float = option(1e-2, "Adam learning rate", check=positive)
     loader: Literal["device", "torch"] = option(
         "device", "device: batches gathered on the device; torch: a torch DataLoader with numpy collate"
     )
     compare_sequential: bool = option(False, "also train the members one by one; compare accuracy and time")
     data_dir: str = option("data", "where MNIST-1D is generated and cached")
-    steps_per_call: int = option(125, "training steps per compiled call", check=positive)
-    log_every: int = option(250, "steps between logged training metrics", check=positive)
 
 
 def build_member(config: Config, key) -> TrainState:
@@ -59,15 +64,15 @@ def build_member(config: Config, key) -> TrainState:
             activation="relu",
             key=model_key,
         )
-    return TrainState.create(model, optax.adam(config.lr), key=train_key)
+    return TrainState.create(model, optax.adam(config.training.lr), key=train_key)
 
 
 def setup(config: Config) -> Setup:
     train, test = load_mnist1d(config.data_dir)
     train_data, test_data = train_and_eval_loaders(
-        train, test, config.batch_size, seed=config.seed, kind=config.loader, eval_batch_size=500
+        train, test, config.training.batch_size, seed=config.training.seed, kind=config.loader, eval_batch_size=500
     )
-    keys = jax.random.split(jax.random.key(config.seed), config.num_members)
+    keys = jax.random.split(jax.random.key(config.training.seed), config.num_members)
     return Setup(
         build_state=lambda: stack_states(lambda key: build_member(config, key), keys),
         population=True,
@@ -95,7 +100,7 @@ def compare_sequential(config: Config, run: Setup) -> dict:
             member(start, k),
             run.train_data,
             num_steps=run.num_steps,
-            steps_per_call=config.steps_per_call,
+            steps_per_call=config.training.steps_per_call,
             log_every=run.num_steps,
             progress=False,
         )

@@ -18,12 +18,10 @@ import jax
 import optax
 
 from research.cli import (
-    EMA,
-    Checkpointing,
     ConfigError,
-    Devices,
-    Tracking,
+    TrainConfig,
     Training,
+    group,
     main_entry,
     non_negative,
     open_unit_interval,
@@ -43,19 +41,8 @@ def at_least_two(value: int) -> str | None:
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(Training, Checkpointing, Devices, EMA, Tracking):
-    """Train a one-layer transformer on a + b mod p until it groks; print when it memorized and when it
-    generalized beside the published figures."""
-
-    modulus: int = option(59, "p: the task is a + b mod p over all p² pairs (a, b) of 0 .. p-1", check=at_least_two)
-    train_fraction: float = option(0.3, "fraction of the p² pairs in the training set", check=open_unit_interval)
-    split_seed: int = option(0, "seed of the random split of the pairs into training and test")
-    dim: int = option(64, "model width (the MLP is 4x wider)", check=positive)
-    heads: int = option(4, "attention heads (must divide --dim)", check=positive)
-    depth: int = option(1, "transformer blocks", check=positive)
-    steps: int = option(10_000, "training steps", check=positive, resumable=True)
+class GrokkingTraining(Training):
     lr: float = option(1e-3, "AdamW learning rate (constant)", check=positive)
-    weight_decay: float = option(1.0, "AdamW's decoupled weight decay (0: none, no grokking)", check=non_negative)
     batch_size: int | None = option(None, "pairs per step (default: every training pair, full batch)", check=positive)
     eval_every: int = option(
         100,
@@ -72,8 +59,24 @@ class Config(Training, Checkpointing, Devices, EMA, Tracking):
     steps_per_call: int = option(100, "training steps per compiled call", check=positive)
 
 
+@dataclasses.dataclass(frozen=True)
+class Config(TrainConfig):
+    """Train a one-layer transformer on a + b mod p until it groks; print when it memorized and when it
+    generalized beside the published figures."""
+
+    training: GrokkingTraining = group(GrokkingTraining)
+    modulus: int = option(59, "p: the task is a + b mod p over all p² pairs (a, b) of 0 .. p-1", check=at_least_two)
+    train_fraction: float = option(0.3, "fraction of the p² pairs in the training set", check=open_unit_interval)
+    split_seed: int = option(0, "seed of the random split of the pairs into training and test")
+    dim: int = option(64, "model width (the MLP is 4x wider)", check=positive)
+    heads: int = option(4, "attention heads (must divide --dim)", check=positive)
+    depth: int = option(1, "transformer blocks", check=positive)
+    steps: int = option(10_000, "training steps", check=positive, resumable=True)
+    weight_decay: float = option(1.0, "AdamW's decoupled weight decay (0: none, no grokking)", check=non_negative)
+
+
 def build_state(config: Config) -> TrainState:
-    model_key, train_key = jax.random.split(jax.random.key(config.seed))
+    model_key, train_key = jax.random.split(jax.random.key(config.training.seed))
     model = LastTokenClassifier(
         context=3,
         vocab=config.modulus + 1,
@@ -83,7 +86,7 @@ def build_state(config: Config) -> TrainState:
         heads=config.heads,
         key=model_key,
     )
-    optimizer = optax.adamw(config.lr, b1=0.9, b2=0.98, weight_decay=config.weight_decay)
+    optimizer = optax.adamw(config.training.lr, b1=0.9, b2=0.98, weight_decay=config.weight_decay)
     return TrainState.create(model, optimizer, key=train_key)
 
 
@@ -92,9 +95,9 @@ def setup(config: Config) -> Setup:
     if config.dim % config.heads:
         raise ConfigError(f"--heads {config.heads} must divide --dim {config.dim}")
     train, test = modular_addition(config.modulus, config.train_fraction, seed=config.split_seed)
-    batch_size = config.batch_size or len(train.labels)
+    batch_size = config.training.batch_size or len(train.labels)
     train_data = DeviceLoader(
-        train.inputs, train.labels, batch_size, seed=config.seed, shuffle=batch_size < len(train.labels)
+        train.inputs, train.labels, batch_size, seed=config.training.seed, shuffle=batch_size < len(train.labels)
     )  # a full batch needs no order
     eval_data = DeviceLoader(test.inputs, test.labels, len(test.labels), shuffle=False)
     return Setup(lambda: build_state(config), train_data, eval_data, config.steps, summarize_run=summarize)

@@ -15,12 +15,10 @@ import numpy as np
 import optax
 
 from research.cli import (
-    EMA,
-    Checkpointing,
     ConfigError,
-    Devices,
-    Tracking,
+    TrainConfig,
     Training,
+    group,
     main_entry,
     non_negative,
     option,
@@ -48,14 +46,22 @@ from research.train import TrainState, classification_metrics, example_keys, for
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(Training, Checkpointing, Devices, EMA, Tracking):
-    """Train a ResNet on the images of --data (its training set; evaluated on its test set)."""
-
-    data: str | None = option(None, f"the images: {FORMATS_HELP} (default: none; required)")
-    epochs: int = option(30, "passes over the training set", check=positive, resumable=True)
+class ImagesTraining(Training):
     lr: float = option(
         0.1, "peak learning rate (after a warmup of one epoch; cosine decay to 0)", check=positive, vmappable=True
     )
+    batch_size: int = option(128, "examples per training step", check=positive)
+    steps_per_call: int = option(10, "training steps per compiled call (device loader)", check=positive)
+    log_every: int = option(50, "steps between logged training metrics", check=positive)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(TrainConfig):
+    """Train a ResNet on the images of --data (its training set; evaluated on its test set)."""
+
+    training: ImagesTraining = group(ImagesTraining)
+    data: str | None = option(None, f"the images: {FORMATS_HELP} (default: none; required)")
+    epochs: int = option(30, "passes over the training set", check=positive, resumable=True)
     optimizer: Literal["sgd", "adamw"] = option(
         "sgd", "sgd: Nesterov momentum 0.9 with L2 weight decay; adamw: decoupled weight decay"
     )
@@ -79,9 +85,6 @@ class Config(Training, Checkpointing, Devices, EMA, Tracking):
         "torch: DataLoader worker processes; grain: reading threads (0: read in the training process)",
         check=non_negative,
     )
-    batch_size: int = option(128, "examples per training step", check=positive)
-    steps_per_call: int = option(10, "training steps per compiled call (device loader)", check=positive)
-    log_every: int = option(50, "steps between logged training metrics", check=positive)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,9 +117,9 @@ def optimizer(config: Config, shape: optax.Schedule) -> optax.GradientTransforma
     that differ in them train as one vmapped population (`scripts/sweep --vmapped`)."""
     if config.optimizer == "sgd":
         decay = optax.inject_hyperparams(optax.add_decayed_weights)(weight_decay=config.weight_decay)
-        sgd = optax.inject_hyperparams(optax.sgd)(learning_rate=config.lr, momentum=0.9, nesterov=True)
+        sgd = optax.inject_hyperparams(optax.sgd)(learning_rate=config.training.lr, momentum=0.9, nesterov=True)
         return optax.chain(decay, sgd, optax.scale_by_schedule(shape))
-    adamw = optax.inject_hyperparams(optax.adamw)(learning_rate=config.lr, weight_decay=config.weight_decay)
+    adamw = optax.inject_hyperparams(optax.adamw)(learning_rate=config.training.lr, weight_decay=config.weight_decay)
     return optax.chain(adamw, optax.scale_by_schedule(shape))
 
 
@@ -135,7 +138,7 @@ def channel_statistics(images: np.ndarray, rows: np.ndarray, chunk: int = 4096) 
 def build_state(
     config: Config, data: ImageData, statistics: tuple[list[float], list[float]], shape: optax.Schedule
 ) -> TrainState:
-    model_key, train_key = jax.random.split(jax.random.key(config.seed))
+    model_key, train_key = jax.random.split(jax.random.key(config.training.seed))
     height, width, channels = data.image_shape
     mean, std = statistics  # of the training images, to normalise by
     model, model_state = build_model(
@@ -148,7 +151,7 @@ def build_state(
         blocks=config.blocks,
         mean=mean,
         std=std,
-        axis_name=batch_axis_name(config.parallel, config.deterministic_reduction),
+        axis_name=batch_axis_name(config.devices.parallel, config.devices.deterministic_reduction),
         key=model_key,
     )
     return TrainState.create(model, optimizer(config, shape), key=train_key, model_state=model_state)
@@ -161,8 +164,8 @@ def loaders(config: Config, data: ImageData, kept: np.ndarray, held_out: np.ndar
         train_data, test_data = train_and_eval_loaders(
             Batch(train.inputs[kept], train.labels[kept]),
             test,
-            config.batch_size,
-            seed=config.seed,
+            config.training.batch_size,
+            seed=config.training.seed,
             eval_batch_size=500,
         )
         held = Batch(train.inputs[held_out], train.labels[held_out])
@@ -170,9 +173,13 @@ def loaders(config: Config, data: ImageData, kept: np.ndarray, held_out: np.ndar
     rows = None if len(kept) == len(train.labels) else kept
     train_set = ArrayDataset(train.inputs, train.labels, rows)
     if config.loader == "torch":
-        train_data = TorchLoader(train_set, config.batch_size, seed=config.seed, num_workers=config.workers)
+        train_data = TorchLoader(
+            train_set, config.training.batch_size, seed=config.training.seed, num_workers=config.workers
+        )
     else:
-        train_data = GrainLoader(train_set, config.batch_size, seed=config.seed, workers=config.workers)
+        train_data = GrainLoader(
+            train_set, config.training.batch_size, seed=config.training.seed, workers=config.workers
+        )
     in_order = lambda dataset: make_dataloader(dataset, min(500, len(dataset)), shuffle=False)  # noqa: E731
     validation = in_order(ArrayDataset(train.inputs, train.labels, held_out)) if len(held_out) else None
     return train_data, in_order(ArrayDataset(test.inputs, test.labels)), validation
@@ -195,7 +202,7 @@ def setup(config: Config) -> Setup:
         val_data=val_data,
         num_steps=num_steps,
         loss_fn=AugmentedLoss(config.crop_padding, config.flip, config.label_smoothing),
-        lr_schedule=lambda step: config.lr * shape(step),
+        lr_schedule=lambda step: config.training.lr * shape(step),
     )
 
 

@@ -14,18 +14,7 @@ import jax
 import numpy as np
 import optax
 
-from research.cli import (
-    EMA,
-    Checkpointing,
-    ConfigError,
-    Devices,
-    Tracking,
-    Training,
-    main_entry,
-    non_negative,
-    option,
-    positive,
-)
+from research.cli import ConfigError, TrainConfig, Training, group, main_entry, non_negative, option, positive
 from research.data import DeviceLoader, next_byte_windows, read_text_bytes, reference_bits_per_byte, split_held_out
 from research.experiment import Setup, run_experiment
 from research.nn import LanguageModel, build_model
@@ -39,14 +28,21 @@ def _fraction(value: float) -> str | None:
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(Training, Checkpointing, Devices, EMA, Tracking):
-    """Train a GPT-style byte-level language model (AdamW, warmup + cosine decay, gradient clipping at 1)."""
-
-    steps: int = option(4800, "training steps", check=positive, resumable=True)
+class LMTraining(Training):
     batch_size: int = option(32, "windows per optimizer step (split over --grad-accum micro-batches)", check=positive)
     lr: float = option(
         3e-3, "peak learning rate (linear warmup over the first 5% of steps, cosine to 10%)", check=positive
     )
+    steps_per_call: int = option(50, "training steps per compiled call", check=positive)
+    log_every: int = option(100, "steps between logged training metrics", check=positive, resumable=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(TrainConfig):
+    """Train a GPT-style byte-level language model (AdamW, warmup + cosine decay, gradient clipping at 1)."""
+
+    training: LMTraining = group(LMTraining)
+    steps: int = option(4800, "training steps", check=positive, resumable=True)
     weight_decay: float = option(0.0, "decoupled weight decay (AdamW)", check=non_negative)
     context: int = option(128, "bytes per window (learned positions)", check=positive)
     depth: int = option(4, "transformer blocks (stacked and run with lax.scan)", check=positive)
@@ -75,13 +71,11 @@ class Config(Training, Checkpointing, Devices, EMA, Tracking):
     precision: Literal["float32", "bf16"] = option(
         "float32", "bf16: bfloat16 compute, float32 master weights, optimizer state and logits"
     )
-    steps_per_call: int = option(50, "training steps per compiled call", check=positive)
-    log_every: int = option(100, "steps between logged training metrics", check=positive, resumable=True)
 
 
 def build_state(config: Config) -> TrainState:
     """The step-0 model and optimizer of a config."""
-    model_key, train_key = jax.random.split(jax.random.key(config.seed))
+    model_key, train_key = jax.random.split(jax.random.key(config.training.seed))
     model, _ = build_model(
         "lm",
         key=model_key,
@@ -99,23 +93,25 @@ def build_state(config: Config) -> TrainState:
 
 def learning_rate(config: Config) -> optax.Schedule:
     return optax.warmup_cosine_decay_schedule(
-        0.0, config.lr, max(config.steps // 20, 1), config.steps, end_value=config.lr / 10
+        0.0, config.training.lr, max(config.steps // 20, 1), config.steps, end_value=config.training.lr / 10
     )
 
 
 def setup(config: Config) -> Setup:
     """The model, the windows of text and the loss of a run, built without training."""
     # Each device's rows (each micro-batch's, under --deterministic-reduction) split into --grad-accum.
-    split = config.micro_batches if config.deterministic_reduction else config.devices
-    splitter = "--micro-batches" if config.deterministic_reduction else "--devices"
-    if config.dim % config.heads or config.batch_size % (config.grad_accum * split):
+    split = config.devices.micro_batches if config.devices.deterministic_reduction else config.devices.devices
+    splitter = "--micro-batches" if config.devices.deterministic_reduction else "--devices"
+    if config.dim % config.heads or config.training.batch_size % (config.grad_accum * split):
         raise ConfigError(
             f"--heads {config.heads} must divide --dim {config.dim}, and --grad-accum {config.grad_accum}"
-            f" x {splitter} {split} must divide --batch-size {config.batch_size}"
+            f" x {splitter} {split} must divide --batch-size {config.training.batch_size}"
         )
     train, held_out = split_held_out(read_text_bytes(config.text, max_bytes=config.text_bytes), config.held_out)
     train, val = split_held_out(train, config.val_fraction)
-    train_data = DeviceLoader(*next_byte_windows(train, config.context), config.batch_size, seed=config.seed)
+    train_data = DeviceLoader(
+        *next_byte_windows(train, config.context), config.training.batch_size, seed=config.training.seed
+    )
     return Setup(
         lambda: build_state(config),
         train_data,
@@ -134,7 +130,7 @@ def _evaluation_windows(data: np.ndarray, context: int) -> DeviceLoader:
 
 
 def main(config: Config) -> dict:
-    bytes_per_step = config.batch_size * config.context
+    bytes_per_step = config.training.batch_size * config.context
     trained: dict[str, LanguageModel] = {}  # the final model (the EMA's with --ema-decay), to sample from
 
     def throughput(result: FitResult) -> dict:
@@ -151,7 +147,9 @@ def main(config: Config) -> dict:
             f"bytes/s trained ({bytes_per_step} a step)"
         )
         if "model" in trained:  # not when a finished run is only reported (scripts/sample reads its checkpoint)
-            print_sample(trained["model"], bytes(held_out[:32]), jax.random.fold_in(jax.random.key(config.seed), 1))
+            print_sample(
+                trained["model"], bytes(held_out[:32]), jax.random.fold_in(jax.random.key(config.training.seed), 1)
+            )
     return summary
 
 

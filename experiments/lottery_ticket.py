@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from research.cli import Checkpointing, Tracking, Training, main_entry, non_negative, option, positive
+from research.cli import Training, WithTracking, group, main_entry, non_negative, option, positive
 from research.data import MNIST1D_CLASSES, MNIST1D_LENGTH, load_mnist1d, train_and_eval_loaders
 from research.experiment import Setup, run_experiment
 from research.nn import MLP, Masked, build_model
@@ -44,11 +44,23 @@ PUBLISHED = {"dense": (0.654, 0.664), "ticket": (0.741, 0.761), "random_pruning"
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(Training, Checkpointing, Tracking):
+class LotteryTraining(Training):
+    lr: float = option(2e-2, "Adam learning rate (a fresh Adam every round)", check=positive)
+    batch_size: int = option(100, "examples per training step", check=positive)
+    eval_every: int = option(
+        100, "steps between test evaluations (the maximum over them is reported)", check=non_negative, resumable=True
+    )
+    log_every: int = option(100, "steps between logged training metrics", check=positive, resumable=True)
+    steps_per_call: int = option(100, "training steps per compiled call", check=positive)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(WithTracking):
     """Find a lottery ticket of an MNIST-1D MLP by iterative magnitude pruning with rewinding to the
     initial weights; print its accuracy, the dense network's and two controls' (a random mask, and the
     ticket's mask reinitialised) beside the published ones."""
 
+    training: LotteryTraining = group(LotteryTraining)
     rounds: int = option(
         90, "pruning rounds after the dense one; the last one's network is the ticket", check=positive, resumable=True
     )
@@ -59,15 +71,8 @@ class Config(Training, Checkpointing, Tracking):
         check=positive,
     )
     steps: int = option(1501, "training steps of each round", check=positive)
-    lr: float = option(2e-2, "Adam learning rate (a fresh Adam every round)", check=positive)
-    batch_size: int = option(100, "examples per training step", check=positive)
     hidden: int = option(500, "width of both hidden layers", check=positive)
     data_dir: str = option("data", "where MNIST-1D is generated and cached")
-    eval_every: int = option(
-        100, "steps between test evaluations (the maximum over them is reported)", check=non_negative, resumable=True
-    )
-    log_every: int = option(100, "steps between logged training metrics", check=positive, resumable=True)
-    steps_per_call: int = option(100, "training steps per compiled call", check=positive)
 
 
 def sparsity_schedule(config: Config) -> list[float]:
@@ -77,7 +82,7 @@ def sparsity_schedule(config: Config) -> list[float]:
 
 def initial_model(config: Config, *, reinit: bool = False) -> MLP:
     """The MLP every round rewinds to (seeded by --seed), or the control's other initialisation."""
-    keys = jax.random.split(jax.random.key(config.seed), 3)
+    keys = jax.random.split(jax.random.key(config.training.seed), 3)
     return build_model(
         "mlp",
         in_size=MNIST1D_LENGTH,
@@ -127,16 +132,16 @@ def adam(lr: float) -> optax.GradientTransformation:
 
 def build_state(config: Config, masks: PyTree | None = None, *, reinit: bool = False) -> TrainState:
     """A round's step-0 state: the initial MLP under `masks` (None: dense), pruned weights zeroed, fresh Adam."""
-    train_key = jax.random.split(jax.random.key(config.seed), 3)[1]
+    train_key = jax.random.split(jax.random.key(config.training.seed), 3)[1]
     model = Masked(initial_model(config, reinit=reinit), masks).zeroed()
-    return TrainState.create(model, adam(config.lr), key=train_key)
+    return TrainState.create(model, adam(config.training.lr), key=train_key)
 
 
 def setup(config: Config, masks: PyTree | None = None, *, reinit: bool = False) -> Setup:
     """One round's run (default: the dense round 0; `scripts/show_jaxpr lottery_ticket` traces it)."""
     train, test = load_mnist1d(config.data_dir)
     train_data, test_data = train_and_eval_loaders(
-        train, test, config.batch_size, seed=config.seed, eval_batch_size=len(test.labels)
+        train, test, config.training.batch_size, seed=config.training.seed, eval_batch_size=len(test.labels)
     )
     return Setup(
         build_state=lambda: build_state(config, masks, reinit=reinit),
@@ -152,10 +157,10 @@ def train_round(
     """Train one round in `run` (or take it as it finished); returns its numbers and its trained model."""
     if run.read_summary() is None:  # not finished: start it, or continue it from its last checkpoint
         resume = "auto" if run.checkpoint_paths() or run.config_file.exists() else None
-        group = config.group or run.path.parent.resolve().name  # the rounds, one group in the trackers
+        rounds_group = config.tracking.group or run.path.parent.resolve().name  # the rounds, one group in the trackers
         run_experiment(
             NAME,
-            dataclasses.replace(config, run_dir=str(run.path), resume=resume, group=group),
+            config.replace(run_dir=str(run.path), resume=resume, group=rounds_group),
             setup(config, masks, reinit=reinit),
         )
     state, _ = load_checkpoint(run.latest_valid_checkpoint()[0], build_state(config, masks, reinit=reinit))
@@ -187,7 +192,7 @@ def run_rounds(config: Config, root: RunDir) -> tuple[list[dict[str, Any]], dict
             file=sys.stderr,
         )
     reinit, _ = train_round(config, RunDir(root.path / f"reinit_{config.rounds:03d}"), masks, reinit=True)
-    random = random_masks(initial_model(config), sparsity, jax.random.fold_in(jax.random.key(config.seed), 1))
+    random = random_masks(initial_model(config), sparsity, jax.random.fold_in(jax.random.key(config.training.seed), 1))
     random, _ = train_round(config, RunDir(root.path / f"random_{config.rounds:03d}"), random, reinit=True)
     return rounds, {"reinit_ticket": reinit, "random_pruning": random}
 

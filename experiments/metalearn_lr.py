@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from research.cli import Checkpointing, Tracking, Training, main_entry, non_negative, option, positive
+from research.cli import Training, WithTracking, group, main_entry, non_negative, option, positive
 from research.data import (
     MNIST1D_CLASSES,
     MNIST1D_LENGTH,
@@ -49,10 +49,21 @@ def _all_positive(values: tuple[float, ...]) -> str | None:
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(Training, Checkpointing, Tracking):
+class MetalearnTraining(Training):
+    lr: float = option(0.3, "outer learning rate: SGD on the learned inner learning rate", check=positive)
+    batch_size: int = option(50, "examples per inner SGD step", check=positive)
+    log_every: int = option(1, "outer steps between logged metrics", check=positive, resumable=True)
+    eval_every: int = option(
+        10, "outer steps between test evaluations (0: only at the end)", check=non_negative, resumable=True
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(WithTracking):
     """Learn the SGD learning rate of an MNIST-1D MLP by gradient descent through an unrolled training run,
     from each of --start-lrs; print the learned rates beside the published ~0.62."""
 
+    training: MetalearnTraining = group(MetalearnTraining)
     start_lrs: tuple[float, ...] = option(
         (1.5, 0.15), "initial inner learning rates, one population member each", check=_all_positive
     )
@@ -62,12 +73,10 @@ class Config(Training, Checkpointing, Tracking):
         check=positive,
         resumable=True,
     )
-    lr: float = option(0.3, "outer learning rate: SGD on the learned inner learning rate", check=positive)
     clip_norm: float = option(
         0.0, "clip each outer gradient to this size (0: off, the notebook's plain SGD)", check=non_negative
     )
     inner_steps: int = option(200, "inner SGD steps of one unrolled run", check=positive)
-    batch_size: int = option(50, "examples per inner SGD step", check=positive)
     hidden: int = option(50, "hidden units of the inner 40-hidden-10 tanh MLP", check=positive)
     init: Literal["torch", "equinox"] = option(
         "torch",
@@ -80,10 +89,6 @@ class Config(Training, Checkpointing, Tracking):
         check=positive,
     )
     data_dir: str = option("data", "where MNIST-1D is generated and cached")
-    log_every: int = option(1, "outer steps between logged metrics", check=positive, resumable=True)
-    eval_every: int = option(
-        10, "outer steps between test evaluations (0: only at the end)", check=non_negative, resumable=True
-    )
 
 
 class LearnedLearningRate(eqx.Module):
@@ -166,7 +171,7 @@ def torch_initialised(mlp: MLP, seed: int) -> MLP:
 
 def build_state(config: Config) -> TrainState:
     """One member per starting rate, all starting their inner runs from the same MLP (seeded by --seed)."""
-    inner_key, train_key = jax.random.split(jax.random.key(config.seed))
+    inner_key, train_key = jax.random.split(jax.random.key(config.training.seed))
     initial, _ = build_model(
         "mlp",
         in_size=MNIST1D_LENGTH,
@@ -176,8 +181,8 @@ def build_state(config: Config) -> TrainState:
         key=inner_key,
     )
     if config.init == "torch":
-        initial = torch_initialised(initial, config.seed)
-    optimizer = optax.inject_hyperparams(optax.sgd)(learning_rate=config.lr)
+        initial = torch_initialised(initial, config.training.seed)
+    optimizer = optax.inject_hyperparams(optax.sgd)(learning_rate=config.training.lr)
     if config.clip_norm:  # a chaotic unrolled run can make one meta-gradient huge (docs/results.md)
         optimizer = optax.chain(optax.clip_by_global_norm(config.clip_norm), optimizer)
     one = TrainState.create(LearnedLearningRate(jnp.float32(0.0), initial), optimizer, key=train_key)
@@ -190,7 +195,7 @@ def build_state(config: Config) -> TrainState:
 def setup(config: Config) -> Setup:
     """The population and the data of a run: one outer "example", the inner run's batches."""
     train, test = load_mnist1d(config.data_dir, num_samples=config.num_samples)
-    runs = inner_batches(train, config.inner_steps, config.batch_size)
+    runs = inner_batches(train, config.inner_steps, config.training.batch_size)
     train_data = DeviceLoader(runs.inputs, runs.labels, 1, shuffle=False)
     return Setup(
         build_state=lambda: build_state(config),

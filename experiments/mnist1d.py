@@ -17,7 +17,7 @@ from typing import Any, Literal
 import jax
 import optax
 
-from research.cli import EMA, Checkpointing, Devices, Tracking, Training, main_entry, non_negative, option, positive
+from research.cli import TrainConfig, Training, group, main_entry, non_negative, option, positive
 from research.data import (
     MNIST1D_CLASSES,
     MNIST1D_LENGTH,
@@ -114,14 +114,7 @@ def below_training_size(value: int) -> str | None:
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(Training, Checkpointing, Devices, EMA, Tracking):
-    """Train one model of the zoo on MNIST-1D (4,000 training / 1,000 test signals of length 40).
-    Options whose default is None take the model's value from RECIPES in experiments/mnist1d.py."""
-
-    model: ModelName = option("cnn", "which model of research.nn to train")
-    steps: int | None = option(
-        None, "training steps (default: per model: mlp, cnn 16000; others 8000)", check=positive, resumable=True
-    )
+class MNIST1DTraining(Training):
     lr: float | None = option(
         None,
         "Adam learning rate (default: per model: logistic 3e-3; mlp, cnn, gru 1e-2; resnet, transformer 1e-3)",
@@ -131,6 +124,24 @@ class Config(Training, Checkpointing, Devices, EMA, Tracking):
     batch_size: int | None = option(
         None, "examples per training step (default: per model: mlp, cnn 32; others 100)", check=positive
     )
+    steps_per_call: int | None = option(
+        None,
+        "training steps per compiled call, device loader (default: per model: resnet 1; others 100)",
+        check=positive,
+    )
+    log_every: int = option(500, "steps between logged training metrics", check=positive)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(TrainConfig):
+    """Train one model of the zoo on MNIST-1D (4,000 training / 1,000 test signals of length 40).
+    Options whose default is None take the model's value from RECIPES in experiments/mnist1d.py."""
+
+    training: MNIST1DTraining = group(MNIST1DTraining)
+    model: ModelName = option("cnn", "which model of research.nn to train")
+    steps: int | None = option(
+        None, "training steps (default: per model: mlp, cnn 16000; others 8000)", check=positive, resumable=True
+    )
     weight_decay: float | None = option(
         None,
         "decoupled weight decay, AdamW (default: per model: mlp 0.3, cnn 0.1, others 0)",
@@ -139,11 +150,6 @@ class Config(Training, Checkpointing, Devices, EMA, Tracking):
     )
     schedule: Literal["constant", "cosine"] | None = option(
         None, "learning-rate schedule over --steps (default: per model: logistic, mlp, cnn cosine; others constant)"
-    )
-    steps_per_call: int | None = option(
-        None,
-        "training steps per compiled call, device loader (default: per model: resnet 1; others 100)",
-        check=positive,
     )
     loader: Literal["device", "torch"] = option(
         "device", "device: batches gathered on the device; torch: a torch DataLoader with numpy collate"
@@ -155,25 +161,25 @@ class Config(Training, Checkpointing, Devices, EMA, Tracking):
         check=below_training_size,
     )
     data_dir: str = option("data", "where the generated MNIST-1D arrays are cached (mnist1d-seed42.npz)")
-    log_every: int = option(500, "steps between logged training metrics", check=positive)
 
     def resolved(self) -> "Config":
-        """This config with every unset option replaced by the model's recipe value."""
-        recipe = RECIPES[self.model]
-        return dataclasses.replace(self, **{k: v for k, v in recipe.items() if getattr(self, k) is None})
+        """This config with every unset option replaced by the model's recipe value. Parsing the command
+        line (and `Config.from_options`) calls it, so the rest of this file sees every option set."""
+        values = self.to_dict()
+        return self.replace(**{k: v for k, v in RECIPES[self.model].items() if values[k] is None})
 
 
 def learning_rate(config: Config) -> optax.Schedule:
     if config.schedule == "cosine":
-        return optax.cosine_decay_schedule(config.lr, decay_steps=config.steps)
-    return optax.constant_schedule(config.lr)
+        return optax.cosine_decay_schedule(config.training.lr, decay_steps=config.steps)
+    return optax.constant_schedule(config.training.lr)
 
 
 def optimizer(config: Config) -> optax.GradientTransformation:
     """AdamW (weight decay 0 is Adam) at a constant rate, or scaled by the cosine schedule's shape. The
     learning rate and the weight decay live in its state, so runs that differ in them train as one
     vmapped population (`scripts/sweep --vmapped`)."""
-    adamw = optax.inject_hyperparams(optax.adamw)(learning_rate=config.lr, weight_decay=config.weight_decay)
+    adamw = optax.inject_hyperparams(optax.adamw)(learning_rate=config.training.lr, weight_decay=config.weight_decay)
     if config.schedule == "cosine":
         return optax.chain(adamw, optax.scale_by_schedule(optax.cosine_decay_schedule(1.0, decay_steps=config.steps)))
     return adamw
@@ -181,7 +187,7 @@ def optimizer(config: Config) -> optax.GradientTransformation:
 
 def build_state(config: Config) -> TrainState:
     """The step-0 state of a resolved config: the model of `--model` and Adam (AdamW with weight decay)."""
-    model_key, train_key = jax.random.split(jax.random.key(config.seed))
+    model_key, train_key = jax.random.split(jax.random.key(config.training.seed))
     hparams = dict(MODEL_HPARAMS[config.model])
     if config.model == "mlp":
         hparams.update(in_size=MNIST1D_LENGTH, out_size=MNIST1D_CLASSES)
@@ -193,11 +199,15 @@ def build_state(config: Config) -> TrainState:
 
 def setup(config: Config) -> Setup:
     """The state and the data of a run, without training (`scripts/show_jaxpr mnist1d` uses it too)."""
-    config = config.resolved()
     train, test = load_mnist1d(config.data_dir)
     train, val = split_validation(train, config.val_size)
     train_data, test_data = train_and_eval_loaders(
-        train, test, config.batch_size, seed=config.seed, kind=config.loader, eval_batch_size=len(test.labels)
+        train,
+        test,
+        config.training.batch_size,
+        seed=config.training.seed,
+        kind=config.loader,
+        eval_batch_size=len(test.labels),
     )
     return Setup(
         build_state=lambda: build_state(config),
@@ -214,7 +224,6 @@ PUBLISHED = {"logistic": 0.32, "mlp": 0.68, "cnn": 0.94, "gru": 0.91}
 
 
 def main(config: Config) -> dict:
-    config = config.resolved()  # config.json and checkpoints record the values actually used
     summary = run_experiment("mnist1d", config, setup(config))
     if config.model in PUBLISHED and jax.process_index() == 0:
         published, reached = PUBLISHED[config.model], summary["test_accuracy"]

@@ -10,7 +10,7 @@ from typing import Literal
 import jax
 import optax
 
-from research.cli import EMA, Checkpointing, Devices, Tracking, Training, main_entry, option, positive
+from research.cli import TrainConfig, Training, group, main_entry, option, positive
 from research.data import DeviceLoader, TorchLoader, XORDataset, make_dataloader
 from research.experiment import Setup, run_experiment
 from research.nn import build_model
@@ -18,11 +18,18 @@ from research.train import TrainState
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(Training, Checkpointing, Devices, EMA, Tracking):
+class XorTraining(Training):
+    lr: float = option(0.1, "SGD learning rate", check=positive, vmappable=True)
+    steps_per_call: int = option(100, "training steps per compiled call (device loader)", check=positive)
+    log_every: int = option(190, "steps between logged training metrics", check=positive)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(TrainConfig):
     """Train an MLP on noisy XOR (2,500 training points, 500 test points)."""
 
+    training: XorTraining = group(XorTraining)
     epochs: int = option(100, "passes over the training set", check=positive, resumable=True)
-    lr: float = option(0.1, "SGD learning rate", check=positive, vmappable=True)
     hidden: int = option(8, "hidden units", check=positive)
     train_size: int = option(2500, "training points", check=positive)
     test_size: int = option(500, "test points", check=positive)
@@ -31,15 +38,15 @@ class Config(Training, Checkpointing, Devices, EMA, Tracking):
     loader: Literal["device", "torch"] = option(
         "device", "device: batches gathered on the device; torch: a torch DataLoader with numpy collate"
     )
-    steps_per_call: int = option(100, "training steps per compiled call (device loader)", check=positive)
-    log_every: int = option(190, "steps between logged training metrics", check=positive)
 
 
 def build_state(config: Config) -> TrainState:
-    model_key, train_key = jax.random.split(jax.random.key(config.seed))
+    model_key, train_key = jax.random.split(jax.random.key(config.training.seed))
     model, _ = build_model("mlp", in_size=2, out_size=1, hidden=(config.hidden,), activation="tanh", key=model_key)
     # The learning rate lives in the optimizer's state, so runs that differ in it train as one population.
-    return TrainState.create(model, optax.inject_hyperparams(optax.sgd)(learning_rate=config.lr), key=train_key)
+    return TrainState.create(
+        model, optax.inject_hyperparams(optax.sgd)(learning_rate=config.training.lr), key=train_key
+    )
 
 
 def setup(config: Config) -> Setup:
@@ -47,11 +54,11 @@ def setup(config: Config) -> Setup:
     train_set = XORDataset(config.train_size, seed=config.train_seed)
     test_set = XORDataset(config.test_size, seed=config.test_seed)
     if config.loader == "device":
-        train_data = DeviceLoader.from_dataset(train_set, config.batch_size, seed=config.seed)
-        test_data = DeviceLoader.from_dataset(test_set, min(config.batch_size, len(test_set)), shuffle=False)
+        train_data = DeviceLoader.from_dataset(train_set, config.training.batch_size, seed=config.training.seed)
+        test_data = DeviceLoader.from_dataset(test_set, min(config.training.batch_size, len(test_set)), shuffle=False)
     else:
-        train_data = TorchLoader(train_set, config.batch_size, seed=config.seed)
-        test_data = make_dataloader(test_set, min(config.batch_size, len(test_set)), shuffle=False)
+        train_data = TorchLoader(train_set, config.training.batch_size, seed=config.training.seed)
+        test_data = make_dataloader(test_set, min(config.training.batch_size, len(test_set)), shuffle=False)
     return Setup(
         build_state=lambda: build_state(config),
         train_data=train_data,

@@ -2,14 +2,19 @@
 
 `--batch-size` for `batch_size`, `--progress/--no-progress` for a bool, choices for a `Literal`, a
 variable number of values for a tuple, `--resume [auto|must|never]` (bare `--resume`: must;
-`--no-resume`: never). Only the options of the groups an experiment takes are on its command line;
-any other is refused. A bad value is refused in one line, `xor.py: error: ...`, with exit status 2
-(tyro's own boxed messages are replaced through its parse-error hook, `tyro._errors`, documented but
-private: were it gone from a later tyro, its own messages would show instead).
+`--no-resume`: never). The option groups a config holds as fields (`config.training`) are sections of
+`--help` whose flags carry no prefix (tyro's `OmitArgPrefixes`): `--lr`, not `--training.lr`. Only the
+options of the groups an experiment takes are on its command line; any other is refused.
+
+A bad value is refused in one line, `xor.py: error: ...`, with exit status 2, through tyro's public
+API alone: the rules below take every value tyro hands them (one they cannot read comes back as a
+`_BadValue`), tyro returns the arguments it does not know (`return_unknown_args`), and the config is
+built and checked after tyro returns. What tyro still refuses itself (a flag without its value) it
+refuses silently (`console_outputs=False`, but for `--help`), and `_missing_value` says why.
 
 `--config FILE` takes the defaults of the options from a YAML file (`lr: 0.3`, one option a line, as
-in the config's fields) or from a run's `config.json` (less its run directory and resume mode), and
-the other flags override them.
+in the config's fields, or nested by group: `training: {lr: 0.3}`) or from a run's `config.json`
+(less its run directory and resume mode), and the other flags override them.
 """
 
 import contextlib
@@ -44,28 +49,36 @@ from .config import (
     Checkpointing,
     Devices,
     Options,
+    Recipes,
     Resume,
+    RunConfig,
     Tracking,
     TrainConfig,
     Training,
+    WithDevices,
+    WithEMA,
+    WithTracking,
     check_combination,
     check_option,
+    devices_of,
+    ema_of,
     flag_name,
+    flat_options,
+    group,
+    group_index,
+    is_group,
     micro_batches,
     non_negative,
     open_unit_interval,
     option,
+    option_fields,
     positive,
     strip_optional,
+    tracking_of,
     unit_interval,
 )
 from .errors import ConfigError, Preempted, ResearchInputError
 from .messages import messages_to_stderr
-
-try:  # private but documented: tyro's parse-error hook, for one-line refusals
-    from tyro import _errors as tyro_errors
-except ImportError:  # a tyro without it: its own (boxed) messages, the same exit status 2
-    tyro_errors = None
 
 __all__ = [
     "EMA",
@@ -73,10 +86,19 @@ __all__ = [
     "ConfigError",
     "Devices",
     "Options",
+    "Recipes",
+    "RunConfig",
     "TrainConfig",
     "Training",
     "Tracking",
+    "WithDevices",
+    "WithEMA",
+    "WithTracking",
     "check_combination",
+    "devices_of",
+    "ema_of",
+    "tracking_of",
+    "group",
     "micro_batches",
     "compilation_cache_dir",
     "flag_name",
@@ -93,14 +115,22 @@ __all__ = [
 
 logger = logging.getLogger(__name__)  # research.messages: what shows them, and where
 
-C = TypeVar("C", bound=Options)
+C = TypeVar("C", bound=RunConfig)
 _registry = ConstructorRegistry()
 
 
-def _parse_resume(args: list[str]) -> Resume:
+@dataclasses.dataclass(frozen=True)
+class _BadValue:
+    """A command-line value a rule below could not read, and why (`invalid int value: 'many'`):
+    `parse_config` refuses it in one line once tyro returns, where tyro would have drawn a box."""
+
+    why: str
+
+
+def _parse_resume(args: list[str]) -> Resume | _BadValue:
     value = args[0] if args else "must"
     if value not in ("auto", "must", "never"):
-        raise ValueError(f"invalid choice: {value!r} (choose from 'auto', 'must', 'never')")
+        return _BadValue(f"invalid choice: {value!r} (choose from 'auto', 'must', 'never')")
     return None if value == "never" else value
 
 
@@ -109,7 +139,7 @@ _RESUME = PrimitiveConstructorSpec(
     metavar="[{auto,must,never}]",
     instance_from_str=_parse_resume,
     is_instance=lambda value: value in (None, "auto", "must"),
-    str_from_instance=lambda value: ["never" if value is None else value],
+    str_from_instance=lambda value: ["never" if value is None else str(value)],
 )
 
 
@@ -124,7 +154,7 @@ def _number_rule(info: PrimitiveTypeInfo) -> PrimitiveConstructorSpec | None:
         try:
             return kind(args[0])
         except ValueError:
-            raise ValueError(f"invalid {kind.__name__} value: {args[0]!r}") from None
+            return _BadValue(f"invalid {kind.__name__} value: {args[0]!r}")
 
     numbers = (int,) if kind is int else (int, float)
     return PrimitiveConstructorSpec(
@@ -136,26 +166,60 @@ def _number_rule(info: PrimitiveTypeInfo) -> PrimitiveConstructorSpec | None:
     )
 
 
+@_registry.primitive_rule
+def _choice_rule(info: PrimitiveTypeInfo) -> PrimitiveConstructorSpec | None:
+    """A `Literal`'s choices as argparse said them: `invalid choice: 'c' (choose from 'a', 'b')`."""
+    if typing.get_origin(info.type) is not Literal:
+        return None
+    choices = typing.get_args(info.type)
+    by_text = {str(choice): choice for choice in choices}
+
+    def parse(args: list[str]) -> Any:
+        if args[0] in by_text:
+            return by_text[args[0]]
+        return _BadValue(f"invalid choice: {args[0]!r} (choose from {', '.join(map(repr, by_text))})")
+
+    return PrimitiveConstructorSpec(
+        nargs=1,
+        metavar="{" + ",".join(by_text) + "}",
+        instance_from_str=parse,
+        is_instance=lambda value: value in choices,
+        str_from_instance=lambda value: [str(value)],
+    )
+
+
 @_registry.struct_rule
 def _config_rule(info: StructTypeInfo) -> StructConstructorSpec | None:
-    """A config is one flat list of options: the experiment's own first, then its groups' in order.
-    An option whose help says its default itself gets no second `(default: ...)`."""
+    """A config or an option group: its own options first, then its groups (`--help` sections, in
+    `GROUPS` order) without a flag prefix. An option whose help says its default itself gets no second
+    `(default: ...)`. tyro builds a mapping of the values (`{"training": {"lr": 0.3}, ...}`), which
+    `parse_config` turns into the config and checks."""
     if not (isinstance(info.type, type) and issubclass(info.type, Options)):
         return None
     hints = typing.get_type_hints(info.type)
-    grouped = {f.name: i for i, group in enumerate(GROUPS) for f in dataclasses.fields(group)}
-    fields = sorted(dataclasses.fields(info.type), key=lambda f: grouped.get(f.name, -1))
+    fields = sorted(dataclasses.fields(info.type), key=lambda f: group_index(hints[f.name]) if is_group(f) else -1)
     specs = []
     for field in fields:
-        help, hint = field.metadata.get("help", ""), hints[field.name]
+        hint = hints[field.name]
+        if isinstance(info.default, info.type):  # defaults from --config FILE
+            default = getattr(info.default, field.name)
+        elif is_group(field):
+            default = hint()
+        else:
+            default = field.default if field.default is not dataclasses.MISSING else tyro.MISSING_NONPROP
+        if is_group(field):
+            index = group_index(hint)  # its description: the standard group's, not a subclass's
+            about = (GROUPS[index] if index < len(GROUPS) else hint).__doc__
+            specs.append(
+                StructFieldSpec(name=field.name, type=tyro.conf.OmitArgPrefixes[hint], default=default, helptext=about)
+            )
+            continue
+        help = field.metadata.get("help", "")
         extras: list[Any] = [_RESUME] if hint == Resume else []
         extras.append(tyro.conf.arg(metavar=_metavar(hint), help_behavior_hint="" if "default:" in help else None))
         tp: Any = Annotated[(hint, *extras)]  # a type built at run time
-        default = field.default if field.default is not dataclasses.MISSING else tyro.MISSING_NONPROP
-        if isinstance(info.default, info.type):  # defaults from --config FILE
-            default = getattr(info.default, field.name)
         specs.append(StructFieldSpec(name=field.name, type=tp, default=default, helptext=help))
-    return StructConstructorSpec(instantiate=info.type, fields=tuple(specs))
+    return StructConstructorSpec(instantiate=dict, fields=tuple(specs))
 
 
 def _metavar(hint: Any) -> str | None:
@@ -172,55 +236,68 @@ class _Refused(Exception):
     """The command line was refused; the message is the one line to print."""
 
 
-def _flag(argument: Any) -> str:
-    return argument.lowered.name_or_flags[0] if argument is not None else "?"
+def _bad_values(values: dict[str, Any]) -> str | None:
+    """The refusal of the first value a rule could not read (`argument --lr: invalid float value: 'x'`)."""
+    for name, value in values.items():
+        for item in value if isinstance(value, tuple) else (value,):
+            if isinstance(item, _BadValue):
+                return f"argument {flag_name(name)}: {item.why}"
+    return None
 
 
-def _refuse(event: Any) -> None:
-    """tyro's parse-error hook: turn each refusal into one argparse-style line."""
-    assert tyro_errors is not None  # the hook is installed only when tyro has the module
-    if isinstance(event, tyro_errors.UnrecognizedArgs):
-        message = "unrecognized arguments: " + " ".join(event.tokens)
-    elif isinstance(event, tyro_errors.InvalidChoice):
-        choices = ", ".join(map(repr, event.choices))
-        message = f"argument {_flag(event.argument)}: invalid choice: {event.value!r} (choose from {choices})"
-    elif isinstance(event, tyro_errors.InstantiationFailure):
-        message = event.message if event.argument is None else f"argument {_flag(event.argument)}: {event.message}"
-    elif isinstance(event, tyro_errors.BadValue):
-        message = f"argument {_flag(event.argument)}: " + (
-            "expected a value" if event.offending_value is None else f"cannot take {event.offending_value!r}"
-        )
-    else:
-        message = f"the command line was refused ({type(event).__name__}); run with --help for the options"
-    raise _Refused(message)
+def _missing_value(args: list[str], config_class: type) -> str:
+    """Why tyro refused `args` once the rules took every value they were given: a flag without its value."""
+    takes_a_value = {
+        flag_name(name)
+        for name, (_, hint) in option_fields(config_class).items()
+        if strip_optional(hint)[0] is not bool and hint != Resume
+    }
+    for i, arg in enumerate(args):
+        if arg in takes_a_value and (i + 1 == len(args) or args[i + 1].startswith("--")):
+            return f"argument {arg}: expected a value"
+    return "the command line was refused; run with --help for the options"
 
 
-def _resume_shim(args: list[str], config_class: type) -> list[str]:
+def _resume_shim(args: list[str]) -> list[str]:
     """`--no-resume` is `--resume never` (tyro pairs --x/--no-x only for bools)."""
-    if not issubclass(config_class, Checkpointing):
-        return args
     return [word for arg in args for word in (["--resume", "never"] if arg == "--no-resume" else [arg])]
 
 
 def parse_config(config_class: type[C], argv: Sequence[str] | None = None, prog: str | None = None) -> C:
-    """Parse the command line into `config_class` (defaults from `--config FILE` when given); on a bad
-    value print one line and exit with 2."""
+    """Parse the command line into `config_class` (defaults from `--config FILE` when given), with its
+    recipes resolved (`Options.from_dict`); on a bad value print one line and exit with 2."""
     prog = prog or Path(sys.argv[0]).name
-    args = _resume_shim(list(sys.argv[1:] if argv is None else argv), config_class)
+    args = _resume_shim(list(sys.argv[1:] if argv is None else argv))
     doc = vars(config_class).get("__doc__")  # its own, not its base's
     description = inspect.cleandoc(doc) if doc else ""
     description += (
         "\n\n--config FILE: take the options' defaults from a YAML file or a run's config.json; the "
         "other flags override them"
     )
+    wants_help = "--help" in args or "-h" in args
     try:
         args, path = _config_flag(args)
         default = tyro.MISSING_NONPROP if path is None else config_file_defaults(config_class, path, prog)
-        hook = contextlib.nullcontext() if tyro_errors is None else tyro_errors.on_parse_error(_refuse)
-        with hook:
-            return tyro.cli(
-                config_class, args=args, prog=prog, description=description, registry=_registry, default=default
+        try:
+            values, unknown = tyro.cli(
+                config_class,
+                args=args,
+                prog=prog,
+                description=description,
+                registry=_registry,
+                default=default,
+                return_unknown_args=True,
+                console_outputs=wants_help,  # tyro's messages are boxes; ours are lines
             )
+        except SystemExit as e:
+            if wants_help or not e.code:
+                raise
+            raise _Refused(_missing_value(args, config_class)) from None
+        flat = flat_options(config_class, typing.cast(dict[str, Any], values))
+        refusal = _bad_values(flat) or (f"unrecognized arguments: {' '.join(unknown)}" if unknown else None)
+        if refusal:
+            raise _Refused(refusal)
+        return config_class.from_dict(flat)
     except (_Refused, ConfigError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -241,10 +318,11 @@ def _config_flag(args: list[str]) -> tuple[list[str], Path | None]:
     return args[:i] + args[i + 2 :], Path(args[i + 1])
 
 
-def read_config_file(path: Path, experiment: str | None = None) -> dict[str, Any]:
-    """The options a config file sets: a YAML (or JSON) mapping of option names to values, or the
-    `config` of a run's config.json less `run_dir` and `resume` (which name that run, not what it
-    trains); `ConfigError` naming the file when it cannot be read or is of another `experiment`."""
+def read_config_file(path: Path, config_class: type, experiment: str | None = None) -> dict[str, Any]:
+    """The options a config file sets, by name: a YAML (or JSON) mapping of option names to values (or
+    of `config_class`'s group names to such mappings), or the `config` of a run's config.json less
+    `run_dir` and `resume` (which name that run, not what it trains); `ConfigError` naming the file
+    when it cannot be read or is of another `experiment`."""
     try:
         text = path.read_text()
     except OSError as e:
@@ -254,38 +332,55 @@ def read_config_file(path: Path, experiment: str | None = None) -> dict[str, Any
     except (ValueError, yaml.YAMLError) as e:
         kind = "JSON" if path.suffix == ".json" else "YAML"
         raise ConfigError(f"--config {path}: not valid {kind}: {' '.join(str(e).split())}") from None
-    if isinstance(values, dict) and isinstance(values.get("config"), dict) and "experiment" in values:
+    run = isinstance(values, dict) and isinstance(values.get("config"), dict) and "experiment" in values
+    if run:
         if experiment is not None and values["experiment"] != experiment:
             raise ConfigError(f"--config {path} is a run of {values['experiment']}, not of {experiment}")
-        values = {k: v for k, v in values["config"].items() if k not in ("run_dir", "resume")}
+        values = values["config"]
     if values is None:
         return {}
     if not isinstance(values, dict):
         raise ConfigError(f"--config {path}: expected option: value pairs, found a {type(values).__name__}")
-    return {str(k).replace("-", "_"): v for k, v in values.items()}
+    flat = flat_options(config_class, _underscored(values))
+    return {k: v for k, v in flat.items() if not (run and k in ("run_dir", "resume"))}
+
+
+def _underscored(values: dict[Any, Any]) -> dict[str, Any]:
+    """`batch-size` as `batch_size`, in a group's mapping too."""
+    return {str(k).replace("-", "_"): _underscored(v) if isinstance(v, dict) else v for k, v in values.items()}
 
 
 def config_file_defaults(config_class: type[C], path: Path, prog: str) -> C:
     """An instance of `config_class` holding the defaults of the options, the file's values where it
     sets them, each checked on its own (the checks across options run once the flags are in)."""
-    values = read_config_file(path, Path(prog).stem if prog.endswith(".py") else None)
-    fields = {f.name: f for f in dataclasses.fields(config_class)}
+    values = read_config_file(path, config_class, Path(prog).stem if prog.endswith(".py") else None)
+    fields = option_fields(config_class)
     for key in values:
         if key not in fields:
             close = difflib.get_close_matches(key, fields, n=1)
             hint = f" (did you mean {close[0]}?)" if close else f"; its options: {', '.join(sorted(fields))}"
             raise ConfigError(f"--config {path}: '{key}' is not an option of {Path(prog).stem}{hint}")
+        field, hint = fields[key]
+        values[key] = _from_file(values[key], hint)
+        try:
+            check_option(field, values[key], hint)
+        except ConfigError as e:
+            raise ConfigError(f"--config {path}: {e}") from None
+    return _unchecked(config_class, values)
+
+
+def _unchecked(config_class: type[Any], values: dict[str, Any]) -> Any:
+    """`config_class` holding `values` (by option name) and defaults elsewhere, built without its checks:
+    the flags may still change what they check."""
     hints = typing.get_type_hints(config_class)
-    defaults = object.__new__(config_class)  # no __post_init__: the flags may still change what it checks
-    for name, field in fields.items():
-        value = _from_file(values[name], hints[name]) if name in values else field.default
-        if name in values:
-            try:
-                check_option(field, value, hints[name])
-            except ConfigError as e:
-                raise ConfigError(f"--config {path}: {e}") from None
-        object.__setattr__(defaults, name, value)
-    return defaults
+    config = object.__new__(config_class)
+    for field in dataclasses.fields(config_class):
+        if is_group(field):
+            value = _unchecked(hints[field.name], values)
+        else:
+            value = values[field.name] if field.name in values else field.default
+        object.__setattr__(config, field.name, value)
+    return config
 
 
 def _from_file(value: Any, hint: Any) -> Any:
@@ -301,7 +396,7 @@ def _from_file(value: Any, hint: Any) -> Any:
     return value
 
 
-def help_text(config_class: type[Options], prog: str = "experiment.py", width: int = 120) -> str:
+def help_text(config_class: type[RunConfig], prog: str = "experiment.py", width: int = 120) -> str:
     """What `--help` prints for `config_class`, `width` columns wide."""
     out, columns = io.StringIO(), os.environ.get("COLUMNS")
     os.environ["COLUMNS"] = str(width)  # tyro sizes its help box to the terminal
@@ -390,13 +485,13 @@ def main_entry(main: Callable[[C], Any], config_class: type[C], argv: Sequence[s
     prog = Path(sys.argv[0]).name
     with exit_together(prog):
         try:
-            use_compilation_cache(config.compilation_cache)
-            if not isinstance(config, Devices) and process_group() is not None:
+            use_compilation_cache(devices_of(config).compilation_cache)
+            if not isinstance(config, WithDevices) and process_group() is not None:
                 raise ConfigError(
                     f"{prog} takes no device or process options and runs in one process; unset "
                     "$JAX_NUM_PROCESSES (or start it without scripts/launch)"
                 )
-            setup_devices(config)
+            setup_devices(devices_of(config), config.training.batch_size)
             main(config)
         except ResearchInputError as e:
             print(f"{prog}: error: {e}", file=sys.stderr)

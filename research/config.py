@@ -1,26 +1,43 @@
-"""Typed experiment configs, composed of option groups.
+"""Typed experiment configs: option groups held as fields.
 
-An experiment's config is a frozen dataclass that inherits the option groups it can honour and adds
-its own fields, each declared with `option(...)`:
+An option group (`Training`, `Checkpointing`, `Devices`, `EMA`, `Tracking`) is a frozen dataclass of
+options, each declared with `option(...)`. An experiment's config holds the groups it can honour as
+fields and adds its own options: `RunConfig` holds the two every run takes (`training`,
+`checkpointing`), `WithDevices`, `WithEMA` and `WithTracking` add one group each, and `TrainConfig`
+holds all five. To change a group's defaults, an experiment subclasses the group and holds that:
 
     @dataclasses.dataclass(frozen=True)
-    class Config(Training, Checkpointing, Devices, EMA, Tracking):
+    class XorTraining(Training):
+        lr: float = option(0.1, "SGD learning rate", check=positive, vmappable=True)
+
+    @dataclasses.dataclass(frozen=True)
+    class Config(TrainConfig):
+        training: XorTraining = group(XorTraining)
         epochs: int = option(10, "passes over the training set", check=positive, resumable=True)
 
-Attribute access stays flat (`config.batch_size`, `config.devices`). An option of a group the
-experiment does not take is not on its command line, and reads as that group's default, so the
-layers below (`research.experiment`, the engine) can read any option of any config.
+Code reads an option through its group (`config.training.lr`, `config.devices.parallel`), and a
+function that reads one group takes that group. A config lacks the groups it does not take (there is
+no fallback): `devices_of`, `ema_of` and `tracking_of` say what a config without one means (one
+device in one process; no EMA; metrics.jsonl alone). Option names are unique across a config's
+groups, so a config also has a flat view: the command line (`--lr`), `--config` files, config.json
+and the trackers name every option by its name alone (`option_fields`, `to_dict`, `from_dict`,
+`from_options`, `replace`), as they did before the groups were nested.
 
-Every field is checked when the config is built (`ConfigError`, naming the flag), and every check that
-spans several options lives in one place, `check_combination`. The command line is generated from
+Every option is checked when its group is built (`ConfigError`, naming the flag), and every check
+that spans several options lives in one place, `check_combination`, run when a whole config is
+built. An experiment whose unset options take values that depend on others (mnist1d's per-model
+recipe) gives its config a `resolved()` method (`Recipes`); `from_dict`, which every way of building
+a config from its options goes through (the command line, `--config`, `load_run`, `from_options`),
+calls it, so nothing downstream sees an unset recipe option. The command line is generated from
 these classes by `research.cli`.
 """
 
 import dataclasses
+import functools
 import types
 import typing
-from collections.abc import Callable
-from typing import Any, Literal
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, Protocol, TypeVar
 
 from .errors import ConfigError
 from .train import tensorboard_problem, trackers_problem
@@ -79,29 +96,122 @@ def flag_name(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
 
 
+def group(group_class: type) -> Any:
+    """A config field holding an option group, built with its defaults unless given."""
+    return dataclasses.field(default_factory=group_class, metadata={"group": True})
+
+
+def is_group(field: dataclasses.Field) -> bool:
+    return bool(field.metadata.get("group"))
+
+
+OptionsT = TypeVar("OptionsT", bound="Options")
+
+
 class Options:
-    """The base of every option group and config: checks each field and then `check_combination`."""
+    """The base of every option group and config: checks each option when built, and a whole config's
+    combination of options (`check_combination`)."""
 
     if typing.TYPE_CHECKING:  # each subclass is a dataclass (`dataclasses.fields`, `replace` take it)
         __dataclass_fields__: typing.ClassVar[dict[str, dataclasses.Field[Any]]]
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
-        if "resume" in hints and self.resume in (True, False, "never"):  # from Python: resume=True is "must"
-            object.__setattr__(self, "resume", "must" if self.resume is True else None)
+        if isinstance(self, Checkpointing):
+            object.__setattr__(self, "resume", _resume_mode(self.resume))
         for field in dataclasses.fields(self):
-            check_option(field, getattr(self, field.name), hints[field.name])
-        check_combination(self)
-
-    def __getattr__(self, name: str) -> Any:
-        # Only reached for a name the config lacks: an option of a group it does not take reads as
-        # that group's default (the layers below read every option of every config).
-        if name in _GROUP_DEFAULTS:
-            return _GROUP_DEFAULTS[name]
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+            value = getattr(self, field.name)
+            if is_group(field):
+                if not isinstance(value, hints[field.name]):
+                    raise ConfigError(f"{field.name} must be a {hints[field.name].__name__} (got {value!r})")
+            else:
+                check_option(field, value, hints[field.name])
+        if isinstance(self, RunConfig):
+            check_combination(self)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every option by its name alone (`lr`, not `training.lr`), as the command line, `--config` files,
+        config.json and the trackers name them, in `--help`'s order (`option_fields`)."""
+        values = {field.name: getattr(self, field.name) for field in dataclasses.fields(self) if not is_group(field)}
+        for field in dataclasses.fields(self):
+            if is_group(field):
+                values.update(getattr(self, field.name).to_dict())
+        return {name: values[name] for name in option_fields(type(self))}
+
+    @classmethod
+    def from_dict(cls: type[OptionsT], values: Mapping[str, Any]) -> OptionsT:
+        """A config of this class from its options by name (`{"lr": 0.3}`), or nested by group (`{"training":
+        {"lr": 0.3}}`); an option not given takes its default, a list an option of tuples holds (from
+        JSON) becomes a tuple, and recipe options are resolved (`Recipes`). `ConfigError` names any key
+        that is not an option."""
+        flat = flat_options(cls, values)
+        unknown = sorted(set(flat) - set(option_fields(cls)))
+        if unknown:
+            raise ConfigError(f"{', '.join(unknown)}: not options of {cls.__module__}.{cls.__qualname__}")
+        config = _build(cls, flat)
+        if isinstance(config, Recipes):
+            return config.resolved()
+        return config
+
+    @classmethod
+    def from_options(cls: type[OptionsT], **options: Any) -> OptionsT:
+        """`from_dict(options)`: `xor.Config.from_options(lr=0.3, run_dir="r")`."""
+        return cls.from_dict(options)
+
+    def replace(self: OptionsT, **options: Any) -> OptionsT:
+        """This config with some options (by name, whatever group holds them) changed; recipes are not
+        resolved again (`dataclasses.replace` for a config of groups)."""
+        unknown = sorted(set(options) - set(option_fields(type(self))))
+        if unknown:
+            raise ConfigError(f"{', '.join(unknown)}: not options of {type(self).__qualname__}")
+        return _build(type(self), {**self.to_dict(), **options})
+
+
+@typing.runtime_checkable
+class Recipes(Protocol):
+    """A config whose unset (`None`) options take values that depend on other options (mnist1d's
+    per-model recipe): `resolved()` returns it with each of them set. `Options.from_dict` resolves
+    every config it builds, so code handed a parsed config never calls it."""
+
+    def resolved(self) -> Any: ...
+
+
+def _build(config_class: type[OptionsT], flat: Mapping[str, Any]) -> OptionsT:
+    """`config_class` with the options in `flat` (by name) and defaults elsewhere, each group built and
+    checked first."""
+    hints = typing.get_type_hints(config_class)
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(config_class):
+        if is_group(field):
+            values[field.name] = _build(hints[field.name], flat)
+        elif field.name in flat:
+            value = _resume_mode(flat[field.name]) if field.name == "resume" else flat[field.name]
+            if isinstance(value, list) and typing.get_origin(strip_optional(hints[field.name])[0]) is tuple:
+                value = tuple(value)
+            values[field.name] = value
+    return config_class(**values)
+
+
+def _resume_mode(value: Any) -> Any:
+    """`--resume` as Python may spell it: True is "must", False and "never" are None."""
+    return ("must" if value is True else None) if value in (True, False, "never") else value
+
+
+def flat_options(config_class: type, values: Mapping[str, Any]) -> dict[str, Any]:
+    """`values` by option name: a group's mapping (`{"training": {"lr": 0.3}}`) spread into its options;
+    a name that is not one of that group's stays dotted (`training.nope`), for the caller to refuse."""
+    hints = typing.get_type_hints(config_class)
+    groups = {f.name: hints[f.name] for f in dataclasses.fields(config_class) if is_group(f)}
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        if key in groups and isinstance(value, Options):
+            value = value.to_dict()
+        if key in groups and isinstance(value, Mapping):
+            own = option_fields(groups[key])
+            flat.update({name if name in own else f"{key}.{name}": v for name, v in value.items()})
+        else:
+            flat[key] = value
+    return flat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,15 +384,83 @@ class Tracking(Options):
 
 
 GROUPS: tuple[type[Options], ...] = (Training, Checkpointing, Devices, EMA, Tracking)
-_GROUP_DEFAULTS = {f.name: f.default for group in GROUPS for f in dataclasses.fields(group)}
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig(Training, Checkpointing, Devices, EMA, Tracking):
+class RunConfig(Options):
+    """The option groups every run takes: how it trains, where it lives and saves. An experiment's config
+    subclasses it with the optional groups it honours (`WithDevices`, `WithEMA`, `WithTracking`, or
+    `TrainConfig` for all of them), replaces a group by its own subclass to change the group's
+    defaults, and adds its own options."""
+
+    training: Training = group(Training)
+    checkpointing: Checkpointing = group(Checkpointing)
+
+
+@dataclasses.dataclass(frozen=True)
+class WithDevices(RunConfig):
+    """A config that takes the device and process options (data parallelism, several processes)."""
+
+    devices: Devices = group(Devices)
+
+
+@dataclasses.dataclass(frozen=True)
+class WithEMA(RunConfig):
+    """A config that takes `--ema-decay`."""
+
+    ema: EMA = group(EMA)
+
+
+@dataclasses.dataclass(frozen=True)
+class WithTracking(RunConfig):
+    """A config that takes the tracking options (`--tracker`, `--profile-steps`, ...)."""
+
+    tracking: Tracking = group(Tracking)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig(WithDevices, WithEMA, WithTracking):
     """Every option group: the config of an experiment that honours them all."""
 
 
-def check_combination(config: Any, processes: int | None = None) -> None:
+def devices_of(config: RunConfig) -> Devices:
+    """The device options of `config`; an experiment that takes none runs on one device in one process."""
+    return config.devices if isinstance(config, WithDevices) else Devices()
+
+
+def ema_of(config: RunConfig) -> EMA:
+    """The EMA options of `config`; an experiment that takes none keeps no EMA."""
+    return config.ema if isinstance(config, WithEMA) else EMA()
+
+
+def tracking_of(config: RunConfig) -> Tracking:
+    """The tracking options of `config`; an experiment that takes none writes metrics.jsonl alone."""
+    return config.tracking if isinstance(config, WithTracking) else Tracking()
+
+
+def group_index(group_class: type) -> int:
+    """Where a group (or a subclass of one) comes in `GROUPS`, an experiment's own group after them: the
+    order of `--help` and of the flat view."""
+    return next((i for i, standard in enumerate(GROUPS) if issubclass(group_class, standard)), len(GROUPS))
+
+
+@functools.cache
+def option_fields(config_class: type) -> dict[str, tuple[dataclasses.Field, Any]]:
+    """Every option of a config class (or of a group) by name, with its type hint: the config's own
+    options first, then its groups' in `GROUPS` order. A name two groups (or a group and the config)
+    both declare is a `TypeError`: the command line and config.json name options by name alone."""
+    hints = typing.get_type_hints(config_class)
+    fields = sorted(dataclasses.fields(config_class), key=lambda f: group_index(hints[f.name]) if is_group(f) else -1)
+    found: dict[str, tuple[dataclasses.Field, Any]] = {}
+    for field in fields:
+        inner = option_fields(hints[field.name]) if is_group(field) else {field.name: (field, hints[field.name])}
+        for name in inner.keys() & found.keys():
+            raise TypeError(f"{config_class.__qualname__} has two options named {name!r}; rename one")
+        found.update(inner)
+    return found
+
+
+def check_combination(config: RunConfig, processes: int | None = None) -> None:
     """Every check that spans several options, in one place; raises `ConfigError`.
 
     Run when a config is built (with the processes it names) and again by `run_experiment` once JAX
@@ -295,36 +473,35 @@ def check_combination(config: Any, processes: int | None = None) -> None:
     - `--resume auto` needs `--run-dir`: a restarted job must find its own run, not the newest one;
     - `--deterministic-reduction`'s micro-batches split the batch, and the devices split them.
     """
-    processes = processes or config.num_processes or 1
-    devices = config.devices * processes
-    if config.parallel == "none" and devices > 1:
-        raise ConfigError(f"--parallel none trains on one device, not {devices}; pass --parallel sharded or pmap")
-    if config.batch_size is not None and config.batch_size % devices:  # None: an experiment's default, checked later
+    training, checkpointing, devices = config.training, config.checkpointing, devices_of(config)
+    processes = processes or devices.num_processes or 1
+    count = devices.devices * processes
+    batch_size = training.batch_size
+    if devices.parallel == "none" and count > 1:
+        raise ConfigError(f"--parallel none trains on one device, not {count}; pass --parallel sharded or pmap")
+    if batch_size is not None and batch_size % count:  # None: an experiment's default, checked later
         raise ConfigError(
-            f"--batch-size {config.batch_size} is not divisible by the {devices} devices; pick a multiple of {devices}"
+            f"--batch-size {batch_size} is not divisible by the {count} devices; pick a multiple of {count}"
         )
-    if None not in (config.process_id, config.num_processes) and config.process_id >= config.num_processes:
-        raise ConfigError(
-            f"--process-id must be below --num-processes {config.num_processes} (got {config.process_id})"
-        )
-    if config.debug_nans and (devices > 1 or config.parallel in ("pmap", "sharded", "fsdp")):
+    process_id, num_processes = devices.process_id, devices.num_processes
+    if process_id is not None and num_processes is not None and process_id >= num_processes:
+        raise ConfigError(f"--process-id must be below --num-processes {num_processes} (got {process_id})")
+    if training.debug_nans and (count > 1 or devices.parallel in ("pmap", "sharded", "fsdp")):
         raise ConfigError("--debug-nans replays steps op by op on one device; drop --devices and --parallel")
-    if config.resume == "auto" and config.run_dir is None:
+    if checkpointing.resume == "auto" and checkpointing.run_dir is None:
         raise ConfigError("--resume auto needs --run-dir: the directory a restarted job finds its run in")
-    if config.deterministic_reduction and config.micro_batches % devices:
+    if devices.deterministic_reduction and devices.micro_batches % count:
         raise ConfigError(
-            f"--micro-batches {config.micro_batches} is not divisible by the {devices} devices; "
+            f"--micro-batches {devices.micro_batches} is not divisible by the {count} devices; "
             "pick a multiple of the device count"
         )
-    if config.deterministic_reduction and config.batch_size is not None and config.batch_size % config.micro_batches:
-        raise ConfigError(
-            f"--batch-size {config.batch_size} is not divisible by --micro-batches {config.micro_batches}"
-        )
+    if devices.deterministic_reduction and batch_size is not None and batch_size % devices.micro_batches:
+        raise ConfigError(f"--batch-size {batch_size} is not divisible by --micro-batches {devices.micro_batches}")
 
 
-def micro_batches(config: Any) -> int | None:
+def micro_batches(devices: Devices) -> int | None:
     """The fixed micro-batch count of a `--deterministic-reduction` run; `None` without it."""
-    return config.micro_batches if config.deterministic_reduction else None
+    return devices.micro_batches if devices.deterministic_reduction else None
 
 
 def check_option(field: dataclasses.Field, value: Any, hint: Any) -> None:
@@ -338,13 +515,15 @@ def check_option(field: dataclasses.Field, value: Any, hint: Any) -> None:
 
 
 def vmappable_options(config: Any) -> set[str]:
-    """The fields of `config` (or of its class) a vmapped population may vary (`option(vmappable=True)`)."""
-    return {f.name for f in dataclasses.fields(config) if f.metadata.get("vmappable")}
+    """The options of `config` (or of its class) a vmapped population may vary (`option(vmappable=True)`)."""
+    config_class = config if isinstance(config, type) else type(config)
+    return {name for name, (field, _) in option_fields(config_class).items() if field.metadata.get("vmappable")}
 
 
 def resumable_options(config: Any) -> set[str]:
-    """The fields of `config` (or of its class) a run may be resumed with changed (`option(resumable=True)`)."""
-    return {f.name for f in dataclasses.fields(config) if f.metadata.get("resumable")}
+    """The options of `config` (or of its class) a run may be resumed with changed (`option(resumable=True)`)."""
+    config_class = config if isinstance(config, type) else type(config)
+    return {name for name, (field, _) in option_fields(config_class).items() if field.metadata.get("resumable")}
 
 
 def strip_optional(tp: Any) -> tuple[Any, bool]:

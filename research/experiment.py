@@ -7,7 +7,6 @@ import logging
 import sys
 import time
 import types
-import typing
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -19,12 +18,18 @@ import numpy as np
 
 from . import population
 from .config import (
+    EMA,
     ConfigError,
-    Options,
+    RunConfig,
+    Tracking,
     check_combination,
+    devices_of,
+    ema_of,
+    flat_options,
     micro_batches,
+    option_fields,
     profile_window,
-    strip_optional,
+    tracking_of,
 )
 from .curves import CurvePool
 from .data import Batch, DeviceLoader, GrainLoader, HostLoader, TorchLoader
@@ -96,7 +101,7 @@ def load_experiment(name: str) -> types.ModuleType:
     return module
 
 
-def config_record(experiment: str, config: Options, setup: "Setup", state: TrainState) -> dict[str, Any]:
+def config_record(experiment: str, config: RunConfig, setup: "Setup", state: TrainState) -> dict[str, Any]:
     """What a run's config.json holds: the config, the resolved step count, the model's parameter count
     (of one member in a population), the machine, library versions, the git commit, the command."""
     members = population.num_members(state) or None
@@ -105,7 +110,7 @@ def config_record(experiment: str, config: Options, setup: "Setup", state: Train
         "config": config.to_dict(),
         "resolved": {"num_steps": setup.num_steps, "steps_per_epoch": setup.train_data.steps_per_epoch},
         "parameters": {**parameter_counts(state.model, members), **({"members": members} if members else {})},
-        "machine": machine(config.devices * jax.process_count()),
+        "machine": machine(devices_of(config).devices * jax.process_count()),
         "versions": versions(),
         "git": git_state(),
         "command": [Path(sys.argv[0]).name, *sys.argv[1:]],
@@ -154,13 +159,14 @@ class Setup:
         return evaluate_population if self.population else evaluate_state
 
 
-def initial_state(setup: Setup, config: Options) -> TrainState:
+def initial_state(setup: Setup, ema: EMA) -> TrainState:
     """The step-0 TrainState a run trains (and the skeleton its checkpoints restore into):
-    `setup.build_state()`, with an EMA of the model when `config.ema_decay > 0` (unless it has one;
-    in a population, one EMA per member)."""
+    `setup.build_state()`, with an EMA of the model when `ema.ema_decay > 0` (unless it has one;
+    in a population, one EMA per member). `ema` is the config's (`research.config.ema_of(config)`)."""
     state = setup.build_state()
-    if config.ema_decay and state.ema is None:
-        state = population.with_ema(state, config.ema_decay) if setup.population else state.with_ema(config.ema_decay)
+    decay = ema.ema_decay
+    if decay and state.ema is None:
+        state = population.with_ema(state, decay) if setup.population else state.with_ema(decay)
     return state
 
 
@@ -173,7 +179,7 @@ def first_batch(data: DeviceLoader | TorchLoader | GrainLoader) -> Batch:
 
 def run_experiment(
     experiment: str,
-    config: Options,
+    config: RunConfig,
     setup: Setup,
     *,
     summary_extra: dict[str, Any] | Callable[[FitResult], dict[str, Any]] | None = None,
@@ -189,19 +195,21 @@ def run_experiment(
     `add_default_hooks`. `curves.png` is drawn by `curves` when given (a `research.curves.CurvePool`
     the caller closes: a vmapped sweep's, whose worker is idle when its population finishes).
 
-    With `config.ema_decay > 0` the state gets an EMA of the model (unless `build_state` gave it
+    With `--ema-decay` above 0 the state gets an EMA of the model (unless `build_state` gave it
     one): `test_accuracy`/`test_loss` are then the EMA model's, and `test_raw_accuracy`/
     `test_raw_loss` the trained model's.
 
-    Training runs on `config.devices` devices per process with the `config.parallel` strategy (build
-    BatchNorm layers with `research.parallel.batch_axis_name(config.parallel)`). With several
-    processes every process trains and evaluates, and only process 0 writes the run directory.
+    Training runs on `--devices` devices per process with the `--parallel` strategy (build BatchNorm
+    layers with `research.parallel.batch_axis_name(config.devices.parallel)`); a config without
+    device options (`devices_of`) on one. With several processes every process trains and
+    evaluates, and only process 0 writes the run directory.
     """
-    check_device_count(config.devices)
-    placement = make_placement(config.parallel, config.devices, micro_batches(config))
+    devices = devices_of(config)
+    check_device_count(devices.devices)
+    placement = make_placement(devices.parallel, devices.devices, micro_batches(devices))
     check_combination(config, processes=jax.process_count())
-    _check_profile_window(config, setup.num_steps)
-    state = initial_state(setup, config)
+    _check_profile_window(tracking_of(config), setup.num_steps)
+    state = initial_state(setup, ema_of(config))
     placement = _population_placement(setup, state, placement) if setup.population else placement
     placement.check(state.model, setup.train_data.batch_size)
     if placement.micro_batches is not None:
@@ -233,7 +241,7 @@ def run_experiment(
         trackers.close(ending, summary, run_files(run))
 
 
-def _open_trackers(experiment: str, config: Options, run: RunDir, start_step: int) -> RunTrackers:
+def _open_trackers(experiment: str, config: RunConfig, run: RunDir, start_step: int) -> RunTrackers:
     """Process 0's trackers; a resumed run continues the remote runs its config.json names."""
     previous = run.read_config().get("trackers", {}) if run.config_file.exists() else {}
     return open_trackers(experiment, config, run, runs_root=RUNS_ROOT, start_step=start_step, previous=previous)
@@ -264,7 +272,7 @@ def _population_placement(setup: Setup, state: TrainState, placement: Placement)
 
 
 def _start_run(
-    experiment: str, config: Options, setup: Setup, state: TrainState, run: RunDir, trackers: RunTrackers
+    experiment: str, config: RunConfig, setup: Setup, state: TrainState, run: RunDir, trackers: RunTrackers
 ) -> None:
     """Process 0's start: the run directory cleared of interrupted saves, config.json, the start line."""
     run.create()
@@ -276,7 +284,7 @@ def _start_run(
 
 def _run_and_summarize(
     experiment: str,
-    config: Options,
+    config: RunConfig,
     setup: Setup,
     state: TrainState,
     placement: Placement,
@@ -310,16 +318,16 @@ def _run_and_summarize(
     return summary
 
 
-def _check_profile_window(config: Options, num_steps: int) -> None:
-    if config.profile_steps:
-        start, stop = profile_window(config.profile_steps)
+def _check_profile_window(tracking: Tracking, num_steps: int) -> None:
+    if tracking.profile_steps:
+        start, stop = profile_window(tracking.profile_steps)
         if stop > num_steps:
-            raise ConfigError(f"--profile-steps {config.profile_steps} ends past the run's {num_steps} steps")
+            raise ConfigError(f"--profile-steps {tracking.profile_steps} ends past the run's {num_steps} steps")
 
 
 def _train(
     experiment: str,
-    config: Options,
+    config: RunConfig,
     setup: Setup,
     state: TrainState,
     placement: Placement,
@@ -329,13 +337,14 @@ def _train(
 ) -> FitResult:
     """Train `state` (step 0, or restored with the checkpoint `header`) to `setup.num_steps` with the
     engine and the standard hooks of the config."""
+    training = config.training
     engine = Engine(
         setup.loss_fn,
         placement=placement,
-        log_every=config.log_every,
-        steps_per_call=config.steps_per_call,
-        skip_nonfinite=config.skip_nonfinite,
-        debug_nans=config.debug_nans,
+        log_every=training.log_every,
+        steps_per_call=training.steps_per_call,
+        skip_nonfinite=training.skip_nonfinite,
+        debug_nans=training.debug_nans,
         population=setup.population,
         stop_signals=True,
     )
@@ -349,7 +358,7 @@ def _train(
 def add_default_hooks(
     engine: Engine,
     experiment: str,
-    config: Options,
+    config: RunConfig,
     setup: Setup,
     run: RunDir,
     trackers: RunTrackers,
@@ -362,35 +371,36 @@ def add_default_hooks(
     profile. Every process checkpoints its shards; process 0 alone logs, tracks and shows progress.
     `start` is the step the run starts from."""
     writer = jax.process_index() == 0
+    training, checkpointing = config.training, config.checkpointing
     header = {"experiment": experiment, "config": config.to_dict()}
-    checkpoint = Checkpoint(run, config.keep_checkpoints, header, 60 * config.checkpoint_minutes or None)
-    if not config.skip_nonfinite:  # a NaN state is not saved on preemption
+    checkpoint = Checkpoint(run, checkpointing.keep_checkpoints, header, 60 * checkpointing.checkpoint_minutes or None)
+    if not training.skip_nonfinite:  # a NaN state is not saved on preemption
         engine.add_hook(NonFiniteGuard(run, checkpoint), on_preemption=True)
-    progress = config.progress and writer
+    progress = training.progress and writer
     for data, name in ((setup.val_data, "val"), (setup.eval_data, "test")):
         if data is not None:
             evaluate = Evaluate(data, progress, setup.evaluate_with(), name)
-            engine.add_hook(evaluate, every=config.eval_every or setup.num_steps)
+            engine.add_hook(evaluate, every=training.eval_every or setup.num_steps)
     tracked: list[Tracker] = [JsonlTracker(run)] if writer else []
     if trackers.trackers:
         tracked.append(trackers)
     engine.add_hook(Track(tracked, setup.lr_schedule))
     engine.add_hook(ShowProgress(Progress(setup.num_steps, initial=start, enabled=progress), start))
-    engine.add_hook(checkpoint, every=config.checkpoint_every or setup.num_steps, on_preemption=True)
-    if config.checkpoint_minutes:
+    engine.add_hook(checkpoint, every=checkpointing.checkpoint_every or setup.num_steps, on_preemption=True)
+    if checkpointing.checkpoint_minutes:
         engine.add_hook(checkpoint.when_due)
-    profile = _profile(config, run, writer)
+    profile = _profile(tracking_of(config), run, writer)
     if profile is not None:
         engine.add_hook(profile, at=(profile.start, profile.stop))
         profile.begin_if_due(start)
 
 
-def _profile(config: Options, run: RunDir, writer: bool) -> Profile | None:
+def _profile(tracking: Tracking, run: RunDir, writer: bool) -> Profile | None:
     """The `--profile-steps` window's profiler hook: every process traces into the run directory's
     `profile/` (process i > 0 into `profile/process_i`); process 0 says where its trace is."""
-    if not config.profile_steps:
+    if not tracking.profile_steps:
         return None
-    start, stop = profile_window(config.profile_steps)
+    start, stop = profile_window(tracking.profile_steps)
     index = jax.process_index()
     directory = run.path / "profile" / (f"process_{index}" if index else "")
     return Profile(directory, start, stop, done=_profile_hint(start, stop) if writer else lambda _: None)
@@ -456,7 +466,7 @@ class LoadedRun:
 
     path: Path
     experiment: str
-    config: Options
+    config: RunConfig
     setup: Setup
     state: TrainState
     step: int
@@ -481,21 +491,18 @@ class LoadedRun:
 
 
 def _rebuild_config(
-    config_class: type[Options], saved: dict[str, Any], where: Path, overrides: dict[str, Any]
-) -> Options:
-    """`config_class` from the `config` of a run's config.json (JSON lists back to tuples)."""
-    hints = typing.get_type_hints(config_class)
-    unknown = sorted((set(saved) | set(overrides)) - set(hints))
+    config_class: type[RunConfig], saved: dict[str, Any], where: Path, overrides: dict[str, Any]
+) -> RunConfig:
+    """`config_class` from the `config` of a run's config.json (by option name, as every run has written
+    it; JSON lists back to tuples)."""
+    values = {**flat_options(config_class, saved), **overrides}
+    unknown = sorted(set(values) - set(option_fields(config_class)))
     if unknown:
         raise ConfigError(
             f"{where} has options that {config_class.__module__}.Config does not: "
             f"{', '.join(unknown)} (the experiment script changed since the run)"
         )
-    values = {**saved, **overrides}
-    for name, value in values.items():
-        if isinstance(value, list) and typing.get_origin(strip_optional(hints[name])[0]) is tuple:
-            values[name] = tuple(value)
-    return config_class(**values)
+    return config_class.from_dict(values)
 
 
 def load_run(run_dir: str | Path, **overrides: Any) -> LoadedRun:
@@ -531,7 +538,7 @@ def load_run(run_dir: str | Path, **overrides: Any) -> LoadedRun:
     module = load_experiment(saved["experiment"])
     config = _rebuild_config(module.Config, saved["config"], run.config_file, overrides)
     setup = module.setup(config)
-    state, header = load_checkpoint(checkpoint, initial_state(setup, config))
+    state, header = load_checkpoint(checkpoint, initial_state(setup, ema_of(config)))
     summary = run.read_summary()
     if summary is not None and summary.get("step") != header["step"]:
         summary = None  # the run ended at a later step whose checkpoint is damaged

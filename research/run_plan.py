@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError, Options, resumable_options
+from .config import Checkpointing, ConfigError, RunConfig, flat_options, resumable_options
 from .parallel import process_zero_text
 from .train import RunDir, read_header
 
@@ -75,7 +75,7 @@ class Continue:
 Plan = Fresh | Resume | EvaluateOnly | Finished
 
 
-def plan_run(experiment: str, config: Options, *, num_steps: int, writer: bool = True) -> Plan:
+def plan_run(experiment: str, config: RunConfig, *, num_steps: int, writer: bool = True) -> Plan:
     """What the run of `config` (training `num_steps` steps in all) does; refuses with `ConfigError`.
 
     Without `--resume` the run gets `--run-dir` or a new directory (`runs/<experiment>/<time>`), and the
@@ -85,16 +85,17 @@ def plan_run(experiment: str, config: Options, *, num_steps: int, writer: bool =
     instead (when it holds no committed checkpoint at all, valid or damaged). Both refuse a config
     that differs from the run's (but in `resumable` options) and a run already past `num_steps`.
     """
-    if not config.resume:
-        return Fresh(_new_run(experiment, config, writer))
-    path = _run_to_resume(experiment, config)
-    if config.resume == "auto" and path is not None and not RunDir(path).checkpoint_paths():
+    checkpointing = config.checkpointing
+    if not checkpointing.resume:
+        return Fresh(_new_run(experiment, checkpointing, writer))
+    path = _run_to_resume(experiment, checkpointing)
+    if checkpointing.resume == "auto" and path is not None and not RunDir(path).checkpoint_paths():
         run = RunDir(path)
         if run.config_file.exists():  # a run stopped before its first checkpoint: start it again
             check_same_config(run, config)
         return Fresh(run, restart=run.config_file.exists())
     if path is None or not (path / "config.json").exists():
-        raise ConfigError(no_run_to_resume(config.run_dir or f"{RUNS_ROOT / experiment}/*"))
+        raise ConfigError(no_run_to_resume(checkpointing.run_dir or f"{RUNS_ROOT / experiment}/*"))
     run = RunDir(path)
     checkpoint = _latest_valid_checkpoint(run)
     check_same_config(run, config)
@@ -111,13 +112,14 @@ def plan_run(experiment: str, config: Options, *, num_steps: int, writer: bool =
 
 
 def plan_directory(
-    experiment: str, config: Options, *, finished: Callable[[dict[str, Any]], bool] = lambda summary: True
+    experiment: str, config: RunConfig, *, finished: Callable[[dict[str, Any]], bool] = lambda summary: True
 ) -> Fresh | Continue | Finished:
     """`--resume` for an experiment made of several runs, each in a directory inside its own with its own
     checkpoints: continue `--run-dir` or its latest directory (`Continue`; `Finished` when its summary
     says `finished`), or start one (`Fresh`). Refuses as `plan_run` does."""
-    path = Path(config.run_dir) if config.run_dir else (RunDir.latest(RUNS_ROOT, experiment) if config.resume else None)
-    if config.resume and path is not None and (path / "config.json").exists():
+    run_dir, resume = config.checkpointing.run_dir, config.checkpointing.resume
+    path = Path(run_dir) if run_dir else (RunDir.latest(RUNS_ROOT, experiment) if resume else None)
+    if resume and path is not None and (path / "config.json").exists():
         run = RunDir(path)
         check_same_config(run, config)
         summary = run.read_summary()
@@ -126,7 +128,7 @@ def plan_directory(
             if summary is not None and finished(summary)
             else Continue(run)
         )
-    if config.resume == "must":
+    if resume == "must":
         raise ConfigError(no_run_to_resume(path or RUNS_ROOT / experiment))
     path = path or RunDir.new_path(RUNS_ROOT, experiment)
     if (path / "config.json").exists():
@@ -134,17 +136,17 @@ def plan_directory(
     return Fresh(RunDir(path))
 
 
-def _new_run(experiment: str, config: Options, writer: bool) -> RunDir:
+def _new_run(experiment: str, checkpointing: Checkpointing, writer: bool) -> RunDir:
     # A new run's default name is the time: every process takes process 0's (they save into one directory).
-    path = Path(config.run_dir or process_zero_text(str(RunDir.new_path(RUNS_ROOT, experiment))))
+    path = Path(checkpointing.run_dir or process_zero_text(str(RunDir.new_path(RUNS_ROOT, experiment))))
     if writer and (path / "config.json").exists():
         raise ConfigError(holds_a_run(path))
     return RunDir(path)
 
 
-def _run_to_resume(experiment: str, config: Options) -> Path | None:
-    if config.run_dir:
-        return Path(config.run_dir)
+def _run_to_resume(experiment: str, checkpointing: Checkpointing) -> Path | None:
+    if checkpointing.run_dir:
+        return Path(checkpointing.run_dir)
     latest = process_zero_text(str(RunDir.latest(RUNS_ROOT, experiment) or ""))  # every process resumes process 0's
     return Path(latest) if latest else None
 
@@ -166,15 +168,17 @@ def holds_a_run(path: Path) -> str:
     return f"--run-dir {path} already holds a run; pass --resume to continue it, or pick a new directory"
 
 
-def config_differences(saved: dict[str, Any], config: Options) -> list[str]:
+def config_differences(saved: dict[str, Any], config: RunConfig) -> list[str]:
     """`name: saved ..., now ...` for each option of `config` that differs from `saved` (the `config` of a
-    run's config.json), leaving out the `resumable` ones: what keeps `--resume` from continuing that run."""
+    run's config.json, by option name: as every run has written it), leaving out the `resumable` ones:
+    what keeps `--resume` from continuing that run."""
+    saved = flat_options(type(config), saved)  # one nested by group, as a hand-written file may be
     current = json.loads(json.dumps(config.to_dict()))  # as config.json holds it: a tuple option is a list there
     keys = sorted((set(saved) | set(current)) - resumable_options(config))
     return [f"{k}: saved {saved.get(k)!r}, now {current.get(k)!r}" for k in keys if saved.get(k) != current.get(k)]
 
 
-def check_same_config(run: RunDir, config: Options) -> None:
+def check_same_config(run: RunDir, config: RunConfig) -> None:
     """Refuse to continue the run in `run` with a config that differs from its own (but in `resumable` options)."""
     differences = config_differences(run.read_config()["config"], config)
     if differences:

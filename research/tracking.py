@@ -13,19 +13,20 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .config import RunConfig, Tracking, tracking_of
 from .errors import ConfigError
 from .train import TRACKERS, Ending, MlflowTracker, RunDir, RunTracker, TensorBoardTracker, WandbTracker, parse_trackers
 
 
-def trackers_of(config: Any) -> tuple[str, ...]:
-    """The trackers a config asks for (`--tensorboard` spells `--tracker tensorboard`)."""
-    names = set(parse_trackers(config.tracker)) | ({"tensorboard"} if config.tensorboard else set())
+def trackers_of(tracking: Tracking) -> tuple[str, ...]:
+    """The trackers a config's tracking options ask for (`--tensorboard` spells `--tracker tensorboard`)."""
+    names = set(parse_trackers(tracking.tracker)) | ({"tensorboard"} if tracking.tensorboard else set())
     return tuple(name for name in TRACKERS if name in names)
 
 
-def mlflow_uri(config: Any, runs_root: Path) -> str:
+def mlflow_uri(tracking: Tracking, runs_root: Path) -> str:
     """`--mlflow-uri`, else `$MLFLOW_TRACKING_URI`, else a SQLite database in the runs folder."""
-    uri = config.mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    uri = tracking.mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI")
     return uri or f"sqlite:///{(runs_root / 'mlflow.db').resolve()}"
 
 
@@ -64,7 +65,7 @@ class RunTrackers:
 
 def open_trackers(
     experiment: str,
-    config: Any,
+    config: RunConfig,
     run: RunDir,
     *,
     runs_root: Path,
@@ -77,11 +78,12 @@ def open_trackers(
     (an MLflow store it cannot reach, W&B online without a login) is a `ConfigError` naming it; the
     ones that may refuse open first, so that a refused run leaves no directory behind."""
     previous = previous or {}
-    name, group = run.path.resolve().name, config.group
-    options = config.to_dict()
+    tracking = tracking_of(config)
+    name, group = run.path.resolve().name, tracking.group
+    options = config.to_dict()  # every option by name, as config.json holds them
     trackers: dict[str, RunTracker] = {}
     try:
-        for tracker in sorted(trackers_of(config)[1:], key=OPEN_ORDER.index):  # jsonl: fit writes it
+        for tracker in sorted(trackers_of(tracking)[1:], key=OPEN_ORDER.index):  # jsonl: fit writes it
             known = previous.get(tracker, {}).get("run_id")
             if tracker == "tensorboard":
                 known = next(run.path.glob("events.out.tfevents.*"), None)  # its points up to the resume stay
@@ -94,7 +96,7 @@ def open_trackers(
                     ),
                 )
             elif tracker == "mlflow":
-                uri = previous.get(tracker, {}).get("uri") if known else mlflow_uri(config, runs_root)
+                uri = previous.get(tracker, {}).get("uri") if known else mlflow_uri(tracking, runs_root)
                 trackers[tracker] = _opened(
                     tracker,
                     functools.partial(
@@ -127,7 +129,7 @@ def _opened(name: str, make: Callable[[], RunTracker]) -> RunTracker:
         raise ConfigError(f"--tracker {name} could not start: {message}") from e
 
 
-def track_finished_run(experiment: str, config: Any, run: RunDir, *, runs_root: Path) -> dict[str, Any]:
+def track_finished_run(experiment: str, config: RunConfig, run: RunDir, *, runs_root: Path) -> dict[str, Any]:
     """Send a finished run's records, summary and files to the trackers `config` asks for (as new runs);
     returns their identities, for its config.json."""
     trackers = open_trackers(experiment, config, run, runs_root=runs_root)

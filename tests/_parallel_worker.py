@@ -21,7 +21,7 @@ with install_import_hook("research", "beartype.beartype"):  # the same shape che
     import jax.numpy as jnp
     import optax
 
-    from research.cli import ConfigError, TrainConfig, option, parse_config
+    from research.cli import ConfigError, TrainConfig, Training, devices_of, group, option, parse_config
     from research.data import ArrayDataset, DeviceLoader, GrainLoader, TorchLoader, XORDataset, dataset_arrays
     from research.errors import Preempted
     from research.experiment import Setup, run_experiment
@@ -61,7 +61,15 @@ class BatchNormNet(eqx.Module):
 
 
 @dataclasses.dataclass(frozen=True)
+class WorkerTraining(Training):
+    batch_size: int = option(32, "examples per step")
+    lr: float = option(0.01, "Adam learning rate")
+    log_every: int = option(1, "steps between logged metrics")
+
+
+@dataclasses.dataclass(frozen=True)
 class Config(TrainConfig):
+    training: WorkerTraining = group(WorkerTraining)
     model: Literal["mlp", "batchnorm", "dpsgd", "wide"] = option(
         "mlp",
         "mlp (stateless), batchnorm (BatchNorm + dropout), dpsgd (the mlp trained by DP-SGD with noise), or "
@@ -69,13 +77,16 @@ class Config(TrainConfig):
     )
     loader: Literal["device", "torch", "grain"] = option("device", "device-resident batches, torch or Grain")
     steps: int = option(20, "training steps", resumable=True)
-    batch_size: int = option(32, "examples per step")
-    lr: float = option(0.01, "Adam learning rate")
-    log_every: int = option(1, "steps between logged metrics")
 
 
 def build_state(config: Config) -> TrainState:
-    return _build_state(config.model, config.parallel, config.lr, config.seed, config.deterministic_reduction)
+    return _build_state(
+        config.model,
+        config.devices.parallel,
+        config.training.lr,
+        config.training.seed,
+        config.devices.deterministic_reduction,
+    )
 
 
 @functools.cache
@@ -97,13 +108,15 @@ def _build_state(model_name: str, parallel: str, lr: float, seed: int, determini
 def main(config: Config) -> dict:
     train = XORDataset(256, seed=42)
     if config.loader == "device":
-        train_data = DeviceLoader.from_dataset(train, config.batch_size, seed=config.seed)
+        train_data = DeviceLoader.from_dataset(train, config.training.batch_size, seed=config.training.seed)
     elif config.loader == "torch":
-        train_data = TorchLoader(train, config.batch_size, seed=config.seed)
+        train_data = TorchLoader(train, config.training.batch_size, seed=config.training.seed)
     else:  # two reading threads: each process reads only its rows of every batch
-        train_data = GrainLoader(ArrayDataset(*dataset_arrays(train)), config.batch_size, seed=config.seed)
+        train_data = GrainLoader(
+            ArrayDataset(*dataset_arrays(train)), config.training.batch_size, seed=config.training.seed
+        )
     test_data = DeviceLoader.from_dataset(XORDataset(100, seed=7), 50, shuffle=False)
-    loss_fn = DPSGDLoss(1.0, 1.0, config.batch_size) if config.model == "dpsgd" else classification_loss
+    loss_fn = DPSGDLoss(1.0, 1.0, config.training.batch_size) if config.model == "dpsgd" else classification_loss
     setup = Setup(
         build_state=lambda: build_state(config),
         train_data=train_data,
@@ -125,7 +138,8 @@ if __name__ == "__main__":
     configs = [parse_config(Config, g) for g in [*groups, group]]
     with exit_together("worker"), messages_to_stderr():  # the library's lines, as every command line shows them
         try:
-            setup_devices(max(configs, key=lambda c: c.devices))
+            widest = max(configs, key=lambda c: devices_of(c).devices)
+            setup_devices(devices_of(widest), widest.training.batch_size)
             for config in configs:
                 main(config)
         except ConfigError as e:

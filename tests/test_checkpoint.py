@@ -150,7 +150,7 @@ def test_a_run_checkpointed_in_the_earlier_format_resumes_and_continues_in_direc
     main_entry(xor.main, xor.Config, args)
     run = RunDir(tmp_path / "r")
     straight = checkpoint_digest(run.checkpoint_path(38))
-    skeleton = xor.build_state(xor.Config())
+    skeleton = xor.build_state(xor.Config.from_options())
     state, header = load_checkpoint(run.checkpoint_path(19), skeleton)
     del header["leaves"]
     single_file_checkpoint(run.checkpoints / "step_000000019.ckpt", state, header)

@@ -11,18 +11,20 @@ from typing import Literal
 import pytest
 
 from research.cli import (
-    Checkpointing,
     ConfigError,
+    RunConfig,
     TrainConfig,
-    Training,
     check_combination,
+    devices_of,
+    ema_of,
     help_text,
     main_entry,
     option,
     parse_config,
     positive,
+    tracking_of,
 )
-from research.config import resumable_options
+from research.config import option_fields, resumable_options
 
 ROOT = Path(__file__).parent.parent
 
@@ -37,8 +39,8 @@ class Config(TrainConfig):
 
 
 @dataclasses.dataclass(frozen=True)
-class Small(Training, Checkpointing):
-    """An experiment that takes two option groups: no devices, EMA or TensorBoard."""
+class Small(RunConfig):
+    """An experiment that takes two option groups (training, checkpointing): no devices, EMA or TensorBoard."""
 
     width: int = option(8, "hidden width", check=positive)
 
@@ -49,8 +51,8 @@ def test_defaults_and_overrides():
     config = parse_config(
         Config, ["--width", "3", "--kind", "b", "--lr", "0.5", "--sizes", "1", "2", "3", "--resume", "--no-progress"]
     )
-    assert (config.width, config.kind, config.lr, config.sizes) == (3, "b", 0.5, (1, 2, 3))
-    assert config.resume == "must" and not config.progress
+    assert (config.width, config.kind, config.training.lr, config.sizes) == (3, "b", 0.5, (1, 2, 3))
+    assert config.checkpointing.resume == "must" and not config.training.progress
 
 
 @pytest.mark.parametrize(
@@ -67,20 +69,24 @@ def test_defaults_and_overrides():
     ],
 )
 def test_resume_spellings(argv, resume):
-    assert parse_config(Config, argv).resume == resume
+    assert parse_config(Config, argv).checkpointing.resume == resume
 
 
 def test_resume_from_python_takes_a_bool_too():
-    assert Config(resume=True).resume == "must" and Config(resume=False).resume is None
-    assert Config(resume="never").resume is None and Config(resume="auto", run_dir="r").resume == "auto"
+    def resume(**options):
+        return Config.from_options(**options).checkpointing.resume
+
+    assert resume(resume=True) == "must" and resume(resume=False) is None
+    assert resume(resume="never") is None and resume(resume="auto", run_dir="r") == "auto"
 
 
 def test_help_lists_every_option_once_with_one_default():
     text = help_text(Config)
     lines = text.splitlines()
-    option_line = re.compile(r"\W (--[a-z-]+)")  # an option's first line; its help continues indented further
+    # an option's first line (not a rule under a group's description); its help continues indented further
+    option_line = re.compile(r"\W (--[a-z][a-z-]*)")
     starts = {m[1]: i for i, line in enumerate(lines) if (m := option_line.match(line))}
-    flags = ["--" + field.name.replace("_", "-") for field in dataclasses.fields(Config)]
+    flags = ["--" + name.replace("_", "-") for name in option_fields(Config)]
     assert sorted(starts) == sorted(flags)  # every option, and each once (a second entry would show as an extra)
     assert len([line for line in lines if option_line.match(line)]) == len(flags)
     for start in starts.values():
@@ -101,12 +107,14 @@ def test_an_option_the_experiment_does_not_take_is_refused_and_not_in_its_help(c
     assert capsys.readouterr().err == "small.py: error: unrecognized arguments: --ema-decay 0.9\n"
 
 
-def test_options_of_groups_not_taken_read_as_their_defaults():
+def test_groups_not_taken_are_absent_and_read_as_their_defaults_only_when_asked_for():
     config = Small()
-    assert (config.devices, config.parallel, config.ema_decay, config.tensorboard) == (1, "auto", 0.0, False)
-    assert "devices" not in config.to_dict()
-    with pytest.raises(AttributeError):
-        _ = config.no_such_option
+    for name in ("devices", "ema", "tracking", "parallel", "ema_decay", "tensorboard", "no_such_option"):
+        with pytest.raises(AttributeError):
+            getattr(config, name)  # no fallback: a typo is an error, not a default
+    devices, ema, tracking = devices_of(config), ema_of(config), tracking_of(config)
+    assert (devices.devices, devices.parallel, ema.ema_decay, tracking.tensorboard) == (1, "auto", 0.0, False)
+    assert "devices" not in config.to_dict() and "lr" in config.to_dict()
 
 
 @pytest.mark.parametrize(
@@ -142,7 +150,7 @@ def test_bad_values_exit_2_with_one_line(argv, message, capsys):
 
 def test_bad_values_raise_config_error_from_python():
     with pytest.raises(ConfigError, match="--batch-size must be positive"):
-        Config(batch_size=0)
+        Config.from_options(batch_size=0)
     with pytest.raises(ConfigError, match="--width must be positive"):
         Small(width=0)
     with pytest.raises(ConfigError, match="--kind must be one of a, b"):
@@ -153,7 +161,7 @@ def test_options_that_span_options_are_checked_in_one_place():
     config = Config()
     check_combination(config)
     with pytest.raises(ConfigError, match="not divisible by the 4 devices"):
-        check_combination(dataclasses.replace(config, devices=2, batch_size=6), processes=2)  # the processes JAX found
+        check_combination(config.replace(devices=2, batch_size=6), processes=2)  # the processes JAX found
 
 
 def test_resumable_options_come_from_the_fields():
@@ -240,6 +248,52 @@ def test_resume_auto_completes_a_run_stopped_between_its_last_checkpoint_and_its
         k: v for k, v in first.items() if k not in measured
     }
     assert stamps(tmp_path / "r/checkpoints") == checkpoints and (tmp_path / "r/metrics.jsonl").read_bytes() == metrics
+
+
+# The `config` of a config.json written before the option groups were nested (commit 6fa46b2, by
+# `run_xor(["--run-dir", "r"])`): every option by its name alone. Runs still write it so.
+FLAT_CONFIG = {
+    "batch_size": 32, "checkpoint_every": 0, "checkpoint_minutes": 10.0, "compilation_cache": True,
+    "coordinator_address": None, "debug_nans": False, "deterministic_reduction": False, "devices": 1,
+    "distributed_timeout": 60, "ema_decay": 0.0, "epochs": 1, "eval_every": 0, "group": None, "hidden": 8,
+    "keep_checkpoints": 3, "loader": "device", "log_every": 190, "lr": 0.1, "micro_batches": 8, "mlflow_uri": None,
+    "num_processes": None, "parallel": "auto", "process_id": None, "profile_steps": None, "progress": False,
+    "resume": None, "run_dir": "r", "seed": 0, "skip_nonfinite": False, "steps_per_call": 100, "tensorboard": False,
+    "test_seed": 123, "test_size": 64, "tracker": "jsonl", "train_seed": 42, "train_size": 256,
+}  # fmt: skip
+
+
+def test_a_run_dir_from_before_the_nested_groups_resumes_and_loads(tmp_path, monkeypatch, capsys):
+    from research.experiment import load_run
+
+    monkeypatch.chdir(tmp_path)
+    run_xor(["--run-dir", "r"])
+    record = json.loads((tmp_path / "r/config.json").read_text())
+    assert record["config"] == FLAT_CONFIG  # the same flat record as before
+    for config in (FLAT_CONFIG, {"training": {"lr": 0.1}, **{k: v for k, v in FLAT_CONFIG.items() if k != "lr"}}):
+        (tmp_path / "r/config.json").write_text(json.dumps({**record, "config": config}))  # nested: read too
+        loaded = load_run("r")
+        assert (loaded.step, loaded.config.training.lr, loaded.config.epochs) == (8, 0.1, 1)
+        assert parse_config(xor.Config, ["--config", "r/config.json"], prog="xor.py").to_dict() == {
+            **FLAT_CONFIG,
+            "run_dir": None,  # --config takes what a run trains, not where it lives
+        }
+    with pytest.raises(SystemExit):  # a changed option is still refused, named as before
+        run_xor(["--run-dir", "r", "--resume", "--epochs", "2", "--hidden", "4"])
+    assert "the config differs from the run in r: hidden: saved 8, now 4" in capsys.readouterr().err
+    run_xor(["--run-dir", "r", "--resume", "--epochs", "2"])
+    assert "resuming r from step 8" in capsys.readouterr().err
+    assert json.loads((tmp_path / "r/summary.json").read_text())["step"] == 16
+
+
+def test_a_config_file_may_nest_options_by_group(tmp_path, capsys):
+    (tmp_path / "c.yaml").write_text("training:\n  lr: 0.3\n  batch-size: 64\nepochs: 2\ndevices: {ema_decay: 0.5}\n")
+    with pytest.raises(SystemExit):  # ema_decay is not a device option: a group holds its own options only
+        parse_config(xor.Config, ["--config", str(tmp_path / "c.yaml")], prog="xor.py")
+    assert "'devices.ema_decay' is not an option of xor" in capsys.readouterr().err
+    (tmp_path / "c.yaml").write_text("training:\n  lr: 0.3\n  batch-size: 64\nepochs: 2\nema: {ema_decay: 0.5}\n")
+    config = parse_config(xor.Config, ["--config", str(tmp_path / "c.yaml"), "--lr", "0.2"], prog="xor.py")
+    assert (config.training.lr, config.training.batch_size, config.epochs, config.ema.ema_decay) == (0.2, 64, 2, 0.5)
 
 
 def test_resume_must_refuses_an_empty_run_dir_in_one_line(tmp_path, monkeypatch, capsys):

@@ -146,8 +146,8 @@ def test_every_command_and_code_block_runs_as_shown(doc, tmp_path, monkeypatch):
         assert shown == real, f"the code blocks of {doc.name} no longer match {path}"
 
 
-def test_the_documented_experiment_is_under_60_lines():
-    assert len((ROOT / "experiments/circles.py").read_text().splitlines()) < 60
+def test_the_documented_experiment_is_under_70_lines():  # 60 before its options were nested in groups
+    assert len((ROOT / "experiments/circles.py").read_text().splitlines()) < 70
 
 
 def test_the_script_wrappers_run_their_tools():

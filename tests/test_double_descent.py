@@ -27,7 +27,9 @@ def test_exactly_the_fraction_of_labels_changes_deterministically_by_seed():
 
 
 def test_a_run_trains_on_noisy_labels_and_tests_on_clean_ones(mnist1d_dir):
-    config = double_descent.Config(width=8, num_samples=5000, train_split=0.8, data_dir=str(mnist1d_dir), seed=1)
+    config = double_descent.Config.from_options(
+        width=8, num_samples=5000, train_split=0.8, data_dir=str(mnist1d_dir), seed=1
+    )
     run = double_descent.setup(config)
     train, test = load_mnist1d(mnist1d_dir)
     np.testing.assert_array_equal(run.train_data.host.inputs, train.inputs)
@@ -56,10 +58,10 @@ def test_the_peak_is_after_the_underfitting_side():
 
 
 def test_each_run_gets_the_options_that_differ_from_the_defaults():
-    config = double_descent.Config(
+    config = double_descent.Config.from_options(
         seed=2, epochs=10, widths=(4, 8), jobs=2, compilation_cache=False, run_dir="somewhere", progress=False
     )
-    assert double_descent.forwarded_flags(config) == ["--no-compilation-cache", "--seed", "2", "--epochs", "10"]
+    assert double_descent.forwarded_flags(config) == ["--epochs", "10", "--seed", "2", "--no-compilation-cache"]
 
 
 def test_the_curve_comes_from_one_run_per_width(tmp_path, monkeypatch, capsys):
@@ -73,7 +75,7 @@ def test_the_curve_comes_from_one_run_per_width(tmp_path, monkeypatch, capsys):
             RunDir(sweep_dir / f"width={width}").write_summary({"test_accuracy": 1 - test, "train_accuracy": 1 - train})
 
     monkeypatch.setattr(double_descent.sweep, "main", fake_sweep)
-    config = double_descent.Config(widths=(16, 4, 32, 8), epochs=3, run_dir=str(tmp_path / "curve"))
+    config = double_descent.Config.from_options(widths=(16, 4, 32, 8), epochs=3, run_dir=str(tmp_path / "curve"))
     curve = double_descent.main(config)
     assert curve["widths"] == [4, 8, 16, 32] and curve["peak_width"] == 16 and curve["interpolation_width"] == 16
     assert json.loads((tmp_path / "curve/curve.json").read_text())["peak_test_error"] == curve["peak_test_error"]
@@ -87,5 +89,5 @@ def test_the_curve_across_several_processes_is_refused_before_any_run(tmp_path, 
     monkeypatch.setattr(double_descent.jax, "process_count", lambda: 2)  # as if started by scripts/launch
     monkeypatch.setattr(double_descent.sweep, "main", lambda argv: pytest.fail("a run was started"))
     with pytest.raises(double_descent.ConfigError, match="pass --width W to train one width over several processes"):
-        double_descent.main(double_descent.Config(widths=(4, 8), run_dir=str(tmp_path / "curve")))
+        double_descent.main(double_descent.Config.from_options(widths=(4, 8), run_dir=str(tmp_path / "curve")))
     assert not (tmp_path / "curve").exists()

@@ -251,18 +251,18 @@ def test_an_experiment_with_ema_reports_both_models_and_resumes_bitwise(tmp_path
     spec.loader.exec_module(xor)
     monkeypatch.chdir(tmp_path)
     options = dict(ema_decay=0.9, progress=False, log_every=19)
-    summary = xor.main(xor.Config(run_dir="straight", epochs=4, **options))
-    xor.main(xor.Config(run_dir="resumed", epochs=2, **options))
-    xor.main(xor.Config(run_dir="resumed", epochs=4, resume=True, **options))
+    summary = xor.main(xor.Config.from_options(run_dir="straight", epochs=4, **options))
+    xor.main(xor.Config.from_options(run_dir="resumed", epochs=2, **options))
+    xor.main(xor.Config.from_options(run_dir="resumed", epochs=4, resume=True, **options))
     a, b = (checkpoint_digest(tmp_path / name / "checkpoints/step_000000076") for name in ("straight", "resumed"))
     assert a == b  # identical states: EMA included
 
     last = json.loads((tmp_path / "straight/metrics.jsonl").read_text().splitlines()[-1])
     assert last["test/accuracy"] == summary["test_accuracy"]
     assert last["test_raw/accuracy"] == summary["test_raw_accuracy"]
-    config = xor.Config(epochs=4, **options)
+    config = xor.Config.from_options(epochs=4, **options)
     restored, _ = load_checkpoint(
-        tmp_path / "straight/checkpoints/step_000000076", xor.build_state(config).with_ema(config.ema_decay)
+        tmp_path / "straight/checkpoints/step_000000076", xor.build_state(config).with_ema(config.ema.ema_decay)
     )
     test = DeviceLoader.from_dataset(xor.XORDataset(500, seed=123), 128, shuffle=False)
     assert evaluate(*restored.averaged_model(), test) == {

@@ -258,11 +258,11 @@ def test_the_experiment_exposes_the_method():
     spec = importlib.util.spec_from_file_location("dp_sgd_experiment", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    fields = {f.name: f for f in dataclasses.fields(module.Config)}
+    fields = {f.name: f for f in dataclasses.fields(module.Config)}  # an option of its own, not of a group
     assert fields["clipping"].default == "auto" and fields["clipping"].metadata["resumable"]
-    assert module.Config(clipping="vmap").clipping == "vmap"
+    assert module.Config.from_options(clipping="vmap").clipping == "vmap"
     with pytest.raises(ConfigError, match="--clipping must be one of auto, ghost, vmap"):
-        module.Config(clipping="fast")
+        module.Config.from_options(clipping="fast")
 
 
 @pytest.mark.slow

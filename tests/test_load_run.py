@@ -27,7 +27,7 @@ def serialised(tree) -> str:
 
 def train_xor(tmp_path, monkeypatch, **options) -> tuple:
     monkeypatch.chdir(tmp_path)
-    config = xor.Config(run_dir="runs/xor/run", epochs=2, progress=False, **options)
+    config = xor.Config.from_options(run_dir="runs/xor/run", epochs=2, progress=False, **options)
     return config, xor.main(config), tmp_path / "runs/xor/run"
 
 
@@ -95,7 +95,7 @@ def test_a_config_json_the_script_no_longer_fits_is_refused(tmp_path, monkeypatc
 def test_a_loaded_ensemble_is_its_stacked_population(tmp_path, monkeypatch, mnist1d_dir):
     monkeypatch.chdir(tmp_path)
     ensemble = load_experiment("ensemble")
-    config = ensemble.Config(
+    config = ensemble.Config.from_options(
         num_members=3, epochs=1, hidden=16, data_dir=str(mnist1d_dir), run_dir="ens", progress=False, ema_decay=0.5
     )
     summary = ensemble.main(config)
@@ -124,7 +124,7 @@ def test_every_other_experiment_loads_bit_for_bit(tmp_path, monkeypatch, mnist1d
     module = load_experiment(experiment)
     if "data_dir" in module.Config.__dataclass_fields__:
         options = {**options, "data_dir": str(mnist1d_dir)}
-    summary = module.main(module.Config(run_dir="run", progress=False, **options))
+    summary = module.main(module.Config.from_options(run_dir="run", progress=False, **options))
     loaded = load_run("run")
     assert loaded.step == summary["step"] and serialised(loaded.state) == payload(loaded.checkpoint)
     model, model_state = (

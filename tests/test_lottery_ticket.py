@@ -22,12 +22,12 @@ def same_masks(a, b) -> bool:
 
 
 def test_sparsity_schedule_is_the_notebooks_linspace():
-    assert lottery.sparsity_schedule(lottery.Config()) == pytest.approx(list(np.linspace(0, 1, 100)[:91]))
-    assert lottery.sparsity_schedule(lottery.Config(rounds=5, schedule_length=4))[-2:] == [1.0, 1.0]
+    assert lottery.sparsity_schedule(lottery.Config.from_options()) == pytest.approx(list(np.linspace(0, 1, 100)[:91]))
+    assert lottery.sparsity_schedule(lottery.Config.from_options(rounds=5, schedule_length=4))[-2:] == [1.0, 1.0]
 
 
 def test_magnitude_masks_drop_the_smallest_of_each_layer_and_nest(getkey):
-    model = lottery.initial_model(lottery.Config(hidden=8))
+    model = lottery.initial_model(lottery.Config.from_options(hidden=8))
     first = lottery.magnitude_masks(model, 0.3)
     for layer, (weight_mask, bias_mask) in zip(model.layers, layer_masks(first), strict=True):
         keep = np.concatenate([weight_mask.ravel(), bias_mask.ravel()])
@@ -41,7 +41,7 @@ def test_magnitude_masks_drop_the_smallest_of_each_layer_and_nest(getkey):
 
 
 def test_rewinding_restores_the_initial_weights_bitwise():
-    config = lottery.Config(hidden=8, seed=3)
+    config = lottery.Config.from_options(hidden=8, seed=3)
     masks = lottery.magnitude_masks(lottery.initial_model(config), 0.5)
     initial = lottery.initial_model(config)
     rewound = lottery.build_state(config, masks).model
@@ -56,7 +56,7 @@ def test_rewinding_restores_the_initial_weights_bitwise():
 
 
 def test_pruned_weights_stay_exactly_zero_through_training(mnist1d_dir):
-    config = lottery.Config(**TINY, data_dir=str(mnist1d_dir))
+    config = lottery.Config.from_options(**TINY, data_dir=str(mnist1d_dir))
     masks = lottery.magnitude_masks(lottery.initial_model(config), 0.7)
     run = lottery.setup(config, masks)
     start = run.build_state()
@@ -71,7 +71,7 @@ def test_pruned_weights_stay_exactly_zero_through_training(mnist1d_dir):
 
 @pytest.mark.slow
 def test_each_round_prunes_the_previous_rounds_trained_weights(mnist1d_dir, tmp_path):
-    config = lottery.Config(
+    config = lottery.Config.from_options(
         **TINY,
         rounds=2,
         schedule_length=4,

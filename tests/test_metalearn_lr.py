@@ -65,7 +65,7 @@ def test_the_notebooks_first_outer_steps_and_the_initialisation_kept(mnist1d_dir
     """Seed 0 of the default recipe is the notebook's run (its MLP, its 8,000 training signals): after four
     outer steps it prints `step: 3, mean_inner_loss: 1.779e+00, inner_lr: 1.147e+00` from 1.5 and
     `1.722e+00`, `4.825e-01` from 0.15."""
-    config = metalearn.Config(
+    config = metalearn.Config.from_options(
         steps=4, data_dir=str(mnist1d_dir), run_dir=str(tmp_path / "run"), progress=False, eval_every=0
     )
     summary = metalearn.main(config)

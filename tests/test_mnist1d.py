@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from research.cli import ConfigError, help_text
+from research.cli import ConfigError, help_text, parse_config
 from research.data import (
     DataError,
     DeviceLoader,
@@ -125,8 +125,9 @@ def test_loaders_serve_the_same_examples_on_the_device_and_through_torch(data_di
 
 
 def test_config_resolves_the_per_model_recipe_and_refuses_unknown_models():
-    cnn = mnist1d.Config(model="cnn").resolved()
-    assert (cnn.lr, cnn.batch_size, cnn.steps, cnn.weight_decay, cnn.schedule, cnn.steps_per_call) == (
+    cnn = mnist1d.Config.from_options(model="cnn")
+    training = cnn.training
+    assert (training.lr, training.batch_size, cnn.steps, cnn.weight_decay, cnn.schedule, training.steps_per_call) == (
         1e-2,
         32,
         16000,
@@ -134,12 +135,14 @@ def test_config_resolves_the_per_model_recipe_and_refuses_unknown_models():
         "cosine",
         100,
     )
-    mine = mnist1d.Config(model="transformer", lr=3e-4, steps=10).resolved()
-    assert (mine.lr, mine.steps, mine.batch_size) == (3e-4, 10, 100)
+    mine = mnist1d.Config.from_options(model="transformer", lr=3e-4, steps=10)
+    assert (mine.training.lr, mine.steps, mine.training.batch_size) == (3e-4, 10, 100)
+    parsed = parse_config(mnist1d.Config, ["--model", "mlp", "--lr", "0.02"])  # resolved once, at parse time
+    assert (parsed.training.lr, parsed.training.batch_size, parsed.steps, parsed.weight_decay) == (0.02, 32, 16000, 0.3)
     with pytest.raises(ConfigError, match="--model must be one of logistic, mlp, cnn, gru, resnet, transformer"):
-        mnist1d.Config(model="vgg")
+        mnist1d.Config.from_options(model="vgg")
     with pytest.raises(ConfigError, match="--weight-decay must be >= 0"):
-        mnist1d.Config(weight_decay=-1.0)
+        mnist1d.Config.from_options(weight_decay=-1.0)
 
 
 # Few steps, and a transformer without dropout (each random draw adds about a second of XLA
@@ -163,7 +166,9 @@ def test_each_model_learns_mnist1d(model, data_dir, tmp_path, monkeypatch):
     monkeypatch.setitem(mnist1d.MODEL_HPARAMS, "resnet", {"widths": (16, 32)})
     monkeypatch.setitem(mnist1d.MODEL_HPARAMS, "gru", {"hidden_size": 32})
     steps, floor = LEARNING[model]
-    config = mnist1d.Config(model=model, steps=steps, run_dir="run", progress=False, data_dir=str(data_dir))
+    config = mnist1d.Config.from_options(
+        model=model, steps=steps, run_dir="run", progress=False, data_dir=str(data_dir)
+    )
     summary = mnist1d.main(config)
     assert summary["test_accuracy"] > floor, f"{model}: {summary['test_accuracy']:.3f} after {steps} steps"
     assert summary["step"] == steps

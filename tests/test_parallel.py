@@ -67,7 +67,7 @@ def losses(run: Path) -> list[float]:
 
 
 def final_state(run: Path, model: str, step: int = 20):
-    skeleton = worker.build_state(worker.Config(model=model))
+    skeleton = worker.build_state(worker.Config.from_options(model=model))
     state, _ = load_checkpoint(run / "checkpoints" / f"step_{step:09d}", skeleton)
     return state
 
@@ -291,7 +291,7 @@ def test_each_strategy_on_one_device_matches_the_plain_fast_path():
     train = XORDataset(256, seed=42)
     results = {}
     for name, placement in (("none", OneDevice()), ("pmap", Pmap(1)), ("sharded", Sharded(1))):
-        config = worker.Config(model="batchnorm", parallel=name)
+        config = worker.Config.from_options(model="batchnorm", parallel=name)
         results[name] = fit(
             worker.build_state(config),
             DeviceLoader.from_dataset(train, 32, seed=0),
@@ -313,7 +313,7 @@ def test_each_strategy_on_one_device_matches_the_plain_fast_path():
 
 
 def test_batch_norm_layers_must_reduce_over_the_strategys_axes():
-    state = worker.build_state(worker.Config(model="batchnorm", parallel="none"))  # axis "batch"
+    state = worker.build_state(worker.Config.from_options(model="batchnorm", parallel="none"))  # axis "batch"
     with pytest.raises(ValueError, match=r"needs \('devices', 'batch'\)"):
         Pmap(1).check(state.model, 32)
     ema = eqx.nn.make_with_state(eqx.nn.BatchNorm)(4, axis_name=batch_axis_name("pmap"), mode="ema")[0]
@@ -323,18 +323,18 @@ def test_batch_norm_layers_must_reduce_over_the_strategys_axes():
 
 def test_a_batch_the_devices_do_not_divide_is_refused():
     with pytest.raises(ConfigError, match="--batch-size 128 is not divisible by the 3 devices"):
-        worker.TrainConfig(devices=3)
+        worker.TrainConfig.from_options(devices=3)
     with pytest.raises(ConfigError, match="not divisible by the 6 devices"):
-        worker.TrainConfig(devices=3, num_processes=2, batch_size=9)
+        worker.TrainConfig.from_options(devices=3, num_processes=2, batch_size=9)
     with pytest.raises(ConfigError, match="--parallel none trains on one device"):
-        worker.TrainConfig(devices=2, parallel="none")
+        worker.TrainConfig.from_options(devices=2, parallel="none")
     with pytest.raises(DeviceError, match="a training batch of 33 rows cannot be split evenly over 2 devices"):
         check_split(33, 2)
 
 
 def test_more_devices_than_exist_are_refused_before_any_work(tmp_path):
     assert jax.device_count() == 1  # this pytest process
-    config = worker.Config(devices=2, run_dir=str(tmp_path / "run"))
+    config = worker.Config.from_options(devices=2, run_dir=str(tmp_path / "run"))
     with pytest.raises(DeviceError, match="--devices 2: only 1 cpu device"):
         worker.main(config)
     assert not (tmp_path / "run").exists()

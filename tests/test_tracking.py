@@ -127,7 +127,7 @@ def test_tensorboard_flag_without_the_package_is_one_line_exit_2(monkeypatch, ca
     assert info.value.code == 2 and err.count("\n") == 1
     assert err.startswith("xor.py: error: --tensorboard needs the tensorboardX package, which is not installed")
     assert "pip install" in err and ".[tensorboard]" in err
-    assert parse_config(TrainConfig, []).tensorboard is False  # without the flag nothing is needed
+    assert parse_config(TrainConfig, []).tracking.tensorboard is False  # without the flag nothing is needed
 
 
 # -- the run's trackers: W&B and MLflow, read back through their own readers ----------------------------
@@ -312,8 +312,8 @@ def test_tracker_names_are_checked_and_tensorboard_is_a_spelling_of_one(capsys):
     assert "unknown tracker 'neptune'; choose from jsonl, tensorboard, wandb, mlflow" in capsys.readouterr().err
     from research.tracking import trackers_of
 
-    assert trackers_of(parse_config(TrainConfig, [])) == ("jsonl",)
-    assert trackers_of(parse_config(TrainConfig, ["--tensorboard", "--tracker", "mlflow"])) == (
+    assert trackers_of(parse_config(TrainConfig, []).tracking) == ("jsonl",)
+    assert trackers_of(parse_config(TrainConfig, ["--tensorboard", "--tracker", "mlflow"]).tracking) == (
         "jsonl",
         "tensorboard",
         "mlflow",

@@ -29,7 +29,7 @@ def data_dir(mnist1d_dir):
 def test_dp_sgd_reports_accuracy_and_the_accountants_epsilon(data_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     dp_sgd = load("dp_sgd")
-    config = dp_sgd.Config(
+    config = dp_sgd.Config.from_options(
         data_dir=data_dir,
         run_dir="run",
         epochs=2,
@@ -63,7 +63,7 @@ def test_dp_sgd_reports_accuracy_and_the_accountants_epsilon(data_dir, tmp_path,
 def test_ensemble_members_match_sequential_runs_and_the_ensemble_is_reported(data_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     ensemble = load("ensemble")
-    config = ensemble.Config(
+    config = ensemble.Config.from_options(
         data_dir=data_dir, run_dir="run", num_members=3, epochs=1, hidden=32, compare_sequential=True, progress=False
     )
     summary = ensemble.main(config)

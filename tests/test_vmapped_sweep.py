@@ -52,7 +52,7 @@ def swept(tmp_path_factory):
     xor = load_experiment("xor")
     for lr in ("0.1", "0.5"):
         for seed in ("0", "1"):
-            config = xor.Config(
+            config = xor.Config.from_options(
                 epochs=7,
                 train_size=256,
                 test_size=64,

@@ -1,6 +1,5 @@
 """End to end: the XOR experiment trains to the tutorial's accuracy and leaves a usable run directory."""
 
-import dataclasses
 import importlib.util
 import json
 import subprocess
@@ -21,7 +20,7 @@ spec.loader.exec_module(xor)
 @pytest.mark.slow
 def test_xor_reaches_99_percent_and_writes_a_complete_run_dir(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    config = xor.Config(run_dir="runs/xor/test", progress=False)
+    config = xor.Config.from_options(run_dir="runs/xor/test", progress=False)
     summary = xor.main(config)
 
     assert summary["test_accuracy"] >= 0.99
@@ -30,14 +29,14 @@ def test_xor_reaches_99_percent_and_writes_a_complete_run_dir(tmp_path, monkeypa
     assert set(summary) >= {"test_accuracy", "test_loss", "train_loss", "step", "wall_seconds"}
     assert summary["step"] == 100 * (2500 // 128)
     saved = json.loads((run / "config.json").read_text())
-    assert saved["config"] == dataclasses.asdict(config) and saved["resolved"]["num_steps"] == summary["step"]
+    assert saved["config"] == config.to_dict() and saved["resolved"]["num_steps"] == summary["step"]
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert metrics[-1]["step"] == summary["step"] and "test/accuracy" in metrics[-1]
     assert metrics[0]["train/loss"] > metrics[-1]["train/loss"]
 
     checkpoint = run / "checkpoints" / f"step_{summary['step']:09d}"
     restored, header = load_checkpoint(checkpoint, xor.build_state(config))
-    assert header["config"] == dataclasses.asdict(config)
+    assert header["config"] == config.to_dict()
     test = DeviceLoader.from_dataset(XORDataset(500, seed=123), 128, shuffle=False)
     again = evaluate(restored.model, None, test)
     assert again == {"loss": summary["test_loss"], "accuracy": summary["test_accuracy"]}
@@ -47,9 +46,9 @@ def test_xor_reaches_99_percent_and_writes_a_complete_run_dir(tmp_path, monkeypa
 def test_resuming_gives_the_same_model_as_an_uninterrupted_run(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     straight = dict(epochs=20, progress=False)
-    xor.main(xor.Config(run_dir="straight", **straight))
-    xor.main(xor.Config(run_dir="resumed", epochs=10, progress=False))
-    xor.main(xor.Config(run_dir="resumed", resume=True, **straight))
+    xor.main(xor.Config.from_options(run_dir="straight", **straight))
+    xor.main(xor.Config.from_options(run_dir="resumed", epochs=10, progress=False))
+    xor.main(xor.Config.from_options(run_dir="resumed", resume=True, **straight))
     a = checkpoint_digest(tmp_path / "straight/checkpoints/step_000000380")
     b = checkpoint_digest(tmp_path / "resumed/checkpoints/step_000000380")
     assert a == b  # identical states

@@ -136,25 +136,26 @@ def _gloo_on_loopback() -> None:
     )
 
 
-def setup_devices(config: Any) -> None:
-    """Apply a `TrainConfig`'s device and process options before any JAX array exists: simulate
-    `--devices` CPU devices, join the other processes, and refuse (`ConfigError`) a batch size the
-    global device count does not divide, or more devices than this process has."""
-    group = process_group(config.coordinator_address, config.num_processes, config.process_id)
-    simulate_cpu_devices(config.devices)
+def setup_devices(devices: Any, batch_size: int | None = None) -> None:
+    """Apply a config's device and process options (`devices`: its `research.config.Devices` group)
+    before any JAX array exists: simulate `--devices` CPU devices, join the other processes, and refuse
+    (`ConfigError`) a `batch_size` the global device count does not divide, or more devices than this
+    process has."""
+    group = process_group(devices.coordinator_address, devices.num_processes, devices.process_id)
+    simulate_cpu_devices(devices.devices)
     if group is not None:
-        global_devices = config.devices * group.num_processes
-        if config.batch_size is not None and config.batch_size % global_devices:
+        global_devices = devices.devices * group.num_processes
+        if batch_size is not None and batch_size % global_devices:
             raise ConfigError(
-                f"--batch-size {config.batch_size} is not divisible by the {global_devices} devices "
-                f"({group.num_processes} processes x {config.devices}); pick a multiple of {global_devices}"
+                f"--batch-size {batch_size} is not divisible by the {global_devices} devices "
+                f"({group.num_processes} processes x {devices.devices}); pick a multiple of {global_devices}"
             )
-        if config.parallel == "none":
+        if devices.parallel == "none":
             raise ConfigError("--parallel none trains in one process; pass --parallel sharded or pmap")
-        join(group, config.distributed_timeout)
+        join(group, devices.distributed_timeout)
         if group.process_id != 0:
             logger.info("process %s of %s: joined %s", group.process_id, group.num_processes, group.coordinator_address)
-    check_device_count(config.devices)
+    check_device_count(devices.devices)
 
 
 def process_zero_text(text: str) -> str:

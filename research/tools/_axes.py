@@ -2,11 +2,10 @@
 checked against the fields of an experiment's config, and turned into command-line flags."""
 
 import dataclasses
-import typing
 from collections.abc import Sequence
 from typing import Any
 
-from ..config import GROUPS, flag_name, strip_optional
+from ..config import flag_name, option_fields, strip_optional
 from ._runs import UsageError
 
 # Options the sweep sets for every run itself: they cannot be swept or passed after `--`.
@@ -42,12 +41,9 @@ class Axis:
 
 
 def sweepable_fields(config_class: type) -> dict[str, Any]:
-    """The config's field names (all but those the sweep sets) and their type hints, in `--help`'s
+    """The config's option names (all but those the sweep sets) and their type hints, in `--help`'s
     order: the experiment's own options first, then its groups'."""
-    hints = typing.get_type_hints(config_class)
-    grouped = {f.name: i for i, group in enumerate(GROUPS) for f in dataclasses.fields(group)}
-    fields = sorted(dataclasses.fields(config_class), key=lambda f: grouped.get(f.name, -1))
-    return {f.name: hints[f.name] for f in fields if f.name not in SET_BY_SWEEP}
+    return {name: hint for name, (_, hint) in option_fields(config_class).items() if name not in SET_BY_SWEEP}
 
 
 def parse_axis(text: str, fields: dict[str, Any]) -> Axis:

@@ -18,7 +18,6 @@ With `--devices N` the population trains on N devices, its members (or, when N d
 them, each batch) split over them (`research.parallel.population_placement`).
 """
 
-import dataclasses
 import functools
 import hashlib
 import sys
@@ -27,7 +26,7 @@ from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..config import Options, vmappable_options
+from ..config import RunConfig, devices_of, ema_of, tracking_of, vmappable_options
 from ..curves import CurvePool, plot_processes
 from ..data import DeviceLoader
 from ..errors import CheckpointError
@@ -39,7 +38,7 @@ from ._pool import Run
 from ._runs import UsageError
 
 
-def check_vmappable(config_class: type, keys: Sequence[str], config: Options) -> None:
+def check_vmappable(config_class: type, keys: Sequence[str], config: RunConfig) -> None:
     """Refuse, before any work, a grid one program cannot train: a swept option that changes more than
     array values, several processes, or a placement other than one device or a mesh of them."""
     allowed = vmappable_options(config_class)
@@ -49,18 +48,19 @@ def check_vmappable(config_class: type, keys: Sequence[str], config: Options) ->
             f"--vmapped: {', '.join(fixed)} cannot vary inside one program (this experiment's "
             f"vmappable options: {', '.join(sorted(allowed)) or 'none'}); sweep it without --vmapped"
         )
-    if getattr(config, "num_processes", None) not in (None, 1):
+    devices = devices_of(config)
+    if devices.num_processes not in (None, 1):
         raise UsageError(
             "--vmapped trains its population in one process; drop the multi-process options (or sweep "
             "without --vmapped)"
         )
-    parallel = getattr(config, "parallel", "auto")
-    if getattr(config, "devices", 1) > 1 and parallel not in ("auto", "sharded"):
+    parallel = devices.parallel
+    if devices.devices > 1 and parallel not in ("auto", "sharded"):
         raise UsageError(
             f"--vmapped splits its population's members (or its batches) over --devices with --parallel auto "
             f"or sharded, not {parallel}"
         )
-    if getattr(config, "loader", "device") != "device":
+    if config.to_dict().get("loader", "device") != "device":  # an option of the experiment's own, if it has one
         raise UsageError("--vmapped gathers each member's batches on the device: use --loader device")
 
 
@@ -76,7 +76,7 @@ def member_values(values: dict[str, Any], k: int) -> dict[str, Any]:
     return {**shared, **own}
 
 
-def _population_setup(experiment: str, configs: Sequence[Options], setups: Sequence[Setup]) -> Setup:
+def _population_setup(experiment: str, configs: Sequence[RunConfig], setups: Sequence[Setup]) -> Setup:
     first = setups[0]
     loaders = [setup.train_data for setup in setups if isinstance(setup.train_data, DeviceLoader)]
     if len(loaders) != len(setups):
@@ -90,7 +90,7 @@ def _population_setup(experiment: str, configs: Sequence[Options], setups: Seque
     return Setup(
         # Built once: the population's run and then the skeleton its checkpoint is read into (K members' builds).
         build_state=functools.cache(
-            lambda: stack_members([initial_state(s, c) for s, c in zip(setups, configs, strict=True)])
+            lambda: stack_members([initial_state(s, ema_of(c)) for s, c in zip(setups, configs, strict=True)])
         ),
         train_data=DeviceLoader.for_members(loaders),
         eval_data=first.eval_data,
@@ -103,7 +103,7 @@ def _population_setup(experiment: str, configs: Sequence[Options], setups: Seque
 
 def _write_members(
     experiment: str,
-    members: Sequence[tuple[int, Run, Options, Setup]],
+    members: Sequence[tuple[int, Run, RunConfig, Setup]],
     state: Any,
     records: list[dict[str, Any]],
     summary: dict[str, Any],
@@ -138,7 +138,7 @@ def _write_members(
 
 
 def _finish_member(
-    experiment: str, out: RunDir, config: Options, setup: Setup, summary: dict[str, Any], k: int
+    experiment: str, out: RunDir, config: RunConfig, setup: Setup, summary: dict[str, Any], k: int
 ) -> None:
     """Member `k`'s summary.json (the experiment's own numbers added, as a run alone gets them), and its
     tracked run."""
@@ -146,7 +146,7 @@ def _finish_member(
     if setup.summarize_run is not None:  # the experiment's numbers from the member's records, as alone
         own_summary.update(setup.summarize_run(out, own_summary) or {})
     out.write_summary(own_summary)
-    if len(trackers_of(config)) > 1:  # one tracked run a member, as its own run would have been
+    if len(trackers_of(tracking_of(config))) > 1:  # one tracked run a member, as its own run would have been
         saved = out.read_config()
         out.write_config({**saved, "trackers": track_finished_run(experiment, config, out, runs_root=RUNS_ROOT)})
 
@@ -155,7 +155,7 @@ def sweep_vmapped(
     experiment: str,
     module: Any,
     runs: Sequence[Run],
-    configs: Sequence[Options],
+    configs: Sequence[RunConfig],
     sweep_dir: Path,
     write: Collection[str] | None = None,
 ) -> tuple[list[Run], float]:
@@ -181,15 +181,15 @@ def sweep_vmapped(
 
 
 def _train_population(
-    experiment: str, runs: Sequence[Run], config: Options, population: Setup, sweep_dir: Path, curves: CurvePool
+    experiment: str, runs: Sequence[Run], config: RunConfig, population: Setup, sweep_dir: Path, curves: CurvePool
 ) -> tuple[Any, list[dict[str, Any]], dict[str, Any]]:
     """Train (or resume, or find finished) the population run `SWEEP_DIR/population-<hash>`, its curves.png
     drawn by `curves`; returns its trained state, its records and its summary."""
     names = "\n".join(run.name for run in runs)
     path = sweep_dir / f"population-{hashlib.sha1(names.encode()).hexdigest()[:8]}"
     # The members are tracked as their runs (`_finish_member`), the population itself only in its metrics.jsonl.
-    population_config = dataclasses.replace(
-        config, run_dir=str(path), resume="auto", progress=True, tracker="jsonl", tensorboard=False
+    population_config = config.replace(
+        run_dir=str(path), resume="auto", progress=True, tracker="jsonl", tensorboard=False
     )
     print(f"sweep: training {len(runs)} runs as one vmapped population in {path}", file=sys.stderr, flush=True)
     members = {"members": names.split("\n")}
@@ -201,5 +201,5 @@ def _train_population(
         raise CheckpointError(
             f"{path}: the population left no valid checkpoint to write its members from; rerun the sweep"
         )
-    state, _ = load_checkpoint(checkpoint, initial_state(population, population_config))
+    state, _ = load_checkpoint(checkpoint, initial_state(population, ema_of(population_config)))
     return state, population_run.read_metrics(), summary

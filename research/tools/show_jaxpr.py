@@ -11,7 +11,7 @@ the jaxpr itself calls them `a`, `b`, ...
 import sys
 from collections.abc import Sequence
 
-from ..cli import ConfigError, parse_config
+from ..cli import ConfigError, ema_of, parse_config
 from ..debug import signature
 from ..experiment import first_batch, initial_state, load_experiment
 from ..messages import messages_to_stderr
@@ -29,7 +29,7 @@ def show_jaxpr(experiment: str, argv: Sequence[str] = ()) -> str:
         )
     config = parse_config(module.Config, list(argv), prog=f"show_jaxpr {experiment}")
     setup = module.setup(config)
-    state = initial_state(setup, config)
+    state = initial_state(setup, ema_of(config))
     trainer = compiled_trainer(setup.loss_fn, state, population=setup.population)
     leaves = trainer.leaves(state)
     batch = first_batch(setup.train_data)

@@ -46,7 +46,7 @@ from io import StringIO
 from pathlib import Path
 from typing import Any
 
-from ..cli import parse_config, use_compilation_cache
+from ..cli import RunConfig, devices_of, parse_config, use_compilation_cache
 from ..errors import ConfigError, Preempted, ResearchInputError
 from ..experiment import RUNS_ROOT, experiment_script, load_experiment
 from ..messages import messages_to_stderr
@@ -86,25 +86,24 @@ def _make_run(
     return Run(name, pairs, path, command)
 
 
-def _check(config_class: type, run: Run) -> Any:
+def _check(config_class: type[RunConfig], run: Run) -> RunConfig:
     """Parse the run's command line as the experiment would: its one-line error becomes a `UsageError`;
-    returns the config, with the experiment's per-model defaults filled in where it has them
-    (`Config.resolved()`, as its config.json records them)."""
+    returns the config (with the experiment's per-model defaults filled in where it has them, as its
+    config.json records them: `parse_config` resolves them)."""
     with redirect_stderr(StringIO()) as err:
         try:
-            config = parse_config(config_class, list(run.command[2:]), prog=run.command[1])
-            return config.resolved() if hasattr(config, "resolved") else config
+            return parse_config(config_class, list(run.command[2:]), prog=run.command[1])
         except SystemExit:
             message = err.getvalue().strip().splitlines()[-1:] or ["refused"]
             raise UsageError(f"{run.name}: {message[0].split(': error: ', 1)[-1]}") from None
 
 
-def _as_saved(config: Any) -> dict[str, Any]:
+def _as_saved(config: RunConfig) -> dict[str, Any]:
     """The config as config.json holds it."""
     return json.loads(json.dumps(config.to_dict()))
 
 
-def finished_before(run: Run, config: Any) -> bool:
+def finished_before(run: Run, config: RunConfig) -> bool:
     """Whether `run` finished with this `config` (but the options the sweep sets): `--resume auto` would
     then only print its summary (`plan_run`), so the sweep skips it without starting a process (JAX takes
     seconds)."""
@@ -193,7 +192,9 @@ def _failures(failed: Sequence[tuple[Outcome, str]]) -> int:
     return 1 if failed else 0
 
 
-def sweep_grid(runs: Sequence[Run], configs: Sequence[Any], sweep_dir: Path, jobs: int, metric: str, title: str) -> int:
+def sweep_grid(
+    runs: Sequence[Run], configs: Sequence[RunConfig], sweep_dir: Path, jobs: int, metric: str, title: str
+) -> int:
     """Run `runs` (of `configs`) that did not finish before, `jobs` at a time; report them all; the exit
     status (1 when any failed)."""
     progress = Progress(len(runs), metric)
@@ -217,7 +218,7 @@ def sweep_grid(runs: Sequence[Run], configs: Sequence[Any], sweep_dir: Path, job
     return _failures(failed)
 
 
-def sweep_jobs(args: Any, runs: Sequence[Run], configs: Sequence[Any], title: str) -> int:
+def sweep_jobs(args: Any, runs: Sequence[Run], configs: Sequence[RunConfig], title: str) -> int:
     """The grid's runs as jobs of `--executor` (slurm, submitit-local): the finished ones skipped, the
     others submitted, or collected when an earlier sweep submitted them; then, unless `--no-wait`, waited
     for and reported like a grid of processes. `--vmapped`: the population is one job, this sweep."""
@@ -305,7 +306,7 @@ def sweep_population(
     experiment: str,
     module: types.ModuleType,
     runs: Sequence[Run],
-    configs: Sequence[Any],
+    configs: Sequence[RunConfig],
     sweep_dir: Path,
     metric: str,
     title: str,
@@ -321,8 +322,9 @@ def sweep_population(
             pending.append((run, config))
     if pending:
         try:
-            setup_devices(configs[0])  # --devices: simulated on the CPU before JAX starts; here, where it trains
-            use_compilation_cache(getattr(configs[0], "compilation_cache", True))
+            devices = devices_of(configs[0])  # --devices: simulated on the CPU before JAX starts; here, where it trains
+            setup_devices(devices, configs[0].training.batch_size)
+            use_compilation_cache(devices.compilation_cache)
             trained, seconds = sweep_vmapped(
                 experiment, module, runs, configs, sweep_dir, write={run.name for run, _ in pending}
             )
