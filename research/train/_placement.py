@@ -117,8 +117,9 @@ class Placement(abc.ABC):
         return self.host(leaves)
 
     def put_stats(self, stats: Any) -> Any:
-        """Step statistics (`StepStats`), which every device keeps whole."""
-        return jax.tree.map(self.replicate, stats)
+        """Step statistics (`StepStats`), which every device keeps whole (on one device as they are, with
+        no tree map: fresh ones are taken at every logging stop)."""
+        return stats if self.on_one_device else jax.tree.map(self.replicate, stats)
 
     def put_data(self, host: Batch, device: Batch) -> Batch:
         """A dataset that every device holds whole: on one device its device copy as it is (no second
