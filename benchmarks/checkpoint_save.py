@@ -25,7 +25,7 @@ import jax
 
 from research.cli import ema_of
 from research.experiment import initial_state, load_experiment
-from research.train import CheckpointWriter, OneDevice, load_checkpoint
+from research.train import CheckpointWriter, load_checkpoint, one_device
 
 
 def lm_state(directory: Path, dim: int, depth: int):
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
         writer = CheckpointWriter()
         for i in range(args.saves + 1):  # the first save imports Orbax and starts its threads: not timed
             start = time.perf_counter()
-            saved = eqx.combine(jax.tree.unflatten(treedef, OneDevice().to_save(leaves)), rest)
+            saved = eqx.combine(jax.tree.unflatten(treedef, one_device().to_save(leaves)), rest)
             writer.save(directory / f"step_{i}", saved, {"step": i})
             returned = time.perf_counter()
             writer.wait()

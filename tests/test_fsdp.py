@@ -20,7 +20,7 @@ simulate_cpu_devices(8)
 import equinox as eqx, jax, numpy as np, optax
 from research.data import DeviceLoader, TorchLoader, XORDataset
 from research.nn import MLP
-from research.parallel import DATA_AXIS, Fsdp, make_placement
+from research.parallel import DATA_AXIS, fsdp, make_placement
 from research.train import TrainState, bytes_on_first_device, fit
 
 train = XORDataset(512, seed=42)
@@ -35,12 +35,12 @@ for loader in ("device", "torch"):
         leaves = jax.tree.leaves(eqx.filter(result.state, eqx.is_array))
         out[f"{loader}-{name}"] = {"loss": float(result.train_metrics["loss"]), "bytes": result.state_bytes_per_device,
                                    "leaves": [np.asarray(x).ravel()[:512].tolist() for x in leaves]}
-fsdp = Fsdp(8)
+eight = fsdp(8)
 total = sum(x.nbytes for x in jax.tree.leaves(eqx.filter(state, eqx.is_array)))
-small = sum(x.nbytes for x in jax.tree.leaves(eqx.filter(state, eqx.is_array)) if not any(fsdp.leaf_spec(x.shape)))
-placed = fsdp.place([np.asarray(x) for x in jax.tree.leaves(eqx.filter(state, eqx.is_array))])
+small = sum(x.nbytes for x in jax.tree.leaves(eqx.filter(state, eqx.is_array)) if not any(eight.leaf_spec(x.shape)))
+placed = eight.place([np.asarray(x) for x in jax.tree.leaves(eqx.filter(state, eqx.is_array))])
 out["shapes"] = {"total": total, "replicated": small, "placed_on_first": bytes_on_first_device(placed),
-                 "weight_spec": str(fsdp.leaf_spec((256, 256))), "bias_spec": str(fsdp.leaf_spec((256,)))}
+                 "weight_spec": str(eight.leaf_spec((256, 256))), "bias_spec": str(eight.leaf_spec((256,)))}
 print(json.dumps(out))
 """
 

@@ -25,14 +25,14 @@ from research.cli import ConfigError
 from research.data import DeviceLoader, XORDataset
 from research.parallel import (
     DeviceError,
-    OneDevice,
     Pmap,
-    Sharded,
     batch_axis_name,
     check_split,
     make_placement,
+    one_device,
     process_group,
     process_rows,
+    sharded,
     simulate_cpu_devices,
 )
 from research.tools.launch import launch
@@ -290,7 +290,7 @@ def _environ(pid: int) -> bytes:
 def test_each_strategy_on_one_device_matches_the_plain_fast_path():
     train = XORDataset(256, seed=42)
     results = {}
-    for name, placement in (("none", OneDevice()), ("pmap", Pmap(1)), ("sharded", Sharded(1))):
+    for name, placement in (("none", one_device()), ("pmap", Pmap(1)), ("sharded", sharded(1))):
         config = worker.Config.from_options(model="batchnorm", parallel=name)
         results[name] = fit(
             worker.build_state(config),
@@ -342,7 +342,7 @@ def test_more_devices_than_exist_are_refused_before_any_work(tmp_path):
         simulate_cpu_devices(2)
     with pytest.raises(DeviceError, match="--parallel none trains on one device"):
         make_placement("none", 2)
-    assert make_placement("auto", 1) == OneDevice(1) and make_placement("auto", 4) == Sharded(4)
+    assert make_placement("auto", 1) == one_device() and make_placement("auto", 4) == sharded(4)
 
 
 def test_the_script_refuses_an_indivisible_batch_in_one_line(tmp_path):

@@ -17,7 +17,7 @@ import pytest
 from research.data import DeviceLoader, XORDataset
 from research.errors import ConfigError, DeviceError
 from research.nn import MLP
-from research.parallel import Fsdp, OneDevice, Pmap, PopulationMesh, Sharded, population_placement
+from research.parallel import Pmap, fsdp, one_device, population_mesh, population_placement, sharded
 from research.population import evaluate_ensemble, evaluate_population, member, num_members, stack_states, with_ema
 from research.train import RunDir, TrainState, evaluate, evaluate_state, fit, load_checkpoint, read_header
 
@@ -135,21 +135,21 @@ def test_a_population_skips_a_non_finite_member_step_member_by_member(xor):
 
 def test_a_population_on_several_devices_splits_its_members_when_they_divide_else_the_batch():
     own = {"member_batches": True}
-    assert population_placement(Sharded(2), members=4, rows=32, **own) == PopulationMesh(2, "members", True)
-    assert population_placement(Sharded(8), members=4, rows=32, **own) == PopulationMesh(8, "batch", True)
+    assert population_placement(sharded(2), members=4, rows=32, **own) == population_mesh(2, "members", True)
+    assert population_placement(sharded(8), members=4, rows=32, **own) == population_mesh(8, "batch", True)
     shared = {"member_batches": False}  # every member on the same batches (experiments/ensemble.py)
-    assert population_placement(Sharded(4), members=8, rows=100, **shared) == PopulationMesh(4, "members", False)
-    assert population_placement(Sharded(4), members=2, rows=100, **shared) == PopulationMesh(4, "batch", False)
-    for kept in (OneDevice(), Pmap(2), Fsdp(2)):
+    assert population_placement(sharded(4), members=8, rows=100, **shared) == population_mesh(4, "members", False)
+    assert population_placement(sharded(4), members=2, rows=100, **shared) == population_mesh(4, "batch", False)
+    for kept in (one_device(), Pmap(2), fsdp(2)):
         assert population_placement(kept, members=4, rows=32, **shared) is kept
     with pytest.raises(ConfigError, match="^--parallel pmap cannot train a population whose members take their own"):
         population_placement(Pmap(2), members=4, rows=32, **own)
     with pytest.raises(DeviceError, match="^a population of 3 members with batches of 9 rows cannot be split over 2"):
-        population_placement(Sharded(2), members=3, rows=9, **own)
+        population_placement(sharded(2), members=3, rows=9, **own)
     # --deterministic-reduction: members split, each member's micro-batched step whole on one device; a split
     # of the rows would leave the reductions to XLA, so it is refused.
-    micro = Sharded(2, micro_batches=8)
-    expected = PopulationMesh(2, "members", True, micro_batches=8)
+    micro = sharded(2, micro_batches=8)
+    expected = population_mesh(2, "members", True, micro_batches=8)
     assert population_placement(micro, members=4, rows=32, **own) == expected
     with pytest.raises(ConfigError, match="splitting its 3 members over them: pick a number of devices that divides 3"):
         population_placement(micro, members=3, rows=32, **own)

@@ -63,14 +63,3 @@ def simulate_cpu_devices(count: int) -> None:
     if count > 1 and _client_threads() < 2 * count:
         os.environ["PJRT_NPROC"] = str(2 * count)
     jax.config.update("jax_num_cpu_devices", count)
-
-
-def check_device_count(devices_per_process: int) -> None:
-    """Refuse a run that asks for more devices per process than this process has."""
-    available = jax.local_device_count()
-    if devices_per_process > available:
-        where = f"process {jax.process_index()}" if jax.process_count() > 1 else "this machine"
-        raise DeviceError(
-            f"--devices {devices_per_process}: only {available} {jax.default_backend()} device(s) on {where}; "
-            f"pass --devices {available} or fewer"
-        )

@@ -25,7 +25,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from ..errors import ConfigError
-from ._devices import check_device_count, simulate_cpu_devices
+from ..train import check_device_count
+from ._devices import simulate_cpu_devices
 
 logger = logging.getLogger(__name__)  # research.messages: what shows them, and where
 

@@ -20,7 +20,7 @@ from ..debug import RetraceLog
 from ..typing import Array
 from ._micro import check_micro_batch_loss
 from ._packing import Packing, describe_spec
-from ._placement import Leaves, OneDevice, Placement
+from ._placement import Leaves, Placement, one_device
 from ._state import LossFn, TrainState, train_step
 from ._stats import Layout, StepMetrics, StepStats, layout_of
 
@@ -60,14 +60,14 @@ class CompiledTrainer:
         skip_nonfinite: bool = False,
         packing: Packing | None = None,
         *,
-        placement: Placement = OneDevice(),
+        placement: Placement = one_device(),
         population: bool = False,
         member_batches: bool = False,
     ):
-        takes_member_batches = getattr(placement, "member_batches", isinstance(placement, OneDevice))
+        takes_member_batches = placement.on_one_device or getattr(placement, "member_batches", False)
         if member_batches and not (population and takes_member_batches):
             raise ValueError(
-                "member_batches: a population's own batches per member need one device or a PopulationMesh"
+                "member_batches: a population's own batches per member need one device or a population_mesh"
             )
         if placement.micro_batches is not None:
             check_micro_batch_loss(loss_fn)
@@ -284,7 +284,7 @@ def compiled_trainer(
     state: TrainState,
     *,
     skip_nonfinite: bool = False,
-    placement: Placement = OneDevice(),
+    placement: Placement = one_device(),
     population: bool = False,
     member_batches: bool = False,
 ) -> CompiledTrainer:

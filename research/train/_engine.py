@@ -27,7 +27,7 @@ from ..debug import describe_nan_error
 from ..errors import DataError, NonFiniteError, Preempted
 from ..provenance import CompileTimer
 from ._compiled import CompiledTrainer, compiled_trainer
-from ._placement import Leaves, OneDevice, Placement, bytes_on_first_device
+from ._placement import Leaves, Placement, bytes_on_first_device, one_device
 from ._signals import StopSignals
 from ._state import LossFn, TrainState, classification_loss
 from ._stats import HostStats, Layout, StepStats
@@ -108,8 +108,8 @@ class Engine:
 
     - `loss_fn`: `(model, model_state, batch, key) -> (loss, (metrics, model_state))`; a loss with its
       own `value_and_grad` also decides how its gradient combines across devices.
-    - `placement`: where the state and batches live (`OneDevice()`, or `research.parallel`'s `Pmap`,
-      `Sharded`); the train data always yields global batches and results do not depend on it.
+    - `placement`: where the state and batches live (`one_device()`, or `research.parallel`'s
+      `make_placement`); the train data always yields global batches and results do not depend on it.
     - `log_every`: fetch the running means of the train metrics every so many steps (into
       `StepInfo.record` as `train/...`).
     - `steps_per_call`: steps per compiled call on device-resident data (`DeviceLoader`).
@@ -127,7 +127,7 @@ class Engine:
         self,
         loss_fn: LossFn = classification_loss,
         *,
-        placement: Placement = OneDevice(),
+        placement: Placement = one_device(),
         log_every: int = 100,
         steps_per_call: int = 1,
         skip_nonfinite: bool = False,
@@ -135,7 +135,7 @@ class Engine:
         population: bool = False,
         stop_signals: bool = False,
     ):
-        if debug_nans and not isinstance(placement, OneDevice):
+        if debug_nans and not placement.on_one_device:
             raise ValueError("debug_nans replays steps op by op on one device; train without a parallel placement")
         self.loss_fn, self.placement, self.population = loss_fn, placement, population
         self.log_every, self.steps_per_call = log_every, steps_per_call
@@ -293,7 +293,7 @@ class _Feed:
         self.steps_per_call = 1 if debug_nans else steps_per_call
         self.calls = 0
         self.layout: Layout | None = None
-        self.several_devices = not isinstance(trainer.placement, OneDevice)
+        self.several_devices = not trainer.placement.on_one_device
         if isinstance(data, DeviceLoader):
             self.example = data.host.take(np.zeros(data.index_shape, np.int32))  # shaped like a step's batch
             self.device_data = trainer.placement.put_data(data.host, data.arrays)

@@ -38,7 +38,7 @@ from ..progress import Progress
 from ._engine import Engine, FitResult
 from ._evaluate import evaluate_state
 from ._hooks import Checkpoint, Evaluate, Evaluator, NonFiniteGuard, Profile, ShowProgress, Track
-from ._placement import OneDevice, Placement
+from ._placement import Placement, one_device
 from ._rundir import RunDir
 from ._state import LossFn, TrainState, classification_loss
 from ._tracking import JsonlTracker, Tracker
@@ -50,7 +50,7 @@ def fit(
     *,
     num_steps: int,
     loss_fn: LossFn = classification_loss,
-    placement: Placement = OneDevice(),
+    placement: Placement = one_device(),
     eval_data: DeviceLoader | HostLoader | None = None,
     val_data: DeviceLoader | HostLoader | None = None,
     eval_every: int | None = None,
