@@ -177,6 +177,16 @@ def first_batch(data: DeviceLoader | TorchLoader | GrainLoader) -> Batch:
     return next(data.batches(0))
 
 
+def _checked_for(placement: Placement, setup: Setup, state: TrainState) -> Placement:
+    """`placement` as the run uses it (a population's members or rows split over its devices), checked
+    against the run's model, batch and loss."""
+    placement = _population_placement(setup, state, placement) if setup.population else placement
+    placement.check(state.model, setup.train_data.batch_size)
+    if placement.micro_batches is not None:
+        check_micro_batch_loss(setup.loss_fn)
+    return placement
+
+
 def run_experiment(
     experiment: str,
     config: RunConfig,
@@ -210,10 +220,7 @@ def run_experiment(
     check_combination(config, processes=jax.process_count())
     _check_profile_window(tracking_of(config), setup.num_steps)
     state = initial_state(setup, ema_of(config))
-    placement = _population_placement(setup, state, placement) if setup.population else placement
-    placement.check(state.model, setup.train_data.batch_size)
-    if placement.micro_batches is not None:
-        check_micro_batch_loss(setup.loss_fn)
+    placement = _checked_for(placement, setup, state)
     writer = jax.process_index() == 0
     plan = plan_run(experiment, config, num_steps=setup.num_steps, writer=writer)
     if isinstance(plan, Finished):
