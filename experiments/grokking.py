@@ -42,7 +42,7 @@ def at_least_two(value: int) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class GrokkingTraining(Training):
-    lr: float = option(1e-3, "AdamW learning rate (constant)", check=positive)
+    lr: float = option(1e-3, "AdamW learning rate (constant)", check=positive, vmappable=True)
     batch_size: int | None = option(None, "pairs per step (default: every training pair, full batch)", check=positive)
     eval_every: int = option(
         100,
@@ -72,7 +72,11 @@ class Config(TrainConfig):
     heads: int = option(4, "attention heads (must divide --dim)", check=positive)
     depth: int = option(1, "transformer blocks", check=positive)
     steps: int = option(10_000, "training steps", check=positive, resumable=True)
-    weight_decay: float = option(1.0, "AdamW's decoupled weight decay (0: none, no grokking)", check=non_negative)
+    weight_decay: float = option(
+        1.0, "AdamW's decoupled weight decay (0: none, no grokking)", check=non_negative, vmappable=True
+    )
+    beta2: float = option(0.98, "AdamW's second-moment decay", check=open_unit_interval, vmappable=True)
+    adam_eps: float = option(1e-8, "AdamW's epsilon, added to the second moment's root", check=positive, vmappable=True)
 
 
 def build_state(config: Config) -> TrainState:
@@ -86,7 +90,10 @@ def build_state(config: Config) -> TrainState:
         heads=config.heads,
         key=model_key,
     )
-    optimizer = optax.adamw(config.training.lr, b1=0.9, b2=0.98, weight_decay=config.weight_decay)
+    # The hyperparameters live in the optimizer's state: runs that differ in them train as one vmapped
+    # population (`scripts/sweep grokking seed=3,4 beta2=0.95,0.98 --vmapped`).
+    hyperparameters = {"b2": config.beta2, "eps": config.adam_eps, "weight_decay": config.weight_decay}
+    optimizer = optax.inject_hyperparams(optax.adamw)(learning_rate=config.training.lr, b1=0.9, **hyperparameters)
     return TrainState.create(model, optimizer, key=train_key)
 
 

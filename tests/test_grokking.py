@@ -9,6 +9,7 @@ import pytest
 from research.cli import main_entry
 from research.data import DataError, modular_addition
 from research.experiment import load_experiment
+from research.tools import sweep
 
 grokking = load_experiment("grokking")
 
@@ -47,38 +48,48 @@ def test_steps_come_from_the_logged_metrics():
     assert never["min_test_accuracy_after_grokking"] is None
 
 
+# 25 training pairs, memorized within 120 steps.
+TINY = "--modulus 7 --train-fraction 0.5 --dim 16 --heads 2 --lr 1e-2 --steps 120 --eval-every 20 --log-every 20"
+
+
 def test_a_tiny_run_records_its_steps_and_plot(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    main_entry(
-        grokking.main,
-        grokking.Config,
-        [
-            "--modulus",
-            "7",
-            "--train-fraction",
-            "0.5",
-            "--dim",
-            "16",
-            "--heads",
-            "2",
-            "--lr",
-            "1e-2",
-            "--steps",
-            "120",
-            "--eval-every",
-            "20",
-            "--log-every",
-            "20",
-            "--steps-per-call",
-            "20",
-            "--run-dir",
-            str(run_dir),
-            "--no-progress",
-        ],
-    )
+    main_entry(grokking.main, grokking.Config, [*TINY.split(), "--run-dir", str(run_dir), "--no-progress"])
     summary = json.loads((run_dir / "summary.json").read_text())
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert {k: summary[k] for k in grokking.grokking_steps(records)} == grokking.grokking_steps(records)
-    assert summary["memorization_step"] is not None  # 25 pairs are memorized within 120 steps
+    assert summary["memorization_step"] is not None
     assert (run_dir / "grokking.png").stat().st_size > 0
     assert f"train accuracy >= 99% at step {summary['memorization_step']}" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_runs_that_differ_in_adams_hyperparameters_train_as_one_population(tmp_path, capsys):
+    """beta2, adam_eps (and lr, weight_decay) live in the optimizer's state: each member of a vmapped
+    sweep over them ends where its run trained alone ends (after 20 steps: later, full-batch Adam at this
+    rate amplifies the vmapped program's rounding into visible differences)."""
+    short = [*TINY.split(), "--steps", "20"]
+    sweep.main(
+        [
+            "grokking",
+            "beta2=0.9,0.98",
+            "adam_eps=1e-8,1e-2",
+            "--vmapped",
+            "--sweep-dir",
+            str(tmp_path),
+            "--",
+            *short,
+        ]
+    )
+    assert "4 members of" in capsys.readouterr().out  # one program
+    losses = set()
+    for run in sorted(tmp_path.glob("beta2=*")):
+        config = json.loads((run / "config.json").read_text())["config"]
+        alone = tmp_path / "alone" / run.name
+        flags = ["--beta2", str(config["beta2"]), "--adam-eps", str(config["adam_eps"]), "--run-dir", str(alone)]
+        main_entry(grokking.main, grokking.Config, [*short, *flags, "--no-progress"])
+        member, single = (json.loads((path / "summary.json").read_text()) for path in (run, alone))
+        assert member["test_loss"] == pytest.approx(single["test_loss"], rel=1e-5)
+        assert member["train_loss"] == pytest.approx(single["train_loss"], rel=1e-5)
+        losses.add(round(member["train_loss"], 6))
+    assert len(losses) == 4  # each pair of hyperparameters trains differently
