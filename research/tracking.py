@@ -45,7 +45,7 @@ class RunTrackers:
             tracker.log(step, metrics)
 
     def finish(self) -> None:
-        pass  # `close` ends the run: fit hands it on to the summary
+        """Nothing to do here: `close` ends the run, once the summary is known."""
 
     def replay(self, records: Sequence[dict[str, Any]]) -> None:
         """Log records of metrics.jsonl (`{"step": s, ...}`) again."""

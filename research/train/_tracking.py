@@ -152,10 +152,10 @@ class TensorBoardTracker:
         self._writer.flush()  # a killed run keeps what it logged
 
     def log_summary(self, summary: Mapping[str, Any]) -> None:
-        pass  # the final numbers are the last points of the curves
+        """Nothing to write: the final numbers are the last points of the curves."""
 
     def log_files(self, paths: Sequence[Path]) -> None:
-        pass  # the event files live in the run directory, beside the others
+        """Nothing to copy: the event files live in the run directory, beside the others."""
 
     def finish(self, ending: Ending = "finished") -> None:
         self._writer.close()
