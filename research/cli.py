@@ -414,6 +414,10 @@ def help_text(config_class: type[RunConfig], prog: str = "experiment.py", width:
 CACHE_SWITCH = "RESEARCH_COMPILATION_CACHE"  # 0 (or false, off, no): no persistent compilation cache
 CACHE_DIR = "RESEARCH_COMPILATION_CACHE_DIR"
 CACHE_MAX_BYTES = 2 * 1024**3
+# A program XLA compiles faster than this is not kept: each write to JAX's size-bounded cache reads the access
+# time of every entry, so thousands of tiny programs (one per operation run outside `jit`) made each later
+# compilation slower than compiling them again (3-4x on the test suite's small tests, from a cache of 4,000).
+CACHE_MIN_COMPILE_SECONDS = 0.05
 
 
 def compilation_cache_dir() -> Path:
@@ -425,10 +429,10 @@ def compilation_cache_dir() -> Path:
 
 
 def use_compilation_cache(enabled: bool = True) -> Path | None:
-    """Turn JAX's persistent compilation cache on (every program, however small or quick to compile) or
-    off; returns its directory when on. A directory already given to JAX (`$JAX_COMPILATION_CACHE_DIR`)
-    is kept. Off with `enabled=False` or `$RESEARCH_COMPILATION_CACHE=0`. Call it before the first
-    compilation: JAX opens the cache once per process.
+    """Turn JAX's persistent compilation cache on (every program that takes `CACHE_MIN_COMPILE_SECONDS` or
+    more to compile) or off; returns its directory when on. A directory already given to JAX
+    (`$JAX_COMPILATION_CACHE_DIR`) is kept. Off with `enabled=False` or `$RESEARCH_COMPILATION_CACHE=0`.
+    Call it before the first compilation: JAX opens the cache once per process.
 
     The cache holds XLA's compiled executables under a hash of the program, the compile options, the
     devices, `XLA_FLAGS` and the jaxlib version, so a hit runs the executable a fresh compilation
@@ -458,7 +462,7 @@ def use_compilation_cache(enabled: bool = True) -> Path | None:
     if path is None:
         return None
     jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", CACHE_MIN_COMPILE_SECONDS)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # -1: no minimum size
     if importlib.util.find_spec("filelock") is not None:
         # A size limit makes JAX evict the least recently used entries and hold a file lock around every
