@@ -26,7 +26,7 @@ with install_import_hook("research", "beartype.beartype"):  # the same shape che
     from research.errors import Preempted
     from research.experiment import Setup, run_experiment
     from research.messages import messages_to_stderr
-    from research.nn import MLP
+    from research.nn import MLP, BatchNorm
     from research.parallel import batch_axis_name, exit_together, setup_devices
     from research.per_example import DPSGDLoss
     from research.train import TrainState, classification_loss
@@ -39,7 +39,7 @@ class BatchNormNet(eqx.Module):
     """Linear -> BatchNorm (batch statistics over `axis_name`) -> tanh -> dropout -> Linear."""
 
     first: eqx.nn.Linear
-    norm: eqx.nn.BatchNorm
+    norm: BatchNorm
     dropout: eqx.nn.Dropout
     last: eqx.nn.Linear
     stateful = True
@@ -48,7 +48,7 @@ class BatchNormNet(eqx.Module):
         k1, k2 = jax.random.split(key)
         # No bias before BatchNorm: its true gradient is zero, so Adam would amplify rounding noise.
         self.first = eqx.nn.Linear(2, 16, use_bias=False, key=k1)
-        self.norm = eqx.nn.BatchNorm(16, axis_name=axis_name, mode="batch")
+        self.norm = BatchNorm(16, axis_name=axis_name)
         self.dropout = eqx.nn.Dropout(0.2)
         self.last = eqx.nn.Linear(16, 1, key=k2)
 

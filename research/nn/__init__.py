@@ -6,6 +6,7 @@ language model), `image_resnet` (a ResNet for 28-32 px images, stateful), and `l
 `generate(model, prompt, length, key=...)` samples from an `lm` with a key-value cache.
 """
 
+from ._batch_norm import BatchNorm
 from ._cnn import CNN1d
 from ._conv import conv1d_as_matmul, conv2d_as_matmul
 from ._generate import generate
@@ -23,6 +24,7 @@ from ._weights import array_names, load_weights, named_arrays, read_weights, sav
 
 __all__ = [
     "ACTIVATIONS",
+    "BatchNorm",
     "CNN1d",
     "DecoderBlock",
     "GRUClassifier",

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from ..typing import Array, Float, Integer, PRNGKeyArray, typecheck
+from ._batch_norm import BatchNorm
 from ._conv import conv2d_as_matmul
 from ._resnet import AxisName, _batch_norm
 
@@ -16,11 +17,11 @@ class ImageBlock(eqx.Module):
     1x1 convolution with batch norm when the stride or the width changes, else the identity."""
 
     conv1: eqx.nn.Conv2d
-    norm1: eqx.nn.BatchNorm
+    norm1: BatchNorm
     conv2: eqx.nn.Conv2d
-    norm2: eqx.nn.BatchNorm
+    norm2: BatchNorm
     shortcut: eqx.nn.Conv2d | None
-    shortcut_norm: eqx.nn.BatchNorm | None
+    shortcut_norm: BatchNorm | None
 
     def __init__(
         self,
@@ -79,7 +80,7 @@ class ImageResNet(eqx.Module):
     stateful = True
 
     stem: eqx.nn.Conv2d
-    stem_norm: eqx.nn.BatchNorm
+    stem_norm: BatchNorm
     blocks: tuple[ImageBlock, ...]
     head: eqx.nn.Linear
     height: int = eqx.field(static=True)

@@ -5,12 +5,13 @@ import jax
 import jax.numpy as jnp
 
 from ..typing import Array, Float, PRNGKeyArray, typecheck
+from ._batch_norm import BatchNorm
 
 AxisName = Hashable | Sequence[Hashable]
 
 
-def _batch_norm(channels: int, axis_name: AxisName, momentum: float) -> eqx.nn.BatchNorm:
-    return eqx.nn.BatchNorm(channels, axis_name=axis_name, momentum=momentum, mode="batch")
+def _batch_norm(channels: int, axis_name: AxisName, momentum: float) -> BatchNorm:
+    return BatchNorm(channels, axis_name=axis_name, momentum=momentum)
 
 
 class ResidualBlock(eqx.Module):
@@ -18,11 +19,11 @@ class ResidualBlock(eqx.Module):
     convolution with batch norm when the stride or the width changes, else the identity."""
 
     conv1: eqx.nn.Conv1d
-    norm1: eqx.nn.BatchNorm
+    norm1: BatchNorm
     conv2: eqx.nn.Conv1d
-    norm2: eqx.nn.BatchNorm
+    norm2: BatchNorm
     shortcut: eqx.nn.Conv1d | None
-    shortcut_norm: eqx.nn.BatchNorm | None
+    shortcut_norm: BatchNorm | None
 
     def __init__(
         self,
@@ -80,7 +81,7 @@ class ResNet1d(eqx.Module):
     stateful = True  # a class attribute, not a field: `build_model` reads it
 
     stem: eqx.nn.Conv1d
-    stem_norm: eqx.nn.BatchNorm
+    stem_norm: BatchNorm
     blocks: tuple[ResidualBlock, ...]
     head: eqx.nn.Linear
     length: int = eqx.field(static=True)

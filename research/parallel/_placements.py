@@ -26,11 +26,13 @@ from typing import Any, Literal
 import equinox as eqx
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..data import Batch
 from ..errors import ConfigError, DeviceError
 from ..train import (
+    EXACT_COMPILER_OPTIONS,
     LargestAxis,
     Leaves,
     MeshPlacement,
@@ -107,8 +109,41 @@ class Pmap(Placement):
         return NamedSharding(Mesh(np.array(devices), (DEVICE_AXIS,)), PartitionSpec(DEVICE_AXIS))
 
     def compile(self, fn: Callable, *, broadcast_last: bool = False) -> Callable:
+        if self.micro_batches is not None:
+            return self._compile_exact(fn, broadcast_last)
         in_axes = (0, 0, 0, 0, None) if broadcast_last else 0
         return jax.pmap(fn, DEVICE_AXIS, in_axes=in_axes, donate_argnums=(0, 1))
+
+    def _compile_exact(self, fn: Callable, broadcast_last: bool) -> Callable:
+        """What `jax.pmap` compiles (a `jax.jit` of a `jax.shard_map` over the stacked device axis of every
+        process's devices), with the compiler options of a micro-batched step, which `jax.pmap` takes none of."""
+        devices = [d for p in range(jax.process_count()) for d in jax.local_devices(process_index=p)[: self.devices]]
+        mesh = Mesh(np.array(devices), (DEVICE_AXIS,))
+
+        def per_device(*args: Any) -> Any:
+            mapped = len(args) - 1 if broadcast_last else len(args)
+            out = fn(*jax.tree.map(lambda x: x[0], args[:mapped]), *args[mapped:])
+            return jax.tree.map(lambda x: x[None], out)
+
+        def specs(count: int) -> tuple[PartitionSpec, ...]:
+            last = count - 1 if broadcast_last else count
+            return tuple(PartitionSpec(DEVICE_AXIS) if i < last else PartitionSpec() for i in range(count))
+
+        def run(*args: Any) -> Any:
+            mapped = jax.shard_map(
+                per_device, mesh=mesh, in_specs=specs(len(args)), out_specs=PartitionSpec(DEVICE_AXIS), check_vma=False
+            )
+            return mapped(*args)
+
+        compiled = jax.jit(run, donate_argnums=(0, 1), compiler_options=EXACT_COMPILER_OPTIONS)
+        if jax.process_count() == 1:
+            return compiled
+
+        def across_processes(*args: Any) -> Any:  # this process's stacked arrays <-> global ones, as pmap does
+            args = multihost_utils.host_local_array_to_global_array(args, mesh, specs(len(args)))
+            return multihost_utils.global_array_to_host_local_array(compiled(*args), mesh, PartitionSpec(DEVICE_AXIS))
+
+        return across_processes
 
     def constrain(self, batch: Batch) -> Batch:
         return batch

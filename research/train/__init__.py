@@ -10,7 +10,7 @@ from ._fit import fit
 from ._hooks import Checkpoint, Evaluate, Evaluator, NonFiniteGuard, Profile, ShowProgress, Track
 from ._keys import random_normal
 from ._language import NextTokenLoss, evaluate_language_model, next_token_sums
-from ._micro import check_micro_batch_loss, micro_batch_value_and_grad, tree_sum
+from ._micro import EXACT_COMPILER_OPTIONS, check_micro_batch_loss, micro_batch_value_and_grad, tree_sum
 from ._mlflow import MlflowTracker
 from ._placement import (
     DATA_AXIS,
@@ -64,6 +64,7 @@ from ._tracking import (
 from ._wandb import WandbTracker, read_wandb_runs
 
 __all__ = [
+    "EXACT_COMPILER_OPTIONS",
     "TRACKERS",
     "Checkpoint",
     "CheckpointError",

@@ -17,6 +17,12 @@ sums and then finishes (DP-SGD: noise added once, to the global sum) defines `mi
 `from_micro_batch_sums`. A model's state (BatchNorm's running statistics) is the `tree_sum` mean of
 the micro-batches' new states; batch statistics normalise within each micro-batch ("ghost" batch
 norm over `B / M` rows).
+
+The micro-batch step must also round the same way in every program XLA compiles it into (one device,
+each of several devices), which it does not do on its own: XLA's CPU backend picks another dot kernel
+for some dots (`EXACT_COMPILER_OPTIONS` pins it) and turns a divide by a broadcast value into a multiply
+by its reciprocal in some programs only, so the step uses JAX's custom-JVP softmax (no divide in its
+gradient) and `research.nn.BatchNorm` multiplies by `rsqrt(var + eps)`.
 """
 
 from typing import Any
@@ -29,6 +35,12 @@ from ..data import Batch
 from ..errors import ConfigError
 from ..typing import PRNGKeyArray, PyTree
 from ._state import LossFn, batch_rows, loss_value_and_grad, rows_of_global_batch
+
+# What XLA must not choose per program for a micro-batched step to round the same way in every program:
+# its CPU backend hands a dot to a YNNPACK fusion in some programs and to its own dot emitter in others (a
+# one-device step and the same step on each of several devices), and the two add the products in different
+# orders. Placements compile a step with micro-batches with these options (`jax.jit(compiler_options=...)`).
+EXACT_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
 def tree_sum(stacked: PyTree) -> PyTree:
@@ -105,7 +117,10 @@ def micro_batch_value_and_grad(
         with rows_of_global_batch(micro_batches * rows, (first + index) * rows):
             return None, _sums(loss_fn, model, model_state, micro_batch, key)
 
-    _, stacked = jax.lax.scan(one, None, (jnp.arange(local), micro))
+    # JAX's custom-JVP softmax rule: its gradient has no divide by the broadcast sum, which XLA turns into a
+    # multiply by the reciprocal in some programs and not others (the same bits on every layout need neither)
+    with jax.softmax_custom_jvp(True):
+        _, stacked = jax.lax.scan(one, None, (jnp.arange(local), micro))
     if axis_name is not None:
         stacked = jax.lax.all_gather(stacked, axis_name, tiled=True)
     sums, states = stacked

@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..data import Batch
 from ..errors import ConfigError, DeviceError
+from ._micro import EXACT_COMPILER_OPTIONS
 
 Leaves = list[jax.Array]
 DATA_AXIS = "data"  # the mesh axis that splits the batch's rows (and FSDP's state)
@@ -319,14 +320,15 @@ class MeshPlacement(Placement):
         return run
 
     def compile(self, fn: Callable, *, broadcast_last: bool = False) -> Callable:
+        options = EXACT_COMPILER_OPTIONS if self.micro_batches is not None else None
         if self.on_one_device:
-            return jax.jit(fn, donate_argnums=(0, 1))
+            return jax.jit(fn, donate_argnums=(0, 1), compiler_options=options)
 
         def laid_out(leaves: Leaves, stats: Any, *inputs: Any) -> tuple[Leaves, Any]:
             leaves, stats = fn(leaves, stats, *inputs)
             return self.constrain_state(leaves), jax.lax.with_sharding_constraint(stats, self._sharding())
 
-        return jax.jit(laid_out, donate_argnums=(0, 1))
+        return jax.jit(laid_out, donate_argnums=(0, 1), compiler_options=options)
 
     def constrain(self, batch: Batch) -> Batch:
         if self.on_one_device:

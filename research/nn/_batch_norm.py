@@ -1,0 +1,49 @@
+from collections.abc import Hashable, Sequence
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ..typing import Array, PRNGKeyArray
+
+
+class BatchNorm(eqx.nn.BatchNorm):
+    """`eqx.nn.BatchNorm(mode="batch")` (batch statistics over `axis_name`, running statistics in its
+    `eqx.nn.State`, the same fields and state) that normalises with a multiply by `rsqrt(var + eps)`, as
+    PyTorch and Flax do, where Equinox divides by `sqrt(var + eps)`.
+
+    Why: XLA rewrites a divide by a broadcast value into a multiply by its reciprocal in some programs and
+    not in others, so the divide (and its gradient) rounded differently in a one-device program and a
+    multi-device one; with the multiply, `--deterministic-reduction` gives a BatchNorm model the same bits on
+    every layout."""
+
+    def __init__(self, input_size: int, axis_name: Hashable | Sequence[Hashable], momentum: float = 0.99, **kwargs):
+        super().__init__(input_size, axis_name, momentum=momentum, mode="batch", **kwargs)
+
+    def __call__(
+        self, x: Array, state: eqx.nn.State, *, key: PRNGKeyArray | None = None, inference: bool | None = None
+    ) -> tuple[Array, eqx.nn.State]:
+        del key
+        assert self.batch_counter is not None and self.batch_state_index is not None
+        counter = state.get(self.batch_counter)
+        hidden_mean, hidden_var = state.get(self.batch_state_index)
+        if self.inference if inference is None else inference:
+            debias = jnp.where(counter == 0, 1, 1 - self.momentum**counter)  # Equinox's zero-debiased averages
+            mean, var = hidden_mean / debias, hidden_var / debias
+        else:
+            mean, var = jax.vmap(self._statistics)(x)
+            state = state.set(self.batch_counter, counter + 1)
+            running = (hidden_mean * self.momentum + mean * (1 - self.momentum),)
+            running += (hidden_var * self.momentum + var * (1 - self.momentum),)
+            state = state.set(self.batch_state_index, running)
+        return jax.vmap(self._normalise)(x, mean, var, self.weight, self.bias), state
+
+    def _statistics(self, y: Array) -> tuple[Array, Array]:
+        mean = lax.pmean(jnp.mean(y), self.axis_name)
+        var = lax.pmean(jnp.mean((y - mean) * jnp.conj(y - mean)), self.axis_name)
+        return mean, jnp.maximum(0.0, var)
+
+    def _normalise(self, y: Array, mean: Array, var: Array, weight: Array | None, bias: Array | None) -> Array:
+        out = (y - mean) * lax.rsqrt(var + self.eps)
+        return out * weight + bias if self.channelwise_affine else out
