@@ -46,4 +46,4 @@ class BatchNorm(eqx.nn.BatchNorm):
 
     def _normalise(self, y: Array, mean: Array, var: Array, weight: Array | None, bias: Array | None) -> Array:
         out = (y - mean) * lax.rsqrt(var + self.eps)
-        return out * weight + bias if self.channelwise_affine else out
+        return out if weight is None or bias is None else out * weight + bias
