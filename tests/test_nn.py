@@ -81,3 +81,28 @@ def test_registry_builds_by_name_and_lists_names_on_a_typo(getkey):
     assert "mlp" in model_names()
     with pytest.raises(ValueError, match="unknown model 'mpl'; valid names: .*mlp"):
         build_model("mpl", key=getkey())
+
+
+def test_batch_norm_matches_equinox_to_rounding_with_the_same_state_in_training_and_inference():
+    """`research.nn.BatchNorm` is `eqx.nn.BatchNorm(mode="batch")` normalising with a multiply by `rsqrt`:
+    the same fields and state (checkpoints of either load into the other), the same running statistics,
+    outputs equal to rounding, in training (batch statistics) and inference (debiased running ones)."""
+    from research.nn import BatchNorm
+
+    ours, ours_state = eqx.nn.make_with_state(BatchNorm)(3, axis_name="batch", momentum=0.9)
+    theirs, theirs_state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(3, axis_name="batch", momentum=0.9, mode="batch")
+    assert jax.tree.structure(ours_state) == jax.tree.structure(theirs_state)
+    x = jnp.asarray(np.random.default_rng(0).normal(2.0, 3.0, size=(3, 16, 3)), jnp.float32)  # 3 batches of 16
+    for batch in x:
+        out, ours_state = jax.vmap(ours, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(batch, ours_state)
+        expected, theirs_state = jax.vmap(theirs, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(
+            batch, theirs_state
+        )
+        np.testing.assert_allclose(out, expected, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(out.mean(0), 0.0, atol=1e-6)  # normalised by the batch's own statistics
+    for a, b in zip(jax.tree.leaves(ours_state), jax.tree.leaves(theirs_state), strict=True):
+        np.testing.assert_array_equal(a, b)  # the running statistics do not go through the normalisation
+    inference = jax.vmap(lambda r: ours(r, ours_state, inference=True)[0])(x[0])
+    expected = jax.vmap(lambda r: theirs(r, theirs_state, inference=True)[0])(x[0])
+    np.testing.assert_allclose(inference, expected, rtol=1e-6, atol=1e-6)
+    assert not np.allclose(inference, jax.vmap(lambda r: ours(r, ours_state)[0], axis_name="batch")(x[0]))
