@@ -189,8 +189,9 @@ def test_a_run_resumed_on_other_device_counts_continues_to_the_same_bits(layout_
 @pytest.mark.slow
 def test_batch_norm_gives_the_same_bits_with_two_micro_batches_a_device_and_trains_the_same_with_one(layout_runs):
     """With two or more micro-batches per device every layout (one device too) gives the same bits. With one
-    micro-batch per device XLA compiles the step without its loop, and BatchNorm's running statistics (which
-    only evaluation reads) round differently: the losses, parameters and optimizer state stay the same bits."""
+    micro-batch per device XLA's vectorised reduction rounds a batch variance differently (the CPU's vector width
+    decides it), which reaches only the running statistics (read by evaluation): the losses, parameters and
+    optimizer state stay the same bits."""
     reference = layout_runs / "batchnorm-none-1"
     for name in ("batchnorm-pmap-2", "batchnorm-sharded-4", "batchnorm-fsdp-4"):
         assert losses(layout_runs / name) == losses(reference), name

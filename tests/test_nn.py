@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jaxtyping import TypeCheckError
 
-from research.nn import MLP, LinearSigmoid, build_model, model_names
+from research.nn import MLP, BatchNorm, LinearSigmoid, build_model, model_names
 
 
 def test_mlp_maps_one_example(getkey):
@@ -87,8 +87,6 @@ def test_batch_norm_matches_equinox_to_rounding_with_the_same_state_in_training_
     """`research.nn.BatchNorm` is `eqx.nn.BatchNorm(mode="batch")` normalising with a multiply by `rsqrt`:
     the same fields and state (checkpoints of either load into the other), the same running statistics,
     outputs equal to rounding, in training (batch statistics) and inference (debiased running ones)."""
-    from research.nn import BatchNorm
-
     ours, ours_state = eqx.nn.make_with_state(BatchNorm)(3, axis_name="batch", momentum=0.9)
     theirs, theirs_state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(3, axis_name="batch", momentum=0.9, mode="batch")
     assert jax.tree.structure(ours_state) == jax.tree.structure(theirs_state)

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..typing import Array, PRNGKeyArray
+from ..typing import Array, Float, PRNGKeyArray, typecheck
 
 
 class BatchNorm(eqx.nn.BatchNorm):
@@ -21,9 +21,15 @@ class BatchNorm(eqx.nn.BatchNorm):
     def __init__(self, input_size: int, axis_name: Hashable | Sequence[Hashable], momentum: float = 0.99, **kwargs):
         super().__init__(input_size, axis_name, momentum=momentum, mode="batch", **kwargs)
 
+    @typecheck
     def __call__(
-        self, x: Array, state: eqx.nn.State, *, key: PRNGKeyArray | None = None, inference: bool | None = None
-    ) -> tuple[Array, eqx.nn.State]:
+        self,
+        x: Float[Array, " {self.input_size} *spatial"],
+        state: eqx.nn.State,
+        *,
+        key: PRNGKeyArray | None = None,
+        inference: bool | None = None,
+    ) -> tuple[Float[Array, " {self.input_size} *spatial"], eqx.nn.State]:
         del key
         assert self.batch_counter is not None and self.batch_state_index is not None
         counter = state.get(self.batch_counter)

@@ -43,6 +43,7 @@ from ..train import (
     check_micro_batches,
     check_split,
     copy_leaves,
+    devices_of_every_process,
     first_device,
     one_device,
     process_rows,
@@ -117,8 +118,7 @@ class Pmap(Placement):
     def _compile_exact(self, fn: Callable, broadcast_last: bool) -> Callable:
         """What `jax.pmap` compiles (a `jax.jit` of a `jax.shard_map` over the stacked device axis of every
         process's devices), with the compiler options of a micro-batched step, which `jax.pmap` takes none of."""
-        devices = [d for p in range(jax.process_count()) for d in jax.local_devices(process_index=p)[: self.devices]]
-        mesh = Mesh(np.array(devices), (DEVICE_AXIS,))
+        mesh = Mesh(devices_of_every_process(self.devices), (DEVICE_AXIS,))
 
         def per_device(*args: Any) -> Any:
             mapped = len(args) - 1 if broadcast_last else len(args)

@@ -26,6 +26,7 @@ from ._placement import (
     check_micro_batches,
     check_split,
     copy_leaves,
+    devices_of_every_process,
     first_device,
     leading,
     local_copy,
@@ -64,6 +65,7 @@ from ._tracking import (
 from ._wandb import WandbTracker, read_wandb_runs
 
 __all__ = [
+    "devices_of_every_process",
     "EXACT_COMPILER_OPTIONS",
     "TRACKERS",
     "Checkpoint",

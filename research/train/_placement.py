@@ -242,6 +242,12 @@ class LargestAxis:
         return PartitionSpec(*(axis if a == largest else None for a in range(len(shape))))
 
 
+def devices_of_every_process(devices: int) -> np.ndarray:
+    """The first `devices` local devices of each process, process by process (each process's rows of a batch
+    are then contiguous): a mesh's device array."""
+    return np.array([d for p in range(jax.process_count()) for d in jax.local_devices(process_index=p)[:devices]])
+
+
 @dataclasses.dataclass(frozen=True)
 class MeshPlacement(Placement):
     """`jax.jit` over a one-axis mesh of `devices` devices per process (process by process, so that each
@@ -271,8 +277,7 @@ class MeshPlacement(Placement):
 
     @functools.cached_property
     def mesh(self) -> Mesh:
-        devices = [d for p in range(jax.process_count()) for d in jax.local_devices(process_index=p)[: self.devices]]
-        return Mesh(np.array(devices), (self.axis,))
+        return Mesh(devices_of_every_process(self.devices), (self.axis,))
 
     @property
     def batch_spec(self) -> tuple[str | None, ...]:
