@@ -10,13 +10,19 @@ from ..typing import Array, Float, PRNGKeyArray, typecheck
 
 class BatchNorm(eqx.nn.BatchNorm):
     """`eqx.nn.BatchNorm(mode="batch")` (batch statistics over `axis_name`, running statistics in its
-    `eqx.nn.State`, the same fields and state) that normalises with a multiply by `rsqrt(var + eps)`, as
-    PyTorch and Flax do, where Equinox divides by `sqrt(var + eps)`.
+    `eqx.nn.State`, the same fields and state) written so that it rounds the same way in every program XLA
+    compiles it into, which `--deterministic-reduction` needs for a BatchNorm model to give the same bits on
+    every layout:
 
-    Why: XLA rewrites a divide by a broadcast value into a multiply by its reciprocal in some programs and
-    not in others, so the divide (and its gradient) rounded differently in a one-device program and a
-    multi-device one; with the multiply, `--deterministic-reduction` gives a BatchNorm model the same bits on
-    every layout."""
+    - it normalises with a multiply by `rsqrt(var + eps)`, as PyTorch and Flax do, where Equinox divides by
+      `sqrt(var + eps)`: XLA rewrites a divide by a broadcast value into a multiply by its reciprocal in
+      some programs and not in others;
+    - its running averages move by `(statistic - running) * (1 - momentum)`, one product, where Equinox
+      adds `running * momentum` and `statistic * (1 - momentum)`: XLA's CPU backend always lets LLVM fuse
+      a multiply and an add into one FMA, and with two products which one it fuses depended on the program
+      (a one-device step hoists `running * momentum` out of its micro-batch loop, so only the other product
+      could fuse there).
+    """
 
     def __init__(self, input_size: int, axis_name: Hashable | Sequence[Hashable], momentum: float = 0.99, **kwargs):
         super().__init__(input_size, axis_name, momentum=momentum, mode="batch", **kwargs)
@@ -40,10 +46,13 @@ class BatchNorm(eqx.nn.BatchNorm):
         else:
             mean, var = jax.vmap(self._statistics)(x)
             state = state.set(self.batch_counter, counter + 1)
-            running = (hidden_mean * self.momentum + mean * (1 - self.momentum),)
-            running += (hidden_var * self.momentum + var * (1 - self.momentum),)
-            state = state.set(self.batch_state_index, running)
+            state = state.set(
+                self.batch_state_index, (self._towards(hidden_mean, mean), self._towards(hidden_var, var))
+            )
         return jax.vmap(self._normalise)(x, mean, var, self.weight, self.bias), state
+
+    def _towards(self, running: Array, statistic: Array) -> Array:
+        return running + (statistic - running) * (1 - self.momentum)
 
     def _statistics(self, y: Array) -> tuple[Array, Array]:
         mean = lax.pmean(jnp.mean(y), self.axis_name)

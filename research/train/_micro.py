@@ -22,7 +22,8 @@ The micro-batch step must also round the same way in every program XLA compiles 
 each of several devices), which it does not do on its own: XLA's CPU backend picks another dot kernel
 for some dots (`EXACT_COMPILER_OPTIONS` pins it) and turns a divide by a broadcast value into a multiply
 by its reciprocal in some programs only, so the step uses JAX's custom-JVP softmax (no divide in its
-gradient) and `research.nn.BatchNorm` multiplies by `rsqrt(var + eps)`.
+gradient) and `research.nn.BatchNorm` multiplies by `rsqrt(var + eps)`; and it fuses a multiply and an add
+into an FMA wherever both land in one kernel, so BatchNorm's running averages have one product, not two.
 """
 
 from typing import Any
