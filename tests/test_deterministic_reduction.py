@@ -203,16 +203,18 @@ def test_two_processes_of_two_devices_give_the_bits_of_one_device(layout_runs, t
 
 
 CNN = ["--model", "cnn", "--schedule", "constant", "--steps", STEPS, "--deterministic-reduction", "--no-progress"]
+RESNET = [*CNN[2:], "--model", "resnet", "--batch-size", "64"]  # BatchNorm in every block
 LM = ["--steps", STEPS, "--dim", "32", "--context", "32", "--batch-size", "16", "--steps-per-call", "10"]
 LM += ["--text-bytes", "40000", "--deterministic-reduction", "--no-progress"]
 
 
 @pytest.mark.slow
-def test_mnist1d_cnn_and_the_lm_print_the_same_test_loss_on_every_layout(tmp_path, mnist1d_dir):
+def test_mnist1d_cnn_resnet_and_the_lm_print_the_same_test_loss_on_every_layout(tmp_path, mnist1d_dir):
     """The issue's command: `mnist1d --model cnn --deterministic-reduction` on (1, none), (2, sharded),
     (4, sharded), (4, fsdp), (8, pmap), and a run saved on 8 devices and resumed on 4: the same test loss
-    to the last digit and the same checkpoint bits; and the LM (layer norms, attention's softmax) on
-    (1, none), (2, sharded), (4, pmap), (8, fsdp)."""
+    to the last digit and the same checkpoint bits; the LM (layer norms, attention's softmax) on
+    (1, none), (2, sharded), (4, pmap), (8, fsdp); the ResNet (BatchNorm) on (1, none) and on (8, pmap),
+    where each device normalises its one micro-batch."""
     cnn_layouts = [("none", 1), ("sharded", 2), ("sharded", 4), ("fsdp", 4), ("pmap", 8)]
     runs = [
         {"id": f"cnn-{p}-{d}", "script": "mnist1d", "argv": [*CNN, "--parallel", p, "--devices", str(d)]}
@@ -225,6 +227,10 @@ def test_mnist1d_cnn_and_the_lm_print_the_same_test_loss_on_every_layout(tmp_pat
     runs += [
         {"id": f"lm-{p}-{d}", "script": "lm", "argv": [*LM, "--parallel", p, "--devices", str(d)]}
         for p, d in (("none", 1), ("sharded", 2), ("pmap", 4), ("fsdp", 8))
+    ]
+    runs += [
+        {"id": f"resnet-{p}-{d}", "script": "mnist1d", "argv": [*RESNET, "--parallel", p, "--devices", str(d)]}
+        for p, d in (("none", 1), ("pmap", 8))
     ]
     for run in runs:
         run["argv"] += ["--run-dir", str(tmp_path / run["id"])]
@@ -240,12 +246,10 @@ def test_mnist1d_cnn_and_the_lm_print_the_same_test_loss_on_every_layout(tmp_pat
     ends = [json.loads(line) for line in out.read_text().splitlines() if '"end"' in line]
     assert [e["status"] for e in ends] == [0] * len(runs), [e["stderr"][-3:] for e in ends if e["status"]]
     summary = {e["id"].split("#")[0]: e["summary"] for e in ends}
-    cnn = {name: summary[name]["test_loss"] for name in summary if name.startswith("cnn")}
-    assert len(set(cnn.values())) == 1, cnn
-    assert len({_digest(tmp_path / name) for name in cnn}) == 1
-    lm = {name: summary[name]["test_loss"] for name in summary if name.startswith("lm")}
-    assert len(set(lm.values())) == 1, lm
-    assert len({_digest(tmp_path / name) for name in lm}) == 1
+    for model in ("cnn", "lm", "resnet"):
+        loss = {name: summary[name]["test_loss"] for name in summary if name.startswith(model)}
+        assert len(set(loss.values())) == 1, loss
+        assert len({_digest(tmp_path / name) for name in loss}) == 1, model
 
 
 def test_a_population_member_trains_with_micro_batches_as_its_own_run_would():
