@@ -6,7 +6,7 @@ checkpoint written); never a traceback, never a hang. Resuming a finished run (`
 requeued job does) prints its summary and touches none of its files. A run that finishes with `--ema-decay` must
 report the model without the EMA too (test_raw_*); one that finishes on 4 devices must have compiled
 its computations for 4 devices and give the final train loss and test metrics of the same run on 1
-device: to float rounding, and to the bit with `--deterministic-reduction` (populations aside).
+device: to float rounding, and to the bit with `--deterministic-reduction`.
 
 The runs happen in subprocesses of `tests/_combination_worker.py`, which runs many of them in one
 process (imports and compilations are shared): one worker with 1 device, one with 4 simulated devices
@@ -49,9 +49,6 @@ class Experiment:
     script: str | None = None  # experiments/<script>.py; None: the name in EXPERIMENTS
     phases: tuple[str, ...] | None = None  # the PHASES it runs; None: all
     timeout: float = 45  # seconds for one run (a short run takes a few); then it counts as a hang
-    # vmapped members: XLA's arithmetic over the member axis depends on how many members a device holds, so
-    # even with --deterministic-reduction its numbers match 1 device to rounding, not to the bit
-    population: bool = False
 
 
 EXPERIMENTS = {  # state_passing is no training run
@@ -145,7 +142,6 @@ EXPERIMENTS = {  # state_passing is no training run
         ("--num-members", "2", "--hidden", "8", "--epochs", "1", "--batch-size", "1000"),
         ("--num-members", "2", "--hidden", "8", "--epochs", "2", "--batch-size", "1000"),
         data_dir=True,
-        population=True,
     ),
     # no --devices or --ema-decay (one unrolled run a step: nothing to split, no weights to average): refused
     "metalearn_lr": Experiment(
@@ -167,8 +163,8 @@ PLACEMENTS = {  # the first is the reference the others must match
     "sharded4": ("--devices", "4", "--parallel", "sharded"),
 }
 # The second variant also trains with --deterministic-reduction (4 micro-batches: the 4 devices divide them, and
-# they divide every batch of the grid), compared with the same variant on one device to the bit (populations to
-# rounding): every experiment meets the flag on every placement without doubling the grid.
+# they divide every batch of the grid), compared with the same variant on one device to the bit: every experiment
+# meets the flag on every placement without doubling the grid.
 EMAS = {"noema": (), "ema-det": ("--ema-decay", "0.9", "--deterministic-reduction", "--micro-batches", "4")}
 # Every experiment once more with every tracker and a profile of step 2, fresh and resumed: each tracker must
 # hold metrics.jsonl's records (checked in `tracker_problems`). On one device: trackers run on process 0's host
@@ -416,7 +412,7 @@ def problems(combination: Combination, results: dict[str, dict]) -> list[str]:
         found.append(f"ignores --devices {combination.devices}: every computation it compiled runs on one device")
     reference = results.get(combination.reference().id)
     if combination.devices > 1 and reference and reference["status"] == 0 and reference["summary"]:
-        exact = combination.ema == "ema-det" and not EXPERIMENTS[combination.experiment].population
+        exact = combination.ema == "ema-det"
         differences = compare(summary, reference["summary"], tolerance=0 if exact else TOLERANCE)
         if differences:
             found.append("differs from 1 device: " + "; ".join(differences))

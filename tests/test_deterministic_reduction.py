@@ -204,17 +204,20 @@ def test_two_processes_of_two_devices_give_the_bits_of_one_device(layout_runs, t
 
 CNN = ["--model", "cnn", "--schedule", "constant", "--steps", STEPS, "--deterministic-reduction", "--no-progress"]
 RESNET = [*CNN[2:], "--model", "resnet", "--batch-size", "64"]  # BatchNorm in every block
+ENSEMBLE = ["--num-members", "4", "--hidden", "8", "--epochs", "2", "--batch-size", "1000", "--no-progress"]
+ENSEMBLE += ["--deterministic-reduction", "--micro-batches", "4"]  # a population: 4 MLPs vmapped
 LM = ["--steps", STEPS, "--dim", "32", "--context", "32", "--batch-size", "16", "--steps-per-call", "10"]
 LM += ["--text-bytes", "40000", "--deterministic-reduction", "--no-progress"]
 
 
 @pytest.mark.slow
-def test_mnist1d_cnn_resnet_and_the_lm_print_the_same_test_loss_on_every_layout(tmp_path, mnist1d_dir):
+def test_the_cnn_the_resnet_the_lm_and_a_population_print_the_same_test_loss_on_every_layout(tmp_path, mnist1d_dir):
     """The issue's command: `mnist1d --model cnn --deterministic-reduction` on (1, none), (2, sharded),
     (4, sharded), (4, fsdp), (8, pmap), and a run saved on 8 devices and resumed on 4: the same test loss
     to the last digit and the same checkpoint bits; the LM (layer norms, attention's softmax) on
     (1, none), (2, sharded), (4, pmap), (8, fsdp); the ResNet (BatchNorm) on (1, none) and on (8, pmap),
-    where each device normalises its one micro-batch."""
+    where each device normalises its one micro-batch; a population of 4 MLPs (`ensemble`) on (1, none),
+    (4, pmap), (2, fsdp) and (4, sharded), its batches split over the devices."""
     cnn_layouts = [("none", 1), ("sharded", 2), ("sharded", 4), ("fsdp", 4), ("pmap", 8)]
     runs = [
         {"id": f"cnn-{p}-{d}", "script": "mnist1d", "argv": [*CNN, "--parallel", p, "--devices", str(d)]}
@@ -232,9 +235,13 @@ def test_mnist1d_cnn_resnet_and_the_lm_print_the_same_test_loss_on_every_layout(
         {"id": f"resnet-{p}-{d}", "script": "mnist1d", "argv": [*RESNET, "--parallel", p, "--devices", str(d)]}
         for p, d in (("none", 1), ("pmap", 8))
     ]
+    runs += [
+        {"id": f"ensemble-{p}-{d}", "script": "ensemble", "argv": [*ENSEMBLE, "--parallel", p, "--devices", str(d)]}
+        for p, d in (("none", 1), ("pmap", 4), ("fsdp", 2), ("sharded", 4))
+    ]
     for run in runs:
         run["argv"] += ["--run-dir", str(tmp_path / run["id"])]
-        if run["script"] == "mnist1d":
+        if run["script"] in ("mnist1d", "ensemble"):
             run["argv"] += ["--data-dir", str(mnist1d_dir)]
     runs[5]["argv"][runs[5]["argv"].index(STEPS)] = "25"  # saved at step 25 on 8 devices
     spec, out = tmp_path / "runs.json", tmp_path / "results.jsonl"
@@ -246,7 +253,7 @@ def test_mnist1d_cnn_resnet_and_the_lm_print_the_same_test_loss_on_every_layout(
     ends = [json.loads(line) for line in out.read_text().splitlines() if '"end"' in line]
     assert [e["status"] for e in ends] == [0] * len(runs), [e["stderr"][-3:] for e in ends if e["status"]]
     summary = {e["id"].split("#")[0]: e["summary"] for e in ends}
-    for model in ("cnn", "lm", "resnet"):
+    for model in ("cnn", "lm", "resnet", "ensemble"):
         loss = {name: summary[name]["test_loss"] for name in summary if name.startswith(model)}
         assert len(set(loss.values())) == 1, loss
         assert len({_digest(tmp_path / name) for name in loss}) == 1, model

@@ -6,7 +6,8 @@ splits either the members or each batch's rows.
   batches, are split along the member axis, so each device trains its own members whole. Nothing
   crosses devices but the step statistics, and each member computes what it computes on one device.
 - `split="batch"`: the state is replicated and each batch split along its rows (data parallelism,
-  XLA inserting the reductions), for a population whose members the devices do not divide.
+  XLA inserting the reductions), for a population whose members the devices do not divide, and for
+  any population under `--deterministic-reduction` (each device then runs its micro-batches).
 
 `population_placement` picks it for a population where `make_placement` would give `sharded`.
 """
@@ -52,10 +53,7 @@ def population_placement(placement: Placement, *, members: int, rows: int, membe
             f"a population of {members} members with batches of {rows} rows cannot be split over "
             f"{devices} devices: pick a number of devices that divides the members or the batch size"
         )
-    split = "members" if members % devices == 0 else "batch"
-    if split == "batch" and placement.micro_batches is not None:
-        raise ConfigError(
-            f"--deterministic-reduction trains a population on several devices by splitting its {members} members "
-            f"over them: pick a number of devices that divides {members}"
-        )
+    # With --deterministic-reduction each batch's rows: the layout that gives a population the bits of one device
+    # (split over its members, a device's share of them changes how XLA compiles the members' updates).
+    split = "members" if members % devices == 0 and placement.micro_batches is None else "batch"
     return population_mesh(devices, split, member_batches, micro_batches=placement.micro_batches)

@@ -8,6 +8,8 @@ costs dispatch time.
 """
 
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -21,7 +23,7 @@ from ..typing import Array
 from ._micro import check_micro_batch_loss
 from ._packing import Packing, describe_spec
 from ._placement import Leaves, Placement, one_device
-from ._state import LossFn, TrainState, train_step
+from ._state import LossFn, TrainState, apply_gradient, step_gradient, train_step
 from ._stats import Layout, StepMetrics, StepStats, layout_of
 
 
@@ -179,7 +181,14 @@ class CompiledTrainer:
         if self.population:
             # Array leaves only: a module's other leaves (BatchNorm's axis name) are not mapped.
             members = (eqx.if_array(0), eqx.if_array(0) if self.member_batches else None)
-            new, metrics = eqx.filter_vmap(step, in_axes=members)(old, batch)
+            if micro_batches is None:
+                new, metrics = eqx.filter_vmap(step, in_axes=members)(old, batch)
+            else:  # the gradients vmapped, each member's update on its own (`_member_by_member`)
+                gradient = self.placement.per_device(
+                    lambda s, b, axis: step_gradient(s, b, self.loss_fn, axis_name=axis, micro_batches=micro_batches)
+                )
+                gradients = eqx.filter_vmap(gradient, in_axes=members)(old, batch)
+                new, metrics = _member_by_member(apply_gradient, old, *gradients)
         else:
             new, metrics = step(old, batch)
         if self.skip_nonfinite:
@@ -266,6 +275,22 @@ class CompiledTrainer:
 def _broadcast(flags: Array, like: Array) -> Array:
     """Per-member flags `[members]` shaped to select along the leading axis of `like`."""
     return flags.reshape(flags.shape + (1,) * (like.ndim - flags.ndim))
+
+
+def _member_by_member(fn: Callable, *trees: Any) -> Any:
+    """`fn` over a population's members one after another (`lax.map`), not vmapped: a member's optimizer
+    update then compiles to the same program on one device and on each of several (vmapped, XLA rewrote the
+    divides of Adam's bias correction, by a per-member step count, differently in the two programs)."""
+    arrays, static = eqx.partition(trees, eqx.is_array)
+    out_static = []  # the non-array part of `fn`'s result, seen while tracing
+
+    def one(member_arrays: Any) -> Any:
+        out_arrays, out_static_part = eqx.partition(fn(*eqx.combine(member_arrays, static)), eqx.is_array)
+        out_static.append(out_static_part)
+        return out_arrays
+
+    out_arrays = jax.lax.map(one, arrays)
+    return eqx.combine(out_arrays, out_static[-1])
 
 
 _cache: dict[tuple, CompiledTrainer] = {}

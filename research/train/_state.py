@@ -267,6 +267,23 @@ def train_step(
     fixed order, so the step's bits do not depend on the device count (`_micro.py`; BatchNorm layers
     then reduce over `"batch"` alone: each micro-batch is normalised on its own).
     """
+    gradient, metrics = step_gradient(state, batch, loss_fn, axis_name=axis_name, micro_batches=micro_batches)
+    return apply_gradient(state, gradient, metrics)
+
+
+Gradient = tuple[PyTree, Any, KeyData]  # a step's (gradient, new model state, the state's next key)
+
+
+def step_gradient(
+    state: TrainState,
+    batch: Batch,
+    loss_fn: LossFn = classification_loss,
+    *,
+    axis_name: str | None = None,
+    micro_batches: int | None = None,
+) -> tuple[Gradient, Metrics]:
+    """The first half of `train_step` (its arguments): the gradient, the new model state and key, and the
+    loss's metrics; `apply_gradient` is the second."""
     key, step_key = _split(state.key)
     if micro_batches is None:
         (_, (metrics, model_state)), grads = loss_value_and_grad(
@@ -278,6 +295,12 @@ def train_step(
         (_, (metrics, model_state)), grads = micro_batch_value_and_grad(
             loss_fn, state.model, state.model_state, batch, step_key, micro_batches=micro_batches, axis_name=axis_name
         )
+    return (grads, model_state, key), metrics
+
+
+def apply_gradient(state: TrainState, gradient: Gradient, metrics: Metrics) -> tuple[TrainState, Metrics]:
+    """The second half of `train_step`: the optimizer's update, the EMA's, and the metrics with `grad_norm`."""
+    grads, model_state, key = gradient
     params = eqx.filter(state.model, eqx.is_inexact_array)
     updates, opt_state = state.optimizer.update(grads, state.opt_state, params)
     model = eqx.apply_updates(state.model, updates)
