@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import equinox as eqx
 import jax
 import numpy as np
 import optax
@@ -483,6 +484,25 @@ def test_skip_nonfinite_skips_the_bad_steps_and_finishes(tmp_path, ema_decay):
     if ema_decay:  # the skipped steps did not reach the EMA either
         assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(result.state.ema))
     assert np.isfinite(result.train_metrics["loss"])
+
+
+class DropoutMLP(eqx.Module):
+    mlp: MLP
+    dropout: eqx.nn.Dropout  # a Python float (`p`) and bool (`inference`) among the model's leaves
+
+    def __call__(self, x, *, key=None):
+        return self.mlp(self.dropout(x, key=key, inference=key is None))
+
+
+def test_skip_nonfinite_trains_a_model_with_python_leaves():
+    """The skipped step keeps the old arrays; a model's other leaves (Dropout's `p`, as in the transformers'
+    attention) pass through (they broke `--skip-nonfinite` on grokking with a traceback)."""
+    model_key, train_key = jax.random.split(jax.random.key(0))
+    model = DropoutMLP(MLP(2, 1, hidden=(8,), key=model_key), eqx.nn.Dropout(0.1))
+    state = TrainState.create(model, optax.sgd(0.1), key=train_key)
+    result = fit(state, poisoned_loader(), num_steps=64, log_every=64, skip_nonfinite=True, progress=False)
+    assert result.train_metrics["skipped"] >= 1 and result.state.model.dropout.p == 0.1
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(eqx.filter(result.state.model, eqx.is_array)))
 
 
 def test_the_script_exits_nonzero_on_a_nan_with_one_line(tmp_path, monkeypatch, capsys):

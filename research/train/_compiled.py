@@ -193,7 +193,12 @@ class CompiledTrainer:
             new, metrics = step(old, batch)
         if self.skip_nonfinite:
             ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])  # one flag per member
-            keep = lambda n, o: jax.tree.map(lambda a, b: jnp.where(_broadcast(ok, a), a, b), n, o)  # noqa: E731
+
+            def keep(fresh: Any, kept: Any) -> Any:  # arrays only: other leaves (Dropout's `p`) are the same in both
+                return jax.tree.map(
+                    lambda a, b: jnp.where(_broadcast(ok, a), a, b) if eqx.is_array(a) else a, fresh, kept
+                )
+
             new = eqx.tree_at(
                 lambda s: (s.model, s.model_state, s.opt_state, s.ema),
                 new,
