@@ -259,6 +259,26 @@ def test_the_cnn_the_resnet_the_lm_and_a_population_print_the_same_test_loss_on_
         assert len({_digest(tmp_path / name) for name in loss}) == 1, model
 
 
+@pytest.mark.slow
+def test_separate_processes_with_other_device_counts_give_the_same_bits(tmp_path):
+    """The tests above run every layout in one process. Here each device count is its own process, as a user
+    runs them: the CPU client's thread count (which decides how XLA splits some dots, such as grokking's
+    full-batch weight gradients) comes from the micro-batches, not the devices."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PJRT_NPROC", "NPROC")}
+    argv = ["--steps", "2", "--deterministic-reduction", "--micro-batches", "2", "--no-progress"]
+    for devices in (1, 2):
+        done = subprocess.run(
+            [str(ROOT / "scripts" / "run"), "grokking", *argv, "--devices", str(devices), "--run-dir", f"d{devices}"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+    assert _digest(tmp_path / "d1") == _digest(tmp_path / "d2")
+
+
 def test_a_population_member_trains_with_micro_batches_as_its_own_run_would():
     """Populations keep their semantics: a vmapped member takes its own run's step (to rounding)."""
     _, batch = _mlp_batch()

@@ -14,6 +14,11 @@ of the next all-reduce need, and it waits forever ("Expected 4 threads to join t
 3 of them arrived", SIGABRT after 60 s). With `2 * devices` threads the devices of one collective
 always find a thread besides the at most `devices` blocked launches of the one call being dispatched.
 XLA sizes the pool from `PJRT_NPROC` (else `NPROC`, else the cores) when the backend starts.
+
+The pool's size also decides how XLA splits some dots over threads (a long contraction into a small
+output: grokking's full-batch weight gradients), and so the order of their sums. `--deterministic-reduction`
+therefore sizes it from the run's micro-batches, `2 * micro_batches` threads whatever the device count
+(which divides the micro-batches), so that 1, 2, 4 and 8 devices in separate processes round alike.
 """
 
 import os
@@ -41,13 +46,14 @@ def backends_started() -> bool:
     return xla_bridge.backends_are_initialized()
 
 
-def simulate_cpu_devices(count: int) -> None:
+def simulate_cpu_devices(count: int, threads: int | None = None) -> None:
     """Give the CPU backend `count` devices (`XLA_FLAGS=--xla_force_host_platform_device_count=N`).
 
     Must run before JAX's backends start; raises `DeviceError` otherwise (unless the CPU already has
     `count` devices). Accelerator backends are unaffected: there `--devices N` takes the first N.
     With several devices it also raises `PJRT_NPROC` to at least `2 * count`, the client threads a
     one-step-per-call loop needs not to deadlock in a collective (see the module docstring).
+    `threads`: the client's threads whatever `count` (at least `2 * count`), unless `PJRT_NPROC` is set.
     """
     if backends_started():
         if jax.local_device_count() < count and jax.default_backend() == "cpu":
@@ -60,6 +66,8 @@ def simulate_cpu_devices(count: int) -> None:
         return
     flags = _COUNT_FLAG.sub("", os.environ.get("XLA_FLAGS", "")).strip()
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
-    if count > 1 and _client_threads() < 2 * count:
+    if threads is not None and not os.environ.get("PJRT_NPROC", "").strip():
+        os.environ["PJRT_NPROC"] = str(max(threads, 2 * count))
+    elif count > 1 and _client_threads() < 2 * count:
         os.environ["PJRT_NPROC"] = str(2 * count)
     jax.config.update("jax_num_cpu_devices", count)

@@ -143,7 +143,9 @@ def setup_devices(devices: Any, batch_size: int | None = None) -> None:
     (`ConfigError`) a `batch_size` the global device count does not divide, or more devices than this
     process has."""
     group = process_group(devices.coordinator_address, devices.num_processes, devices.process_id)
-    simulate_cpu_devices(devices.devices)
+    # --deterministic-reduction: the CPU client's threads by the micro-batches, not the devices (_devices.py)
+    threads = 2 * devices.micro_batches if devices.deterministic_reduction else None
+    simulate_cpu_devices(devices.devices, threads)
     if group is not None:
         global_devices = devices.devices * group.num_processes
         if batch_size is not None and batch_size % global_devices:
