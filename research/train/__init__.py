@@ -65,7 +65,6 @@ from ._tracking import (
 from ._wandb import WandbTracker, read_wandb_runs
 
 __all__ = [
-    "devices_of_every_process",
     "EXACT_COMPILER_OPTIONS",
     "TRACKERS",
     "Checkpoint",
@@ -113,6 +112,7 @@ __all__ = [
     "checkpoint_digest",
     "classification_metrics",
     "copy_leaves",
+    "devices_of_every_process",
     "compiled_trainer",
     "evaluate",
     "evaluate_language_model",
