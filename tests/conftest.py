@@ -17,6 +17,17 @@ os.environ["WANDB_MODE"] = "offline"
 os.environ.pop("MLFLOW_TRACKING_URI", None)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `reproduction` (whole recipes over several seeds, tens of minutes each) run only when a
+    `-m` expression names them (`scripts/test --reproductions`), never in the ordinary or the quick suite."""
+    if "reproduction" in (config.option.markexpr or ""):
+        return
+    reproductions = [item for item in items if item.get_closest_marker("reproduction")]
+    if reproductions:
+        config.hook.pytest_deselected(items=reproductions)
+        items[:] = [item for item in items if not item.get_closest_marker("reproduction")]
+
+
 def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(_COMPILATION_CACHE, ignore_errors=True)
 
