@@ -204,6 +204,8 @@ def test_a_population_killed_before_its_members_were_written_is_completed(swept,
         ["xor", "lr=0.1,0.5", "seed=0,1", "--vmapped", "--sweep-dir", str(copy), "--", *FLAGS], capsys
     )
     assert code == 0 and "already finished" not in err and "nothing to train" not in err
+    # The members end together: no line promises a wait for the others.
+    assert [line.rsplit("ETA ", 1)[1] for line in err.splitlines() if " done: " in line] == ["0:00:00"] * 4
     for name in NAMES:
         assert metrics(copy / name) == metrics(swept / "v" / name)
         assert load_run(copy / name).step == 56

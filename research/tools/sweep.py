@@ -149,10 +149,12 @@ class Progress:
     def __init__(self, total: int, metric: str):
         self.total, self.metric, self.done, self.start = total, metric, 0, time.monotonic()
 
-    def __call__(self, outcome: Outcome, problem: str | None = None) -> None:
+    def __call__(self, outcome: Outcome, problem: str | None = None, *, together: bool = False) -> None:
+        """`together`: the run ended with the others still to report (a vmapped population's members), so
+        nothing is left to wait for."""
         self.done += 1
         elapsed = time.monotonic() - self.start
-        eta = elapsed / self.done * (self.total - self.done)
+        eta = 0.0 if together else elapsed / self.done * (self.total - self.done)
         print(
             f"[sweep] {self.done}/{self.total} done: {outcome.run.name} {self._result(outcome, problem)} "
             f"| elapsed {format_duration(elapsed)}, ETA {format_duration(eta)}",
@@ -334,7 +336,7 @@ def sweep_population(
         except ResearchInputError as e:
             raise UsageError(str(e)) from None
         for run in trained:
-            progress(Outcome(run, 0, seconds, "", skipped=False))
+            progress(Outcome(run, 0, seconds, "", skipped=False), together=True)
     report(runs, sweep_dir, ["seed"] if len({dict(r.values).get("seed") for r in runs}) > 1 else [], title)
     return 0
 
