@@ -80,8 +80,8 @@ def _mlp_batch():
 def test_micro_batches_give_the_gradient_and_metrics_of_the_whole_batch():
     model, batch = _mlp_batch()
     key = jax.random.key(1)
-    (loss, (metrics, _)), grads = loss_value_and_grad(classification_loss, model, None, batch, key)
-    (m_loss, (m_metrics, _)), m_grads = micro_batch_value_and_grad(
+    (loss, (metrics, _)), grads = eqx.filter_jit(loss_value_and_grad)(classification_loss, model, None, batch, key)
+    (m_loss, (m_metrics, _)), m_grads = eqx.filter_jit(micro_batch_value_and_grad)(
         classification_loss, model, None, batch, key, micro_batches=8
     )
     np.testing.assert_allclose(m_loss, loss, rtol=1e-6)
@@ -96,8 +96,10 @@ def test_dp_sgd_micro_batches_sum_clipped_gradients_and_add_the_noise_once():
     model, batch = _mlp_batch()
     loss = DPSGDLoss(clip_norm=0.5, noise_multiplier=1.0, expected_batch_size=32)
     key = jax.random.key(2)
-    (_, (metrics, _)), grads = loss.value_and_grad(model, None, batch, key)
-    (_, (m_metrics, _)), m_grads = micro_batch_value_and_grad(loss, model, None, batch, key, micro_batches=8)
+    (_, (metrics, _)), grads = eqx.filter_jit(loss.value_and_grad)(model, None, batch, key)
+    (_, (m_metrics, _)), m_grads = eqx.filter_jit(micro_batch_value_and_grad)(
+        loss, model, None, batch, key, micro_batches=8
+    )
     assert float(m_metrics["batch_size"]) == float(metrics["batch_size"]) == 32.0
     np.testing.assert_allclose(m_metrics["clipped_fraction"], metrics["clipped_fraction"], rtol=1e-6)
     for a, b in zip(jax.tree.leaves(m_grads), jax.tree.leaves(grads), strict=True):
@@ -289,8 +291,8 @@ def test_a_population_member_trains_with_micro_batches_as_its_own_run_would():
     keys = jax.random.split(jax.random.key(3), 2)
     population = stack_states(build, keys)
     step = lambda s: train_step(s, batch, micro_batches=4)[0]  # noqa: E731
-    stepped = eqx.filter_vmap(step)(population)
-    alone = step(build(keys[1]))
+    stepped = eqx.filter_jit(eqx.filter_vmap(step))(population)  # compiled, as the engine runs it
+    alone = eqx.filter_jit(step)(build(keys[1]))
     members, own = (jax.tree.leaves(eqx.filter(s.model, eqx.is_array)) for s in (stepped, alone))
     for a, b in zip(members, own, strict=True):
         np.testing.assert_allclose(a[1], b, rtol=1e-5, atol=1e-6)

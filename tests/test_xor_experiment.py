@@ -2,11 +2,10 @@
 
 import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from _entry import run_entry
 
 from research.data import DeviceLoader, XORDataset
 from research.train import checkpoint_digest, evaluate, load_checkpoint
@@ -56,17 +55,19 @@ def test_resuming_gives_the_same_model_as_an_uninterrupted_run(tmp_path, monkeyp
     assert metrics == sorted(set(metrics))
 
 
-def test_resume_without_a_run_and_reuse_of_a_run_dir_are_refused(tmp_path):
-    def run(*args):
-        command = [sys.executable, str(ROOT / "experiments/xor.py"), "--no-progress", "--epochs", "1", *args]
-        return subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+def test_resume_without_a_run_and_reuse_of_a_run_dir_are_refused(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
 
-    result = run("--resume")
-    assert result.returncode == 2 and "no run to resume" in result.stderr
-    assert run("--run-dir", "r").returncode == 0
+    def run(*args) -> tuple[int, str]:  # in this process (tests/test_cli.py runs the script's own entry)
+        status = run_entry(["--no-progress", "--epochs", "1", *args], "xor")
+        return status, capsys.readouterr().err
+
+    status, err = run("--resume")
+    assert status == 2 and "no run to resume" in err
+    assert run("--run-dir", "r")[0] == 0
     before = (tmp_path / "r/summary.json").read_bytes()
-    result = run("--run-dir", "r")
-    assert result.returncode == 2 and "already holds a run" in result.stderr
+    status, err = run("--run-dir", "r")
+    assert status == 2 and "already holds a run" in err
     assert (tmp_path / "r/summary.json").read_bytes() == before
-    result = run("--run-dir", "r", "--resume", "--lr", "0.5")
-    assert result.returncode == 2 and "lr: saved 0.1, now 0.5" in result.stderr
+    status, err = run("--run-dir", "r", "--resume", "--lr", "0.5")
+    assert status == 2 and "lr: saved 0.1, now 0.5" in err
