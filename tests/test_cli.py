@@ -208,6 +208,7 @@ def test_resume_auto_starts_a_run_then_resumes_it(tmp_path, monkeypatch, capsys)
     assert json.loads((tmp_path / "r/summary.json").read_text())["step"] == 16
 
 
+@pytest.mark.slow
 def test_resume_auto_restarts_a_run_stopped_before_its_first_checkpoint(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     run_xor(["--run-dir", "r"])

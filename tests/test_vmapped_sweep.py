@@ -194,6 +194,7 @@ def test_rerunning_skips_the_finished_runs_with_or_without_vmapped(swept, capsys
         assert "| 2 | 0.5 |" in out
 
 
+@pytest.mark.slow
 def test_a_population_killed_before_its_members_were_written_is_completed(swept, tmp_path, capsys):
     copy = shutil.copytree(swept / "v", tmp_path / "v")
     population = next(copy.glob("population-*"))
@@ -331,6 +332,7 @@ def test_a_vmapped_sweep_tracks_each_member_as_its_own_run_grouped_by_the_sweep(
     assert not list(tmp_path.glob("v/population-*/wandb"))
 
 
+@pytest.mark.slow
 def test_each_member_gets_the_experiments_own_summary_numbers_and_plot(tmp_path):
     """grokking's `Setup.summarize_run` runs on each member's directory, as on a run of its own."""
     flags = ["--modulus", "7", "--train-fraction", "0.5", "--dim", "16", "--heads", "2", "--lr", "1e-2"]
