@@ -48,7 +48,7 @@ def test_steps_come_from_the_logged_metrics():
     assert never["min_test_accuracy_after_grokking"] is None
 
 
-# 25 training pairs, memorized within 120 steps.
+# 25 training pairs, memorized within 60 steps.
 TINY = (
     "--modulus 7 --train-fraction 0.5 --dim 16 --heads 2 --lr 1e-2 --steps 60 --eval-every 20 --log-every 20"
     " --steps-per-call 20"

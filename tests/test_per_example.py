@@ -135,7 +135,6 @@ def test_chunked_equals_direct(getkey):
 
 
 @eqx.filter_jit
-@eqx.filter_jit  # one program (op by op, the first call compiled each operation: seconds)
 def exact_noisy_and_reference(model, batch, key, clip, sigma):
     (_, (metrics, _)), exact = DPSGDLoss(clip, 0.0, 64).value_and_grad(model, None, batch, key)
     _, noisy = DPSGDLoss(clip, sigma, 64).value_and_grad(model, None, batch, key)
