@@ -67,10 +67,9 @@ def test_a_warm_cache_serves_every_program_and_changes_no_number(tmp_path):
     assert any(key.startswith("jit__run_impl-") for key in written), written  # the training loop was kept
     assert written <= compiled(cold)
     warm = run_xor(tmp_path, cache, "--run-dir", "warm")
-    # Every program the first run kept came from the cache, and the second compiled only programs the first
-    # compiled too (same keys) but did not keep, under CACHE_MIN_COMPILE_SECONDS: which of those a busy
+    # The second run compiled none of the programs the first kept (they came from the cache), only programs the
+    # first compiled too (same keys) but did not keep, under CACHE_MIN_COMPILE_SECONDS: which of those a busy
     # machine takes longer over, and so keeps on the second run, varies.
-    assert not compiled(warm) & written
     assert compiled(warm) <= compiled(cold) - written
     off = run_xor(tmp_path, tmp_path / "unused", "--run-dir", "off", "--no-compilation-cache")
     assert not (tmp_path / "unused").exists() and off.returncode == 0
