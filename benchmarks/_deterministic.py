@@ -59,7 +59,7 @@ def _temp_bytes(trainer, state, data, steps: int) -> int | None:
 
 def _training(state, data, loss_fn, steps: int, placement) -> Callable[[], float]:
     """Seconds per step of `steps` warm steps of `fit` in one compiled call (compiled here)."""
-    from research.train import fit
+    from research.train import SupervisedStep, fit
 
     def train() -> float:
         start = time.perf_counter()
@@ -67,7 +67,7 @@ def _training(state, data, loss_fn, steps: int, placement) -> Callable[[], float
             state,
             data,
             num_steps=steps,
-            loss_fn=loss_fn,
+            step=SupervisedStep(loss_fn),
             placement=placement,
             steps_per_call=steps,
             log_every=steps,

@@ -12,7 +12,7 @@ import torch
 
 from research.data import Batch
 from research.nn import MLP
-from research.train import TrainState, classification_loss, compiled_trainer
+from research.train import SupervisedStep, TrainState, classification_loss, compiled_trainer
 
 from ._frameworks import FLAX_MISSING, at_best_thread_count, have_flax
 from ._timing import interleave, timed
@@ -46,7 +46,7 @@ def ours_step(steps):
     x, y = _data()
     model = MLP(SIZES[0], SIZES[-1], hidden=SIZES[1:-1], activation="relu", key=jax.random.key(0))
     state = TrainState.create(model, optax.adam(LR), key=jax.random.key(1))
-    trainer = compiled_trainer(classification_loss, state)
+    trainer = compiled_trainer(SupervisedStep(), state)
     batch = Batch(jnp.asarray(x), jnp.asarray(y))
     leaves = trainer.leaves(state)
     carry = [leaves, trainer.init_stats(leaves, batch)]

@@ -12,7 +12,7 @@ import torch
 
 from research.data import Batch, DeviceLoader, XORDataset, make_dataloader
 from research.nn import MLP
-from research.train import TrainState, classification_loss, compiled_trainer, fit
+from research.train import SupervisedStep, TrainState, compiled_trainer, fit
 from research.train._keys import split_key_data
 
 from ._frameworks import FLAX_MISSING, have_flax, torch_threads
@@ -30,7 +30,7 @@ def _data():
 def ours_step(train, steps):
     model = MLP(2, 1, hidden=(8,), key=jax.random.key(0))
     state = TrainState.create(model, optax.sgd(LR), key=jax.random.key(1))
-    trainer = compiled_trainer(classification_loss, state)
+    trainer = compiled_trainer(SupervisedStep(), state)
     batch = Batch(jnp.asarray(train.inputs[:BATCH]), jnp.asarray(train.labels[:BATCH]))
     carry = [trainer.leaves(state), None]
     carry[1] = trainer.init_stats(carry[0], batch)

@@ -152,7 +152,9 @@ def setup(config: Config) -> Setup:
     noisy = corrupt_labels(train.labels, config.label_noise, MNIST1D_CLASSES, seed=config.training.seed)
     train_data = DeviceLoader(train.inputs, noisy, config.training.batch_size, seed=config.training.seed)
     eval_data = DeviceLoader(test.inputs, test.labels, min(EVAL_BATCH, len(test.labels)), shuffle=False)
-    return Setup(lambda: build_state(config), train_data, eval_data, config.epochs * train_data.steps_per_epoch)
+    return Setup(
+        lambda: build_state(config), train_data, config.epochs * train_data.steps_per_epoch, eval_data=eval_data
+    )
 
 
 def train_accuracy(train_data: DeviceLoader) -> Callable[[FitResult], dict[str, float]]:

@@ -29,7 +29,7 @@ from research.data import DeviceLoader, load_mnist1d
 from research.experiment import Setup, run_experiment
 from research.nn import build_model
 from research.per_example import DPSGDLoss, PoissonLoader
-from research.train import TrainState
+from research.train import SupervisedStep, TrainState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,12 +106,14 @@ def setup(config: Config) -> Setup:
         train_data=train_data,
         eval_data=DeviceLoader(test.inputs, test.labels, 500, shuffle=False),
         num_steps=config.epochs * train_data.steps_per_epoch,
-        loss_fn=DPSGDLoss(
-            config.clip_norm,
-            config.noise_multiplier,
-            train_data.expected_batch_size,
-            chunk_size=config.chunk_size or None,
-            method=config.clipping,
+        step=SupervisedStep(
+            DPSGDLoss(
+                config.clip_norm,
+                config.noise_multiplier,
+                train_data.expected_batch_size,
+                chunk_size=config.chunk_size or None,
+                method=config.clipping,
+            )
         ),
     )
 

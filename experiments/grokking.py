@@ -115,7 +115,7 @@ def setup(config: Config) -> Setup:
         train.inputs, train.labels, batch_size, seed=config.training.seed, shuffle=batch_size < len(train.labels)
     )  # a full batch needs no order
     eval_data = DeviceLoader(test.inputs, test.labels, len(test.labels), shuffle=False)
-    return Setup(lambda: build_state(config), train_data, eval_data, config.steps, summarize_run=summarize)
+    return Setup(lambda: build_state(config), train_data, config.steps, eval_data=eval_data, summarize_run=summarize)
 
 
 def first_step_at_or_above(records: Sequence[dict[str, Any]], metric: str, threshold: float = THRESHOLD) -> int | None:

@@ -42,7 +42,7 @@ from research.data import (
 from research.experiment import Setup, run_experiment
 from research.nn import build_model
 from research.parallel import batch_axis_name
-from research.train import TrainState, classification_metrics, example_keys, forward
+from research.train import SupervisedStep, TrainState, classification_metrics, example_keys, forward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,7 +201,7 @@ def setup(config: Config) -> Setup:
         eval_data=test_data,
         val_data=val_data,
         num_steps=num_steps,
-        loss_fn=AugmentedLoss(config.crop_padding, config.flip, config.label_smoothing),
+        step=SupervisedStep(AugmentedLoss(config.crop_padding, config.flip, config.label_smoothing)),
         lr_schedule=lambda step: config.training.lr * shape(step),
     )
 

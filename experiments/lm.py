@@ -19,7 +19,7 @@ from research.data import DeviceLoader, next_byte_windows, read_text_bytes, refe
 from research.experiment import Setup, run_experiment
 from research.nn import LanguageModel, build_model
 from research.tools.sample import sample_bytes
-from research.train import FitResult, NextTokenLoss, TrainState, evaluate_language_model
+from research.train import FitResult, NextTokenLoss, SupervisedStep, TrainState, evaluate_language_model
 from research.typing import PRNGKeyArray
 
 
@@ -113,12 +113,12 @@ def setup(config: Config) -> Setup:
         *next_byte_windows(train, config.context), config.training.batch_size, seed=config.training.seed
     )
     return Setup(
-        lambda: build_state(config),
-        train_data,
-        _evaluation_windows(held_out, config.context),
-        config.steps,
-        NextTokenLoss(config.grad_accum),
-        learning_rate(config),
+        build_state=lambda: build_state(config),
+        train_data=train_data,
+        eval_data=_evaluation_windows(held_out, config.context),
+        num_steps=config.steps,
+        step=SupervisedStep(NextTokenLoss(config.grad_accum)),
+        lr_schedule=learning_rate(config),
         evaluator=evaluate_language_model,
         val_data=_evaluation_windows(val, config.context) if config.val_fraction else None,
     )

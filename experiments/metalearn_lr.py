@@ -34,7 +34,15 @@ from research.data import (
 from research.experiment import Setup, run_experiment
 from research.nn import MLP, build_model
 from research.population import member, num_members
-from research.train import FitResult, RunDir, TrainState, classification_metrics, evaluate, forward
+from research.train import (
+    FitResult,
+    RunDir,
+    SupervisedStep,
+    TrainState,
+    classification_metrics,
+    evaluate,
+    forward,
+)
 from research.typing import Array, Float, Int, typecheck
 
 # The notebook's result: from 1.5 and from 0.15 the learned rate ends at about 0.62 (0.6244 and 0.6218).
@@ -202,7 +210,7 @@ def setup(config: Config) -> Setup:
         train_data=train_data,
         eval_data=DeviceLoader(test.inputs, test.labels, len(test.labels), shuffle=False),
         num_steps=config.steps,
-        loss_fn=meta_objective,
+        step=SupervisedStep(meta_objective),
         population=True,
         evaluator=InnerRunEvaluator(train_data.arrays),
         summarize_run=plot_learning_rates,

@@ -40,7 +40,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal, Protocol, TypeVar
 
 from .errors import ConfigError
-from .train import tensorboard_problem, trackers_problem
+from .train import Headline, tensorboard_problem, trackers_problem
 
 Resume = Literal["auto", "must"] | None
 
@@ -391,8 +391,14 @@ class RunConfig(Options):
     """The option groups every run takes: how it trains, where it lives and saves. An experiment's config
     subclasses it with the optional groups it honours (`WithDevices`, `WithEMA`, `WithTracking`, or
     `TrainConfig` for all of them), replaces a group by its own subclass to change the group's
-    defaults, and adds its own options."""
+    defaults, and adds its own options.
 
+    `headline` (a class variable, not an option) names the evaluation metric the experiment's runs are
+    judged by and its direction (`Headline("fid", goal="min", percent=False)`): the summary line, the
+    best checkpoint kept, `scripts/compare_runs` and `scripts/sweep`'s objective use it; test accuracy,
+    highest, by default."""
+
+    headline: typing.ClassVar[Headline] = Headline()
     training: Training = group(Training)
     checkpointing: Checkpointing = group(Checkpointing)
 

@@ -32,7 +32,7 @@ from .config import (
     tracking_of,
 )
 from .curves import CurvePool
-from .data import Batch, DeviceLoader, GrainLoader, HostLoader, TorchLoader
+from .data import DeviceLoader, GrainLoader, HostLoader, TorchLoader
 from .errors import CheckpointError, Preempted
 from .parallel import check_device_count, make_placement, population_placement
 from .population import evaluate_population
@@ -42,25 +42,26 @@ from .report import plot_curves, run_summary, start_line, summary_line
 from .run_plan import RUNS_ROOT, EvaluateOnly, Finished, Fresh, Resume, plan_run
 from .tracking import RunTrackers, open_trackers, run_files
 from .train import (
+    AbstractTrainState,
     Checkpoint,
     Ending,
     Engine,
     Evaluate,
     Evaluator,
     FitResult,
+    Headline,
     JsonlTracker,
-    LossFn,
     NonFiniteGuard,
     Placement,
     Profile,
     RunDir,
     ShowProgress,
+    Step,
+    SupervisedStep,
     Track,
     Tracker,
-    TrainState,
     bytes_on_first_device,
     check_micro_batch_loss,
-    classification_loss,
     evaluate_state,
     load_checkpoint,
 )
@@ -101,20 +102,33 @@ def load_experiment(name: str) -> types.ModuleType:
     return module
 
 
-def config_record(experiment: str, config: RunConfig, setup: "Setup", state: TrainState) -> dict[str, Any]:
-    """What a run's config.json holds: the config, the resolved step count, the model's parameter count
-    (of one member in a population), the machine, library versions, the git commit, the command."""
+def config_record(experiment: str, config: RunConfig, setup: "Setup", state: AbstractTrainState) -> dict[str, Any]:
+    """What a run's config.json holds: the config, the resolved step count, the parameter counts of its
+    networks (of one member in a population), the headline metric, the machine, library versions, the git
+    commit, the command."""
     members = population.num_members(state) or None
+    headline = type(config).headline
     return {
         "experiment": experiment,
         "config": config.to_dict(),
         "resolved": {"num_steps": setup.num_steps, "steps_per_epoch": setup.train_data.steps_per_epoch},
-        "parameters": {**parameter_counts(state.model, members), **({"members": members} if members else {})},
+        "parameters": {**network_parameters(state, members), **({"members": members} if members else {})},
+        **({"headline": dataclasses.asdict(headline)} if headline != Headline() else {}),
         "machine": machine(devices_of(config).devices * jax.process_count()),
         "versions": versions(),
         "git": git_state(),
         "command": [Path(sys.argv[0]).name, *sys.argv[1:]],
     }
+
+
+def network_parameters(state: AbstractTrainState, members: int | None = None) -> dict[str, Any]:
+    """`parameter_counts` of a state's one network (`{"total", "by_field"}` of its fields), or of several
+    (`{"total", "by_field": {network: count}}`: a GAN's generator and discriminator)."""
+    networks = state.networks()
+    if len(networks) == 1:
+        return parameter_counts(next(iter(networks.values())), members)
+    totals = {name: parameter_counts(network, members)["total"] for name, network in networks.items()}
+    return {"total": sum(totals.values()), "by_field": totals}
 
 
 @dataclasses.dataclass
@@ -124,33 +138,39 @@ class Setup:
 
     **Fields:**
 
-    - `build_state`: makes the step-0 TrainState (when resuming, the skeleton a checkpoint fills).
-    - `train_data`: a `DeviceLoader`, a `TorchLoader` or a `GrainLoader`.
-    - `eval_data`: a `DeviceLoader` or a torch `DataLoader` of numpy batches: the test set.
-    - `val_data`: a validation set like `eval_data` (`None`: none), evaluated with it, as `val/...`.
+    - `build_state`: makes the step-0 train state (when resuming, the skeleton a checkpoint fills): a
+      `TrainState` for a `SupervisedStep`, else the step's own `AbstractTrainState`.
+    - `train_data`: a `DeviceLoader`, a `TorchLoader` or a `GrainLoader` (batches are any pytree).
     - `num_steps`: the total number of training steps.
-    - `loss_fn`: `(model, model_state, batch, key) -> (loss, (metrics, model_state))`.
+    - `eval_data`: a `DeviceLoader` or a torch `DataLoader` of numpy batches: the test set (`None`: none;
+      the run then reports its train metrics).
+    - `val_data`: a validation set like `eval_data` (`None`: none), evaluated with it, as `val/...`.
+    - `step`: the `Step` the engine takes (`SupervisedStep(loss_fn)`; the classification loss by default).
     - `lr_schedule`: the optimizer's learning-rate schedule, when it has one (logged as `lr`).
     - `evaluator`: `(state, eval_data, progress=...) -> (metrics, raw_metrics)` (say,
-      `research.train.evaluate_language_model`); `None`: `evaluate_state` (classification), or
-      `evaluate_population` for a population.
+      `research.train.evaluate_language_model`, or one made by `research.train.batch_evaluator`); `None`:
+      `evaluate_state` (classification), or `evaluate_population` for a population.
     - `summarize_run`: `(run, summary) -> numbers or None`: once training ended (on process 0; not
       when a finished run is only reported), numbers read from the whole run's `metrics.jsonl` (say,
       the first step a metric crossed a threshold, counting the steps before a resume) for its
       summary, and the experiment's own figures drawn into the run directory. A `--vmapped` sweep
       applies it to each member's run directory.
+    - `draw`: `(state, run_dir) -> None`: the experiment's pictures of a trained state (say a grid of
+      samples, `samples.png`) drawn into the run directory at every evaluation and when training ends
+      (process 0). A population's members are drawn by `scripts/sweep --vmapped` into their own runs.
     """
 
-    build_state: Callable[[], TrainState]
+    build_state: Callable[[], AbstractTrainState]
     train_data: DeviceLoader | TorchLoader | GrainLoader
-    eval_data: DeviceLoader | HostLoader
     num_steps: int
-    loss_fn: LossFn = classification_loss
+    eval_data: DeviceLoader | HostLoader | None = None
+    step: Step = dataclasses.field(default_factory=SupervisedStep)
     lr_schedule: Callable[[int], Any] | None = None
     population: bool = False
     evaluator: Evaluator | None = None
     val_data: DeviceLoader | HostLoader | None = None
     summarize_run: Callable[[RunDir, dict[str, Any]], dict[str, Any] | None] | None = None
+    draw: Callable[[Any, Path], None] | None = None
 
     def evaluate_with(self) -> Evaluator:
         """The evaluator this run uses."""
@@ -159,8 +179,8 @@ class Setup:
         return evaluate_population if self.population else evaluate_state
 
 
-def initial_state(setup: Setup, ema: EMA) -> TrainState:
-    """The step-0 TrainState a run trains (and the skeleton its checkpoints restore into):
+def initial_state(setup: Setup, ema: EMA) -> AbstractTrainState:
+    """The step-0 train state a run trains (and the skeleton its checkpoints restore into):
     `setup.build_state()`, with an EMA of the model when `ema.ema_decay > 0` (unless it has one;
     in a population, one EMA per member). `ema` is the config's (`research.config.ema_of(config)`)."""
     state = setup.build_state()
@@ -170,20 +190,20 @@ def initial_state(setup: Setup, ema: EMA) -> TrainState:
     return state
 
 
-def first_batch(data: DeviceLoader | TorchLoader | GrainLoader) -> Batch:
+def first_batch(data: DeviceLoader | TorchLoader | GrainLoader) -> Any:
     """The batch of training step 0, as the train loop would see it."""
     if isinstance(data, DeviceLoader):
         return data.step_batch(0)
     return next(data.batches(0))
 
 
-def _checked_for(placement: Placement, setup: Setup, state: TrainState) -> Placement:
+def _checked_for(placement: Placement, setup: Setup, state: AbstractTrainState) -> Placement:
     """`placement` as the run uses it (a population's members or rows split over its devices), checked
-    against the run's model, batch and loss."""
+    against the run's state, batch and loss."""
     placement = _population_placement(setup, state, placement) if setup.population else placement
-    placement.check(state.model, setup.train_data.batch_size)
-    if placement.micro_batches is not None:
-        check_micro_batch_loss(setup.loss_fn)
+    placement.check(state.networks(), setup.train_data.batch_size)
+    if placement.micro_batches is not None and isinstance(setup.step, SupervisedStep):
+        check_micro_batch_loss(setup.step.loss_fn)
     return placement
 
 
@@ -226,7 +246,7 @@ def run_experiment(
     if isinstance(plan, Finished):
         if writer:
             logger.info(plan.note())
-            print(summary_line(experiment, plan.summary, plan.run))
+            print(summary_line(experiment, plan.summary, plan.run, type(config).headline))
         return plan.summary
     state, header = _starting_state(plan, state, placement, writer)
     run = plan.run
@@ -255,8 +275,8 @@ def _open_trackers(experiment: str, config: RunConfig, run: RunDir, start_step: 
 
 
 def _starting_state(
-    plan: Fresh | Resume | EvaluateOnly, state: TrainState, placement: Placement, writer: bool
-) -> tuple[TrainState, dict[str, Any]]:
+    plan: Fresh | Resume | EvaluateOnly, state: AbstractTrainState, placement: Placement, writer: bool
+) -> tuple[AbstractTrainState, dict[str, Any]]:
     """The state the run starts from (the step-0 `state`, or the plan's checkpoint restored into it)
     and that checkpoint's header; the `writer` drops the metrics logged after that step."""
     if isinstance(plan, Fresh):
@@ -271,7 +291,7 @@ def _starting_state(
     return state, header
 
 
-def _population_placement(setup: Setup, state: TrainState, placement: Placement) -> Placement:
+def _population_placement(setup: Setup, state: AbstractTrainState, placement: Placement) -> Placement:
     """A population's placement on several devices: its members, or each batch, split over them."""
     member_batches = getattr(setup.train_data, "members", None) is not None
     members, rows = population.num_members(state), setup.train_data.batch_size
@@ -279,7 +299,7 @@ def _population_placement(setup: Setup, state: TrainState, placement: Placement)
 
 
 def _start_run(
-    experiment: str, config: RunConfig, setup: Setup, state: TrainState, run: RunDir, trackers: RunTrackers
+    experiment: str, config: RunConfig, setup: Setup, state: AbstractTrainState, run: RunDir, trackers: RunTrackers
 ) -> None:
     """Process 0's start: the run directory cleared of interrupted saves, config.json, the start line."""
     run.create()
@@ -293,7 +313,7 @@ def _run_and_summarize(
     experiment: str,
     config: RunConfig,
     setup: Setup,
-    state: TrainState,
+    state: AbstractTrainState,
     placement: Placement,
     plan: Fresh | Resume | EvaluateOnly,
     writer: bool,
@@ -309,7 +329,8 @@ def _run_and_summarize(
         result = _evaluate_finished(setup, state, run, placement)
     else:
         result = _train(experiment, config, setup, state, placement, run, header, trackers)
-    summary = {"experiment": experiment, **run_summary(result), "wall_seconds": time.perf_counter() - start}
+    losses = tuple(name for name in setup.step.finite_metrics if not name.endswith("grad_norm"))
+    summary = {"experiment": experiment, **run_summary(result, losses), "wall_seconds": time.perf_counter() - start}
     if result.compile_seconds is not None:
         summary["compile_seconds"] = result.compile_seconds
     summary.update(peak_memory())
@@ -321,7 +342,7 @@ def _run_and_summarize(
         summary.update((setup.summarize_run(run, summary) if setup.summarize_run is not None else None) or {})
         run.write_summary(summary)
         plot_curves([run], [run.path.resolve().name], run.path / "curves.png", pool=curves)
-        print(summary_line(experiment, summary, run))
+        print(summary_line(experiment, summary, run, type(config).headline))
     return summary
 
 
@@ -336,7 +357,7 @@ def _train(
     experiment: str,
     config: RunConfig,
     setup: Setup,
-    state: TrainState,
+    state: AbstractTrainState,
     placement: Placement,
     run: RunDir,
     header: dict[str, Any],
@@ -346,7 +367,7 @@ def _train(
     engine and the standard hooks of the config."""
     training = config.training
     engine = Engine(
-        setup.loss_fn,
+        setup.step,
         placement=placement,
         log_every=training.log_every,
         steps_per_call=training.steps_per_call,
@@ -380,7 +401,9 @@ def add_default_hooks(
     writer = jax.process_index() == 0
     training, checkpointing = config.training, config.checkpointing
     header = {"experiment": experiment, "config": config.to_dict()}
-    checkpoint = Checkpoint(run, checkpointing.keep_checkpoints, header, 60 * checkpointing.checkpoint_minutes or None)
+    headline = type(config).headline
+    minutes = checkpointing.checkpoint_minutes
+    checkpoint = Checkpoint(run, checkpointing.keep_checkpoints, header, 60 * minutes or None, headline)
     if not training.skip_nonfinite:  # a NaN state is not saved on preemption
         engine.add_hook(NonFiniteGuard(run, checkpoint), on_preemption=True)
     progress = training.progress and writer
@@ -388,11 +411,14 @@ def add_default_hooks(
         if data is not None:
             evaluate = Evaluate(data, progress, setup.evaluate_with(), name)
             engine.add_hook(evaluate, every=training.eval_every or setup.num_steps)
+    if setup.draw is not None and not setup.population:
+        engine.add_hook(Draw(setup.draw, run.path, writer), every=training.eval_every or setup.num_steps)
     tracked: list[Tracker] = [JsonlTracker(run)] if writer else []
     if trackers.trackers:
         tracked.append(trackers)
     engine.add_hook(Track(tracked, setup.lr_schedule))
-    engine.add_hook(ShowProgress(Progress(setup.num_steps, initial=start, enabled=progress), start))
+    shown = shown_metrics(setup.step, headline)
+    engine.add_hook(ShowProgress(Progress(setup.num_steps, initial=start, enabled=progress), start, shown))
     engine.add_hook(checkpoint, every=checkpointing.checkpoint_every or setup.num_steps, on_preemption=True)
     if checkpointing.checkpoint_minutes:
         engine.add_hook(checkpoint.when_due)
@@ -400,6 +426,28 @@ def add_default_hooks(
     if profile is not None:
         engine.add_hook(profile, at=(profile.start, profile.stop))
         profile.begin_if_due(start)
+
+
+@dataclasses.dataclass
+class Draw:
+    """The hook of `Setup.draw`: the state's pictures drawn into the run directory (by process 0; every
+    process builds the state, which may gather its shards)."""
+
+    draw: Callable[[Any, Path], None]
+    directory: Path
+    writer: bool
+
+    def __call__(self, info: Any) -> None:
+        state = info.state
+        if self.writer:
+            self.draw(state, self.directory)
+
+
+def shown_metrics(step: Step, headline: Headline) -> tuple[str, ...]:
+    """What the progress bar shows: the step's finite metrics but gradient norms (a supervised step's
+    `train/loss`), `train/accuracy`, and the headline metric of the evaluation."""
+    losses = [f"train/{name}" for name in step.finite_metrics if "grad_norm" not in name]
+    return (*losses, "train/accuracy", f"test/{headline.metric}")
 
 
 def _profile(tracking: Tracking, run: RunDir, writer: bool) -> Profile | None:
@@ -427,14 +475,14 @@ def _profile_hint(start: int, stop: int) -> Callable[[Path], None]:
     return hint
 
 
-def _evaluate_finished(setup: Setup, state: TrainState, run: RunDir, placement: Placement) -> FitResult:
+def _evaluate_finished(setup: Setup, state: AbstractTrainState, run: RunDir, placement: Placement) -> FitResult:
     """The result of a run whose training ended (its last checkpoint is at its last step) but that was
     stopped before it wrote its summary: its final model evaluated again, its last logged train metrics."""
     arrays, rest = eqx.partition(state, eqx.is_array)
     leaves, treedef = jax.tree.flatten(arrays)
     placed = placement.place(leaves)
     state = eqx.combine(jax.tree.unflatten(treedef, placement.gather(placed)), rest)  # restored FSDP shards: whole
-    metrics, raw = setup.evaluate_with()(state, setup.eval_data)
+    metrics, raw = (None, None) if setup.eval_data is None else setup.evaluate_with()(state, setup.eval_data)
     val = None if setup.val_data is None else setup.evaluate_with()(state, setup.val_data)[0]
     records = run.read_metrics()
     last = records[-1] if records else {}
@@ -461,7 +509,7 @@ class LoadedRun:
     - `experiment`: the experiment's name (`xor` is `experiments/xor.py`).
     - `config`: that script's `Config`, rebuilt from `config.json`.
     - `setup`: what the script's `setup(config)` returns: `setup.eval_data` is the run's test set.
-    - `state`: the `TrainState` restored from `checkpoint` (a population's: its members stacked on a
+    - `state`: the train state restored from `checkpoint` (a population's: its members stacked on a
       leading axis, as `research.population.stack_states` makes them).
     - `step`: the step of that checkpoint.
     - `checkpoint`: the newest valid checkpoint of the run.
@@ -475,7 +523,7 @@ class LoadedRun:
     experiment: str
     config: RunConfig
     setup: Setup
-    state: TrainState
+    state: AbstractTrainState
     step: int
     checkpoint: Path
     summary: dict[str, Any] | None

@@ -5,7 +5,7 @@ array gains a leading member axis; the model's structure and the optimizer are s
 states built one by one with `stack_members` (members that differ in hyperparameters the optimizer
 keeps in its state), and train it through the engine like any state,
 `fit(states, ..., population=True, evaluator=evaluate_population)`: the compiled step is
-`train_step` vmapped over the members, all on the same batches (or each on its own run's batches,
+the step vmapped over the members, all on the same batches (or each on its own run's batches,
 from `DeviceLoader.for_members`), so member k ends where its own run would (up to float rounding),
 and the run gets the placements, EMA, checkpoints and resume, metrics and progress of any other
 run. Each metric then has one value per member: the logs hold their mean (`train/loss`) and the
@@ -22,14 +22,15 @@ from jaxtyping import Key, UInt32
 
 from .data import Batch, DeviceLoader, HostLoader
 from .errors import ConfigError
-from .train import TrainState, classification_metrics, forward, padded_batches
+from .train import AbstractTrainState, Evaluator, TrainState, classification_metrics, forward, padded_batches
 from .typing import Array, Float, PRNGKeyArray, typecheck
 
 
 def stack_states(
-    build_state: Callable[[PRNGKeyArray], TrainState], keys: Key[Array, " members"] | UInt32[Array, "members 2"]
-) -> TrainState:
-    """`K` TrainStates, one per key, stacked: `eqx.filter_vmap(build_state)(keys)`.
+    build_state: Callable[[PRNGKeyArray], AbstractTrainState],
+    keys: Key[Array, " members"] | UInt32[Array, "members 2"],
+) -> AbstractTrainState:
+    """`K` train states, one per key, stacked: `eqx.filter_vmap(build_state)(keys)`.
 
     `build_state(key)` must build the same structure (model, optimizer) for every key; only the
     arrays differ. Take member `k` back out with `member(states, k)`. Built under `eqx.filter_jit`:
@@ -38,8 +39,8 @@ def stack_states(
     return eqx.filter_jit(eqx.filter_vmap(build_state))(keys)
 
 
-def stack_members(states: Sequence[TrainState]) -> TrainState:
-    """TrainStates built one by one (say, from configs that differ in seed and learning rate) stacked
+def stack_members(states: Sequence[AbstractTrainState]) -> AbstractTrainState:
+    """Train states built one by one (say, from configs that differ in seed and learning rate) stacked
     into a population: every array gains a leading member axis; the non-array parts (the model's
     structure, the optimizer's functions) are member 0's.
 
@@ -63,18 +64,18 @@ def stack_members(states: Sequence[TrainState]) -> TrainState:
     return eqx.combine(jax.tree.unflatten(treedef, [jnp.stack(column) for column in columns]), static)
 
 
-def num_members(states: TrainState) -> int:
+def num_members(states: AbstractTrainState) -> int:
     """K for a population, 0 for a single state."""
     return int(states.step.shape[0]) if states.step.ndim == 1 else 0
 
 
-def member(states: TrainState, index: int) -> TrainState:
-    """Member `index` of stacked states, as an ordinary TrainState."""
+def member(states: AbstractTrainState, index: int) -> AbstractTrainState:
+    """Member `index` of stacked states, as an ordinary train state."""
     return jax.tree.map(lambda x: x[index] if eqx.is_array(x) else x, states)
 
 
-def with_ema(states: TrainState, decay: float) -> TrainState:
-    """Every member with an EMA of its model (`TrainState.with_ema`), member by member."""
+def with_ema(states: AbstractTrainState, decay: float) -> AbstractTrainState:
+    """Every member with an EMA of its model (`with_ema` of its state), member by member."""
     return eqx.filter_vmap(lambda state: state.with_ema(decay))(states)
 
 
@@ -154,3 +155,25 @@ def evaluate_population(
         return raw, None
     models, model_states = states.ema.average
     return _population_metrics(evaluate_ensemble(models, model_states, data)), raw
+
+
+def evaluate_members(evaluator: Evaluator) -> Evaluator:
+    """A population's evaluator from one member's (`research.train.batch_evaluator`'s, a GAN's Fréchet
+    distance): each member evaluated on its own, one after another; each metric is the members' mean,
+    and `member_<metric>` their values (what `scripts/sweep --vmapped` writes into each member's run)."""
+
+    def evaluate(states: AbstractTrainState, data: DeviceLoader | HostLoader, *, progress: bool = False):
+        results = [evaluator(member(states, k), data, progress=progress) for k in range(num_members(states))]
+        metrics = _member_metrics([metrics for metrics, _ in results])
+        assert metrics is not None  # every member has metrics; the raw ones only with an EMA
+        return metrics, _member_metrics([raw for _, raw in results])
+
+    return evaluate
+
+
+def _member_metrics(each: list[dict[str, float] | None]) -> dict[str, float | list[float]] | None:
+    if each[0] is None:
+        return None
+    members = [m for m in each if m is not None]
+    means = {name: float(np.mean([m[name] for m in members])) for name in members[0]}
+    return {**means, **{f"member_{name}": [float(m[name]) for m in members] for name in members[0]}}

@@ -29,7 +29,7 @@ with install_import_hook("research", "beartype.beartype"):  # the same shape che
     from research.nn import MLP, BatchNorm
     from research.parallel import batch_axis_name, exit_together, setup_devices
     from research.per_example import DPSGDLoss
-    from research.train import TrainState, classification_loss
+    from research.train import SupervisedStep, TrainState, classification_loss
     from research.typing import Array, Float, PRNGKeyArray
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -122,7 +122,7 @@ def main(config: Config) -> dict:
         train_data=train_data,
         eval_data=test_data,
         num_steps=config.steps,
-        loss_fn=loss_fn,
+        step=SupervisedStep(loss_fn),
     )
     return run_experiment("worker", config, setup)
 

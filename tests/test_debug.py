@@ -12,7 +12,7 @@ import pytest
 from research.data import Batch, DeviceLoader, XORDataset
 from research.debug import RetraceLog, explain_retraces, signature, signature_changes
 from research.nn import MLP
-from research.train import NonFiniteError, TrainState, classification_loss, compiled_trainer, fit
+from research.train import NonFiniteError, SupervisedStep, TrainState, classification_loss, compiled_trainer, fit
 
 
 def make_state(seed=0):
@@ -36,7 +36,7 @@ def test_signature_names_each_leaf_and_the_changes_between_two():
 
 def test_a_retrace_of_the_train_step_logs_once_which_argument_changed(caplog):
     state = make_state(seed=1)  # a fresh optimizer object: a trainer of its own
-    trainer = compiled_trainer(classification_loss, state)
+    trainer = compiled_trainer(SupervisedStep(), state)
     data = XORDataset(64, seed=0)
     leaves = trainer.leaves(state)
     with caplog.at_level(logging.WARNING, logger="research"):
@@ -96,7 +96,15 @@ def poisoned_data():
 def test_debug_nans_names_the_first_op_that_made_a_nan_and_its_source_line(poisoned_data):
     loader, bad_step = poisoned_data
     with pytest.raises(NonFiniteError) as info:
-        fit(make_state(), loader, num_steps=8, log_every=8, loss_fn=poisoned_loss, debug_nans=True, progress=False)
+        fit(
+            make_state(),
+            loader,
+            num_steps=8,
+            log_every=8,
+            step=SupervisedStep(poisoned_loss),
+            debug_nans=True,
+            progress=False,
+        )
     message = str(info.value)
     lineno = next(i for i, line in enumerate(open(__file__).read().splitlines(), 1) if POISON_LINE in line)
     assert message.startswith(f"NaN first produced by `sqrt` at tests/test_debug.py:{lineno} in poisoned_loss")
@@ -107,5 +115,13 @@ def test_debug_nans_names_the_first_op_that_made_a_nan_and_its_source_line(poiso
 def test_without_debug_nans_the_error_says_to_use_it(poisoned_data):
     loader, bad_step = poisoned_data
     with pytest.raises(NonFiniteError, match=f"non-finite loss at step {bad_step};.*rerun with --debug-nans"):
-        fit(make_state(), loader, num_steps=8, log_every=8, loss_fn=poisoned_loss, steps_per_call=8, progress=False)
+        fit(
+            make_state(),
+            loader,
+            num_steps=8,
+            log_every=8,
+            step=SupervisedStep(poisoned_loss),
+            steps_per_call=8,
+            progress=False,
+        )
     assert np.isfinite(loader.host.inputs[:200]).all()

@@ -10,9 +10,9 @@ import pytest
 from research.data import Batch, DeviceLoader
 from research.train import (
     RunDir,
+    SupervisedStep,
     TrainState,
     checkpoint_digest,
-    classification_loss,
     compiled_trainer,
     evaluate,
     fit,
@@ -207,7 +207,7 @@ def test_each_step_draws_a_new_dropout_mask(getkey):
     features = 32
     state = TrainState.create(DropoutLinear(features, CLASSES, key=getkey()), optax.sgd(0.1), key=getkey())
     batch = Batch(jnp.ones((1, features)), jnp.zeros(1, jnp.int32))
-    trainer = compiled_trainer(classification_loss, state)
+    trainer = compiled_trainer(SupervisedStep(), state)
     leaves = trainer.leaves(jax.tree.map(lambda x: x.copy() if eqx.is_array(x) else x, state))
     weights = [np.asarray(state.model.linear.weight)]
     for _ in range(6):
@@ -234,10 +234,10 @@ def test_evaluation_is_deterministic_and_without_dropout(getkey, blobs):
 
 def test_states_of_one_stateful_model_share_one_compiled_trainer(trained):
     # an eqx.nn.State hashes by identity; the trainer cache must still see these as the same structure
-    assert compiled_trainer(classification_loss, bn_state(seed=3)) is compiled_trainer(classification_loss, trained)
-    with_ema = compiled_trainer(classification_loss, bn_state(ema_decay=0.5))
-    assert with_ema is compiled_trainer(classification_loss, bn_state(seed=4, ema_decay=0.5))
-    assert with_ema is not compiled_trainer(classification_loss, bn_state(ema_decay=0.9))  # decay is static
+    assert compiled_trainer(SupervisedStep(), bn_state(seed=3)) is compiled_trainer(SupervisedStep(), trained)
+    with_ema = compiled_trainer(SupervisedStep(), bn_state(ema_decay=0.5))
+    assert with_ema is compiled_trainer(SupervisedStep(), bn_state(seed=4, ema_decay=0.5))
+    assert with_ema is not compiled_trainer(SupervisedStep(), bn_state(ema_decay=0.9))  # decay is static
 
 
 @pytest.mark.slow

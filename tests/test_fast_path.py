@@ -12,10 +12,19 @@ import pytest
 from research.data import Batch, DeviceLoader, XORDataset
 from research.nn import MLP
 from research.state import RunningMean
-from research.train import CompiledTrainer, Engine, TrainState, classification_loss, compiled_trainer, train_step
+from research.train import (
+    CompiledTrainer,
+    Engine,
+    SupervisedStep,
+    TrainState,
+    compiled_trainer,
+    train_step,
+)
 from research.train._keys import split_key_data
 from research.train._packing import PACK_LIMIT, Packing
-from research.train._stats import NONFINITE_GRADIENT, NONFINITE_LOSS, StepStats, layout_of
+from research.train._stats import StepStats, layout_of
+
+SUPERVISED = SupervisedStep.finite_metrics  # ("loss", "grad_norm")
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2**31 - 1])
@@ -48,7 +57,7 @@ def test_packed_statistics_are_the_running_mean_of_the_finite_steps_and_flag_the
         step_metrics(0.25, 0.75, np.nan),
         step_metrics(0.125, 1.0, 3.0),
     ]
-    stats = StepStats.init(layout_of(steps[0]))
+    stats = StepStats.init(layout_of(steps[0], SUPERVISED))
     reference = RunningMean.init(steps[0])
     for i, metrics in enumerate(steps):
         stats = jax.jit(StepStats.record)(stats, jnp.int32(10 + i), metrics)
@@ -60,15 +69,15 @@ def test_packed_statistics_are_the_running_mean_of_the_finite_steps_and_flag_the
         assert float(view.total[name] / view.weight) == float(value)
         assert float(view.means()[name]) == float(value)
     assert view.weight == 2
-    assert (view.first_bad_step, view.bad_quantity, view.skipped) == (11, NONFINITE_LOSS, 2)
+    assert (view.first_bad_step, view.bad_metric, view.skipped) == (11, "loss", 2)
     gradient_first = jax.jit(StepStats.record)(StepStats.init(stats.layout), jnp.int32(7), steps[2]).fetch()
-    assert (gradient_first.first_bad_step, gradient_first.bad_quantity) == (7, NONFINITE_GRADIENT)
+    assert (gradient_first.first_bad_step, gradient_first.bad_metric) == (7, "grad_norm")
     fresh = StepStats.init(stats.layout).fetch()
-    assert (fresh.first_bad_step, fresh.bad_quantity, fresh.skipped, fresh.weight) == (-1, 0, 0, 0)
+    assert (fresh.first_bad_step, fresh.bad_metric, fresh.skipped, fresh.weight) == (-1, None, 0, 0)
 
 
 def test_a_logging_window_survives_the_checkpoint_header_exactly():
-    stats = StepStats.init(layout_of(step_metrics(0, 0, 0)))
+    stats = StepStats.init(layout_of(step_metrics(0, 0, 0), SUPERVISED))
     for i, value in enumerate([0.1, 0.7, 1 / 3]):
         stats = stats.record(jnp.int32(i), step_metrics(value, value / 2, value * 3))
     stats = stats.record(jnp.int32(3), step_metrics(np.nan, 0, 0))
@@ -85,9 +94,10 @@ def read_by_position(words, layout):
     metric sums in layout order, the weight, then int32 first-bad code and skipped count)."""
     words = np.asarray(words)
     sums, (code, skipped) = words[:-2].view(np.float32), words[-2:].view(np.int32)
-    first_bad = (-1, 0) if code == np.iinfo(np.int32).max else (code // 2, 2 if code % 2 else 1)
+    finite = layout.finite
+    first_bad = (-1, None) if code == np.iinfo(np.int32).max else (code // len(finite), finite[code % len(finite)])
     return (
-        dict(zip([name for name, _ in layout], sums[:-1].tolist(), strict=True)),
+        dict(zip(layout.names, sums[:-1].tolist(), strict=True)),
         float(sums[-1]),
         int(skipped),
         first_bad,
@@ -97,7 +107,7 @@ def read_by_position(words, layout):
 def test_the_host_view_names_what_real_steps_left_in_the_packed_words():
     # Two finite steps, a step with a NaN input (non-finite loss: skipped), then a finite one.
     state = xor_state()
-    trainer = compiled_trainer(classification_loss, state, skip_nonfinite=True)
+    trainer = compiled_trainer(SupervisedStep(), state, skip_nonfinite=True)
     data = XORDataset(32, seed=0)
     good = Batch(jnp.asarray(data.inputs), jnp.asarray(data.labels))
     bad = Batch(good.inputs.at[0].set(jnp.nan), good.labels)
@@ -108,8 +118,8 @@ def test_the_host_view_names_what_real_steps_left_in_the_packed_words():
     total, weight, skipped, first_bad = read_by_position(stats.words, stats.layout)
     view = stats.fetch()
     assert {name: float(value) for name, value in view.total.items()} == total
-    assert (view.weight, view.skipped, (view.first_bad_step, view.bad_quantity)) == (weight, skipped, first_bad)
-    assert (weight, skipped, first_bad) == (3, 1, (2, NONFINITE_LOSS))
+    assert (view.weight, view.skipped, (view.first_bad_step, view.bad_metric)) == (weight, skipped, first_bad)
+    assert (weight, skipped, first_bad) == (3, 1, (2, "loss"))
     assert {name: float(value) for name, value in view.means().items()} == {
         name: float(np.float32(value) / weight) for name, value in total.items()
     }
@@ -139,7 +149,7 @@ def test_hooks_see_the_statistics_of_their_stop_by_name():
     assert sum(view.skipped for _, logged, _, view, *_ in seen if logged) >= 1
     for _, logged, record, view, (total, weight, skipped, first_bad), window in seen:
         assert ({k: float(v) for k, v in view.total.items()}, view.weight, view.skipped) == (total, weight, skipped)
-        assert (view.first_bad_step, view.bad_quantity) == first_bad
+        assert (view.first_bad_step, view.bad_metric) == first_bad
         if logged:  # the record took the window's metrics; the next steps start a new window
             assert record["train/loss"] == float(np.float32(total["loss"]) / max(weight, 1e-30))
             assert record["train/skipped"] == skipped
@@ -149,7 +159,7 @@ def test_hooks_see_the_statistics_of_their_stop_by_name():
 
 
 def test_statistics_refuse_metrics_they_were_not_laid_out_for():
-    stats = StepStats.init(layout_of(step_metrics(0, 0, 0)))
+    stats = StepStats.init(layout_of(step_metrics(0, 0, 0), SUPERVISED))
     with pytest.raises(ValueError, match="init_stats"):
         stats.record(jnp.int32(0), {**step_metrics(0, 0, 0), "extra": jnp.float32(1)})
 
@@ -189,10 +199,10 @@ def test_a_packed_trainer_runs_bitwise_like_an_unpacked_one():
     arrays = Batch(jnp.asarray(data.inputs), jnp.asarray(data.labels))
     indices = np.random.default_rng(0).integers(0, 256, (12, 32)).astype(np.int32)
     state = xor_state()
-    packed = compiled_trainer(classification_loss, state)
+    packed = compiled_trainer(SupervisedStep(), state)
     assert packed.packing is not None and len(packed.leaves(state)) == 1
     dynamic, static = eqx.partition(state, eqx.is_array)
-    plain = CompiledTrainer(classification_loss, static, jax.tree.structure(dynamic))
+    plain = CompiledTrainer(SupervisedStep(), static, jax.tree.structure(dynamic))
     after_run, after_steps = [], []
     for trainer in (packed, plain):
         leaves = trainer.place(state)
@@ -213,7 +223,7 @@ def test_a_packed_trainer_runs_bitwise_like_an_unpacked_one():
 
 def test_a_packed_trainer_names_the_leaf_whose_shape_or_dtype_does_not_fit():
     state = xor_state()
-    trainer = compiled_trainer(classification_loss, state)
+    trainer = compiled_trainer(SupervisedStep(), state)
     packs = r"differ from the ones the trainer packs: state\.step: int32\[\] -> float32\[\]"
     with pytest.raises(ValueError, match=packs):
         trainer.leaves(eqx.tree_at(lambda s: s.step, state, jnp.float32(0)))
@@ -222,7 +232,7 @@ def test_a_packed_trainer_names_the_leaf_whose_shape_or_dtype_does_not_fit():
         return jax.tree.map(jnp.zeros_like, _), jnp.zeros(2)
 
     broken = xor_state(optimizer=optax.GradientTransformation(lambda params: jnp.zeros(1), grow))
-    trainer = compiled_trainer(classification_loss, broken)
+    trainer = compiled_trainer(SupervisedStep(), broken)
     leaves = trainer.leaves(broken)
     batch = Batch(jnp.zeros((4, 2)), jnp.zeros(4, jnp.int32))
     with pytest.raises(ValueError, match=r"changed the shape or dtype.*state\.opt_state: float32\[1\] -> float32\[2\]"):

@@ -20,7 +20,7 @@ from research.per_example import (
     per_example_grads,
     per_example_losses,
 )
-from research.train import TrainState, classification_loss, fit
+from research.train import SupervisedStep, TrainState, classification_loss, fit
 from research.typing import Array, Float, PRNGKeyArray, typecheck
 
 
@@ -193,7 +193,7 @@ def test_without_clipping_or_noise_dp_training_is_ordinary_training():
         num_steps=40,
         steps_per_call=20,
         progress=False,
-        loss_fn=DPSGDLoss(clip_norm=1e6, noise_multiplier=0.0, expected_batch_size=32),
+        step=SupervisedStep(DPSGDLoss(clip_norm=1e6, noise_multiplier=0.0, expected_batch_size=32)),
     )
     assert_trees_close(private.state.model, ordinary.state.model, rtol=1e-5, atol=1e-6)
 

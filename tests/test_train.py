@@ -8,8 +8,8 @@ import pytest
 from research.data import Batch, DeviceLoader, TorchLoader, XORDataset
 from research.nn import MLP
 from research.train import (
+    SupervisedStep,
     TrainState,
-    classification_loss,
     compiled_trainer,
     evaluate,
     fit,
@@ -69,7 +69,7 @@ def test_fast_path_equals_the_filter_jit_step_and_never_retraces(xor):
         reference_losses.append(float(metrics["loss"]))
 
     state = make_state(optimizer=optimizer)
-    trainer = compiled_trainer(classification_loss, state)
+    trainer = compiled_trainer(SupervisedStep(), state)
     traces = trainer.num_traces["step"]
     leaves = trainer.leaves(state)
     losses = []
@@ -87,7 +87,7 @@ def test_compiled_run_of_many_steps_equals_single_steps(xor):
     indices = loader.step_indices(0, 10)
     optimizer = optax.sgd(0.1)
     one = make_state(optimizer=optimizer)
-    trainer = compiled_trainer(classification_loss, one)
+    trainer = compiled_trainer(SupervisedStep(), one)
     leaves = trainer.leaves(one)
     sums = trainer.init_stats(leaves, Batch(loader.arrays.inputs[:64], loader.arrays.labels[:64]))
     for index in indices:
@@ -106,7 +106,7 @@ def test_compiled_run_of_many_steps_equals_single_steps(xor):
 def test_a_one_row_run_is_one_step_without_a_loop_and_zero_steps_change_nothing(xor):
     _, loader = xor
     state = make_state()
-    trainer = compiled_trainer(classification_loss, state)
+    trainer = compiled_trainer(SupervisedStep(), state)
     example = Batch(loader.arrays.inputs[:64], loader.arrays.labels[:64])
     index = loader.step_indices(0, 1)
 

@@ -6,7 +6,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import DataError
-from ._loaders import Batch, BatchOrder, Dataset, dataset_arrays
+from ._loaders import BatchOrder, Dataset, dataset_arrays
 
 STEPS = 2**40  # Grain's datasets have a length: the steps a run could ever take
 
@@ -41,14 +41,14 @@ class GrainLoader:
         self.steps_per_epoch = self.order.steps_per_epoch
         self._iterator: Any = None
 
-    def _read(self, step: int) -> Batch:
+    def _read(self, step: int) -> Any:
         rows = self.order.process_rows(int(step))
         getitems = getattr(self.dataset, "__getitems__", None)
         if getitems is not None:
             return getitems(rows.tolist())
         return dataset_arrays(_Rows(self.dataset, rows))
 
-    def batches(self, start_step: int, state: Any = None) -> Iterator[Batch]:
+    def batches(self, start_step: int, state: Any = None) -> Iterator[Any]:
         """This process's rows of the batches of steps `start_step`, ... forever; `state`: the `state()`
         a checkpoint of step `start_step` kept (its position must be that step)."""
         import grain

@@ -18,9 +18,15 @@ class Batch(NamedTuple):
     labels: Any
 
     def take(self, rows: Any) -> "Batch":
-        """The examples at `rows` as a batch: a step's indices (`[batch]`, or `[members, batch]` for a
-        population), numpy or jax, traced or not. Every gather of a step's batch goes through here."""
-        return Batch(self.inputs[rows], self.labels[rows])
+        """The examples at `rows` as a batch (`take_rows`)."""
+        return take_rows(self, rows)
+
+
+def take_rows(batch: Any, rows: Any) -> Any:
+    """The examples at `rows` of a batch (any pytree of arrays with a leading row axis): a step's indices
+    (`[batch]`, or `[members, batch]` for a population), numpy or jax, traced or not. Every gather of a
+    step's batch goes through here."""
+    return jax.tree.map(lambda x: x[rows], batch)
 
 
 @runtime_checkable
@@ -40,25 +46,49 @@ HostLoader = Iterable
 
 
 def numpy_collate(samples: Sequence[Any]) -> Any:
-    """`collate_fn` for `torch.utils.data.DataLoader` that builds numpy arrays instead of tensors (a `Batch`
-    that a dataset's `__getitems__` read whole passes as it is)."""
-    if isinstance(samples, Batch):
+    """`collate_fn` for `torch.utils.data.DataLoader` that builds numpy arrays instead of tensors: samples
+    that are arrays, numbers, tuples or lists (collated position by position) or dicts (key by key). A
+    `Batch` (or any other batch) that a dataset's `__getitems__` read whole passes as it is."""
+    if not isinstance(samples, list):
         return samples
     first = samples[0]
     if isinstance(first, np.ndarray):
         return np.stack(samples)
     if isinstance(first, (tuple, list)):
         return [numpy_collate(list(group)) for group in zip(*samples, strict=True)]
+    if isinstance(first, dict):
+        return {key: numpy_collate([sample[key] for sample in samples]) for key in first}
     return np.asarray(samples)
 
 
-def dataset_arrays(dataset: Dataset) -> Batch:
-    """The whole of an in-memory dataset as two numpy arrays (inputs, labels)."""
+def as_batch(collated: Any) -> Any:
+    """A collated batch as the engine takes it: an `(inputs, labels)` pair as a `Batch`, anything else
+    (a dict, images alone) as it is."""
+    if isinstance(collated, (list, tuple)) and not isinstance(collated, Batch) and len(collated) == 2:
+        return Batch(*collated)
+    return collated
+
+
+def check_rows(tree: Any, what: str = "the data") -> int:
+    """The rows every array of `tree` has along its leading axis; `DataError` when they differ."""
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    if not leaves:
+        raise DataError(f"{what} holds no arrays")
+    rows = {jax.tree_util.keystr(path) or "the array": np.shape(x)[0] if np.ndim(x) else None for path, x in leaves}
+    counts = {count for count in rows.values() if count is not None}
+    if None in rows.values() or len(counts) > 1:
+        found = ", ".join(f"{name} {count}" for name, count in rows.items())
+        raise DataError(f"{what}: every array needs the same number of rows along its first axis; got {found}")
+    return counts.pop()
+
+
+def dataset_arrays(dataset: Dataset) -> Any:
+    """The whole of an in-memory dataset as numpy arrays: a `Batch` (inputs, labels) of a dataset of
+    pairs, else the collated examples (a dict of arrays, images alone)."""
     inputs, labels = getattr(dataset, "inputs", None), getattr(dataset, "labels", None)
     if inputs is not None and labels is not None:  # an in-memory dataset's arrays, whole
         return Batch(np.asarray(inputs), np.asarray(labels))
-    inputs, labels = numpy_collate([dataset[i] for i in range(len(dataset))])
-    return Batch(inputs, labels)
+    return as_batch(numpy_collate([dataset[i] for i in range(len(dataset))]))
 
 
 def epoch_seed(seed: int, epoch: int) -> int:
@@ -148,7 +178,7 @@ class TorchLoader:
         self.batch_size, self.seed, self.num_workers = batch_size, seed, num_workers
         self.steps_per_epoch = self.order.steps_per_epoch
 
-    def batches(self, start_step: int, state: Any = None) -> Iterator[Batch]:
+    def batches(self, start_step: int, state: Any = None) -> Iterator[Any]:
         """Yield this process's rows of the batches of steps `start_step`, `start_step + 1`, ... forever."""
         import torch.utils.data
 
@@ -161,8 +191,8 @@ class TorchLoader:
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
         )
-        for inputs, labels in loader:
-            yield Batch(inputs, labels)
+        for batch in loader:
+            yield as_batch(batch)
 
     def state(self) -> Any:
         """Nothing beyond the step: the position of a `BatchOrder` is the step."""
@@ -190,19 +220,22 @@ class DeviceLoader:
 
     **Arguments:**
 
-    - `inputs`, `labels`: numpy arrays with the examples along the first axis.
+    - `inputs`, `labels`: numpy arrays with the examples along the first axis: a batch is then a
+      `Batch(inputs, labels)`. With `labels=None`, `inputs` is any pytree of such arrays (a dict of
+      images and conditioning, images alone), and a batch is that pytree's rows.
     - `batch_size`: examples per step; the last partial batch of an epoch is dropped when training.
     - `seed`: seed of the shuffling.
     - `shuffle`: shuffle each epoch (training) or keep the order (evaluation).
     """
 
-    def __init__(self, inputs: np.ndarray, labels: np.ndarray, batch_size: int, *, seed: int = 0, shuffle: bool = True):
-        if len(inputs) != len(labels):
+    def __init__(self, inputs: Any, labels: Any, batch_size: int, *, seed: int = 0, shuffle: bool = True):
+        if labels is not None and len(inputs) != len(labels):
             raise DataError(f"inputs and labels differ in length: {len(inputs)} vs {len(labels)}")
-        self.order = BatchOrder(len(labels), batch_size, seed=seed, shuffle=shuffle)
-        self.host = Batch(np.asarray(inputs), np.asarray(labels))
-        self.arrays = Batch(jax.device_put(self.host.inputs), jax.device_put(self.host.labels))
-        self.size = len(labels)
+        data = inputs if labels is None else Batch(inputs, labels)
+        self.host = jax.tree.map(np.asarray, data)
+        self.size = check_rows(self.host)
+        self.order = BatchOrder(self.size, batch_size, seed=seed, shuffle=shuffle)
+        self.arrays = jax.tree.map(jax.device_put, self.host)
         self.batch_size = batch_size
         self.seed = seed
         self.shuffle = shuffle
@@ -226,7 +259,7 @@ class DeviceLoader:
                     f"member {k} takes batches of {other.batch_size}, member 0 of {first.batch_size}: "
                     "the members of one population step through their data together"
                 )
-            same = zip(other.host, first.host, strict=True)  # the inputs and the labels
+            same = zip(jax.tree.leaves(other.host), jax.tree.leaves(first.host), strict=True)
             if not all(a.shape == b.shape and np.array_equal(a, b) for a, b in same):
                 raise DataError(
                     f"member {k} trains on other examples than member 0: one population trains on "
@@ -250,18 +283,18 @@ class DeviceLoader:
             return np.stack([m.step_indices(start_step, num_steps) for m in self.members], axis=1)
         return self.order.step_indices(start_step, num_steps)
 
-    def step_batch(self, step: int) -> Batch:
+    def step_batch(self, step: int) -> Any:
         """The batch of training step `step`, gathered from the device arrays (one call's worth of
         steps gathers inside the compiled call instead, from `step_indices`)."""
-        return self.arrays.take(self.step_indices(step, 1)[0])
+        return take_rows(self.arrays, self.step_indices(step, 1)[0])
 
-    def padded_batches(self) -> Iterator[tuple[Batch, np.ndarray]]:
+    def padded_batches(self) -> Iterator[tuple[Any, np.ndarray]]:
         """Every example once, in order, as full-size batches; the last one padded, with a 0/1 mask."""
         for start in range(0, self.size, self.batch_size):
             index = np.arange(start, start + self.batch_size)
             mask = index < self.size
             index = np.where(mask, index, 0)
-            yield self.host.take(index), mask.astype(np.float32)
+            yield take_rows(self.host, index), mask.astype(np.float32)
 
 
 class ArrayDataset:

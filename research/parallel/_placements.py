@@ -23,13 +23,11 @@ import functools
 from collections.abc import Callable
 from typing import Any, Literal
 
-import equinox as eqx
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ..data import Batch
 from ..errors import ConfigError, DeviceError
 from ..train import (
     EXACT_COMPILER_OPTIONS,
@@ -48,6 +46,7 @@ from ..train import (
     one_device,
     process_rows,
 )
+from ..typing import PyTree
 
 DEVICE_AXIS = "devices"  # pmap's axis name; BatchNorm reduces over (DEVICE_AXIS, "batch") under pmap
 ParallelName = Literal["auto", "none", "pmap", "sharded", "fsdp"]
@@ -145,7 +144,7 @@ class Pmap(Placement):
 
         return across_processes
 
-    def constrain(self, batch: Batch) -> Batch:
+    def constrain(self, batch: PyTree) -> PyTree:
         return batch
 
     def constrain_state(self, leaves: Leaves) -> Leaves:
@@ -172,7 +171,7 @@ class Pmap(Placement):
     def restore_sharding(self, shape: tuple[int, ...]) -> jax.sharding.Sharding:
         return first_device()  # `place` replicates it
 
-    def put_batch(self, batch: Batch) -> Batch:
+    def put_batch(self, batch: PyTree) -> PyTree:
         return jax.tree.map(lambda x: jax.device_put(self._per_device(x), self._stacked), batch)
 
     def put_indices(self, indices: np.ndarray) -> jax.Array:
@@ -180,13 +179,13 @@ class Pmap(Placement):
         per_device = rows.reshape(rows.shape[0], self.devices, -1).transpose(1, 0, 2)
         return jax.device_put(np.ascontiguousarray(per_device), self._stacked)
 
-    def metric_shapes(self, fn: Callable, leaves: Leaves, batch: Batch) -> dict[str, jax.ShapeDtypeStruct]:
+    def metric_shapes(self, fn: Callable, leaves: Leaves, batch: PyTree) -> dict[str, jax.ShapeDtypeStruct]:
         # One device's metrics, traced under vmap to bind the device axis.
         example = jax.tree.map(self._per_device, batch)
         mapped = jax.eval_shape(jax.vmap(fn, axis_name=DEVICE_AXIS), leaves, example)
         return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), mapped)
 
-    def check(self, model: eqx.Module, rows: int) -> None:
+    def check(self, state: Any, rows: int) -> None:
         check_device_count(self.devices)
         if jax.process_count() > 1 and self.devices != jax.local_device_count():
             raise DeviceError(
@@ -195,8 +194,8 @@ class Pmap(Placement):
             )
         check_split(rows, self.devices)
         check_micro_batches(self.micro_batches, rows, self.devices * jax.process_count())
-        check_batch_norm_axis(model, self.batch_axis)
-        if any(layer.mode == "ema" for layer in batch_norm_layers(model)):
+        check_batch_norm_axis(state, self.batch_axis)
+        if any(layer.mode == "ema" for layer in batch_norm_layers(state)):
             # jax.pmap is shard_map underneath (jax >= 0.8); there eqx.nn.State.set refuses the constant
             # BatchNorm(mode="ema") writes ("Old and new values have different structures").
             raise ConfigError(

@@ -31,7 +31,7 @@ from ..curves import CurvePool, plot_processes
 from ..data import DeviceLoader
 from ..errors import CheckpointError
 from ..experiment import RUNS_ROOT, Setup, config_record, initial_state, run_experiment
-from ..population import member, stack_members
+from ..population import evaluate_members, member, stack_members
 from ..tracking import track_finished_run, trackers_of
 from ..train import CheckpointWriter, RunDir, load_checkpoint
 from ._pool import Run
@@ -81,11 +81,9 @@ def _population_setup(experiment: str, configs: Sequence[RunConfig], setups: Seq
     loaders = [setup.train_data for setup in setups if isinstance(setup.train_data, DeviceLoader)]
     if len(loaders) != len(setups):
         raise UsageError(f"--vmapped: {experiment} does not train from a DeviceLoader with these options")
-    if any(setup.population or setup.evaluator is not None for setup in setups):
-        raise UsageError(
-            f"--vmapped: {experiment} is a population or has its own evaluator already; sweep it without --vmapped"
-        )
-    if len({setup.num_steps for setup in setups}) > 1 or any(s.loss_fn != first.loss_fn for s in setups):
+    if any(setup.population for setup in setups):
+        raise UsageError(f"--vmapped: {experiment} is a population already; sweep it without --vmapped")
+    if len({setup.num_steps for setup in setups}) > 1 or any(s.step != first.step for s in setups):
         raise UsageError("--vmapped: the members train for different numbers of steps or with different losses")
     return Setup(
         # Built once: the population's run and then the skeleton its checkpoint is read into (K members' builds).
@@ -96,8 +94,9 @@ def _population_setup(experiment: str, configs: Sequence[RunConfig], setups: Seq
         eval_data=first.eval_data,
         val_data=first.val_data,
         num_steps=first.num_steps,
-        loss_fn=first.loss_fn,
+        step=first.step,
         population=True,
+        evaluator=None if first.evaluator is None else evaluate_members(first.evaluator),
     )
 
 
@@ -118,7 +117,7 @@ def _write_members(
     shared = config_record(experiment, members[0][2], members[0][3], member(state, members[0][0]))
     writer, step = CheckpointWriter(), int(summary["step"])
     try:
-        for k, run, config, _ in members:
+        for k, run, config, setup in members:
             out = RunDir(run.path).create()
             out.write_config({**shared, "config": config.to_dict(), "vmapped": summary["population"]})
             out.metrics_file.write_text("")
@@ -129,6 +128,8 @@ def _write_members(
             header = {"experiment": experiment, "config": config.to_dict(), "step": step, "eval": evaluated}
             writer.save(out.checkpoint_path(step), member(state, k), header)  # written while the others go on
             curves.draw([(own, run.name)], out.path / "curves.png", title=f"{experiment} {run.name} (vmapped)")
+            if setup.draw is not None:  # the experiment's pictures of this member, as its own run draws them
+                setup.draw(member(state, k), out.path)
         curves.close()  # every plot drawn (the workers' leftovers here, while the last checkpoint is written)
         writer.wait()
     finally:

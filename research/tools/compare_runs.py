@@ -112,7 +112,10 @@ def compare_runs(run_dirs: Sequence[str | Path], over: Sequence[str] = ()) -> st
         for k, v in numbers.items()
         if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in NOT_SHOWN
     }
-    metrics = [k for k in FIRST_METRICS if k in numeric] + sorted(numeric - set(FIRST_METRICS))
+    # The experiments' headline metrics first (test_accuracy unless config.json names another), then the usual.
+    headlines = [f"test_{run.read_config().get('headline', {}).get('metric', 'accuracy')}" for run in runs]
+    first = [*dict.fromkeys(headlines), *FIRST_METRICS]
+    metrics = [k for k in dict.fromkeys(first) if k in numeric] + sorted(numeric - set(first))
     if over:
         groups: dict[str, list[int]] = {}
         for i, setting in enumerate(settings):

@@ -30,7 +30,7 @@ def show_jaxpr(experiment: str, argv: Sequence[str] = ()) -> str:
     config = parse_config(module.Config, list(argv), prog=f"show_jaxpr {experiment}")
     setup = module.setup(config)
     state = initial_state(setup, ema_of(config))
-    trainer = compiled_trainer(setup.loss_fn, state, population=setup.population)
+    trainer = compiled_trainer(setup.step, state, population=setup.population)
     leaves = trainer.leaves(state)
     batch = first_batch(setup.train_data)
     stats = trainer.init_stats(leaves, batch)

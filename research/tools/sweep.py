@@ -366,7 +366,12 @@ def sweep(args: Any) -> int:
     check_passed_flags(args.flags, axes)
     default_dir = RUNS_ROOT / args.experiment / f"{args.search}-{'-'.join(a.key for a in axes)}"
     args.sweep_dir = Path(args.sweep_dir or default_dir)
-    args.direction = args.direction or ("maximize" if "accuracy" in args.metric else "minimize")
+    headline = module.Config.headline  # the experiment's own number, unless --metric names another
+    args.metric = args.metric or headline.summary_key
+    if args.direction is None:
+        own = args.metric == headline.summary_key
+        goal = headline.goal if own else ("max" if "accuracy" in args.metric else "min")
+        args.direction = "maximize" if goal == "max" else "minimize"
     title = f"{args.experiment} sweep over {', '.join(a.key for a in axes)}"
     if "group" in fields and not any(word.split("=")[0] == "--group" for word in args.flags):
         args.flags = [*args.flags, "--group", args.sweep_dir.name]  # its runs, one group in the trackers
@@ -449,14 +454,16 @@ def _parser() -> Parser:
     )
     parser.add_argument(
         "--metric",
-        default="test_accuracy",
-        help="the summary.json number to report and, in a search, to optimise (default: test_accuracy)",
+        default=None,
+        help="the summary.json number to report and, in a search, to optimise (default: the experiment's "
+        "headline, test_accuracy for a classifier, test_fid for gan and diffusion)",
     )
     parser.add_argument(
         "--direction",
         choices=("maximize", "minimize"),
         default=None,
-        help="of the search (default: maximize a metric named *accuracy*, else minimize)",
+        help="of the search (default: the headline's direction; another metric: maximize one named *accuracy*, "
+        "else minimize)",
     )
     parser.add_argument("--search-seed", type=int, default=0, help="seed of the search's sampler (default: 0)")
     parser.add_argument(

@@ -1,13 +1,32 @@
-"""TrainState, the pure train step and its compiled fast path, evaluation, fit, checkpoints (Orbax), run
-dirs, trackers."""
+"""The engine: the step as a value (`Step`, `SupervisedStep`), train states, the compiled fast path,
+evaluation, fit, checkpoints (Orbax), run dirs, trackers."""
 
 from ..errors import CheckpointError, DataError, NonFiniteError
 from ._checkpoint import CheckpointWriter, checkpoint_digest, load_checkpoint, read_header, save_checkpoint, tree_digest
 from ._compiled import CompiledTrainer, compiled_trainer
 from ._engine import Engine, FitResult, StepInfo
-from ._evaluate import evaluate, evaluate_state, padded_batches
+from ._evaluate import (
+    Evaluator,
+    batch_evaluator,
+    combined_evaluator,
+    evaluate,
+    evaluate_batches,
+    evaluate_state,
+    mean_of_sums,
+    model_evaluator,
+    padded_batches,
+)
 from ._fit import fit
-from ._hooks import Checkpoint, Evaluate, Evaluator, NonFiniteGuard, Profile, ShowProgress, Track
+from ._global_batch import (
+    GlobalBatch,
+    LossFn,
+    Metrics,
+    batch_rows,
+    example_keys,
+    loss_value_and_grad,
+    rows_of_global_batch,
+)
+from ._hooks import Checkpoint, Evaluate, NonFiniteGuard, Profile, ShowProgress, Track
 from ._keys import random_normal
 from ._language import NextTokenLoss, evaluate_language_model, next_token_sums
 from ._micro import EXACT_COMPILER_OPTIONS, check_micro_batch_loss, micro_batch_value_and_grad, tree_sum
@@ -34,19 +53,16 @@ from ._placement import (
     process_rows,
     replicated,
 )
-from ._rundir import RunDir
+from ._rundir import Headline, RunDir
 from ._state import (
-    LossFn,
-    Metrics,
+    SupervisedStep,
     TrainState,
     classification_loss,
     classification_metrics,
-    example_keys,
     forward,
-    loss_value_and_grad,
-    rows_of_global_batch,
     train_step,
 )
+from ._step import AbstractTrainState, Step, take_step
 from ._tracking import (
     TRACKERS,
     Ending,
@@ -65,6 +81,18 @@ from ._tracking import (
 from ._wandb import WandbTracker, read_wandb_runs
 
 __all__ = [
+    "AbstractTrainState",
+    "GlobalBatch",
+    "Headline",
+    "Step",
+    "SupervisedStep",
+    "batch_evaluator",
+    "batch_rows",
+    "combined_evaluator",
+    "evaluate_batches",
+    "mean_of_sums",
+    "model_evaluator",
+    "take_step",
     "EXACT_COMPILER_OPTIONS",
     "TRACKERS",
     "Checkpoint",

@@ -22,15 +22,16 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jaxtyping import TypeCheckError
 
-from ..data import Batch, DeviceLoader, GrainLoader, TorchLoader
+from ..data import DeviceLoader, GrainLoader, TorchLoader, take_rows
 from ..debug import describe_nan_error
 from ..errors import DataError, NonFiniteError, Preempted
 from ..provenance import CompileTimer
 from ._compiled import CompiledTrainer, compiled_trainer
 from ._placement import Leaves, Placement, bytes_on_first_device, one_device
 from ._signals import StopSignals
-from ._state import LossFn, TrainState, classification_loss
+from ._state import SupervisedStep
 from ._stats import HostStats, Layout, StepStats
+from ._step import AbstractTrainState, Step
 
 Hook = Callable[["StepInfo"], None]
 
@@ -43,14 +44,14 @@ class StepInfo:
     - `record`: the numbers of this stop, logged by the tracking hook: `train/...` and `steps_per_s`
       when the train metrics were fetched here (in a population, `train/loss` is the members' mean
       and `train/member_loss` their values), and whatever earlier hooks added (`test/...`).
-    - `state`: the TrainState on the host (built on first use; with several processes, every process
+    - `state`: the train state on the host (built on first use; with several processes, every process
       must ask for it at the same stops: it may gather shards across them).
     - `saved_state`: fresh copies of the state's arrays where the placement keeps them, for a
       checkpoint (built on first use; every process asks for it at the same stops).
     - `stats`: the step statistics since the train metrics were last fetched, up to here (on the
       devices); `host_stats`: the same on the host (fetched on first use, once a stop); `logged`:
       whether `record` took their metrics here (a `log_every` stop: the next steps start afresh).
-    - `first_bad_step()`: `(step, quantity)` of the first non-finite step since the last fetch.
+    - `first_bad_step()`: `(step, metric)` of the first non-finite step since the last fetch.
     - `window()`: the running metrics not yet logged, as a checkpoint header stores them.
     - `data_state()`: the host loader's own state at this step (a Grain iterator's), or None.
     """
@@ -69,19 +70,19 @@ class StepInfo:
         return self.step == self.num_steps
 
     @functools.cached_property
-    def state(self) -> TrainState:
+    def state(self) -> Any:
         return self.trainer.state(self.leaves)
 
     @functools.cached_property
-    def saved_state(self) -> TrainState:
+    def saved_state(self) -> Any:
         return self.trainer.saved_state(self.leaves)
 
     @functools.cached_property
     def host_stats(self) -> HostStats:
         return self.trainer.host(self.stats).fetch()
 
-    def first_bad_step(self) -> tuple[int, int]:
-        return self.host_stats.first_bad_step, self.host_stats.bad_quantity
+    def first_bad_step(self) -> tuple[int, str | None]:
+        return self.host_stats.first_bad_step, self.host_stats.bad_metric
 
     def window(self) -> dict[str, Any]:
         # After a log stop nothing is left unlogged: an empty window, made on the host.
@@ -90,7 +91,7 @@ class StepInfo:
 
 @dataclasses.dataclass
 class FitResult:
-    state: TrainState
+    state: Any  # the final train state (an `AbstractTrainState`)
     train_metrics: dict[str, Any]  # means over the last logging window (one value per member in a population)
     eval_metrics: dict[str, float] | None  # at the final step; of the EMA model when the state keeps one
     wall_seconds: float
@@ -102,18 +103,18 @@ class FitResult:
 
 
 class Engine:
-    """The training loop. Build it with the loss and where to train, add hooks, then `fit`.
+    """The training loop. Build it with the step and where to train, add hooks, then `fit`.
 
     **Arguments:**
 
-    - `loss_fn`: `(model, model_state, batch, key) -> (loss, (metrics, model_state))`; a loss with its
-      own `value_and_grad` also decides how its gradient combines across devices.
+    - `step`: the `Step` it takes (`SupervisedStep(loss_fn)`, the default with the classification loss;
+      a GAN's alternating updates, ...).
     - `placement`: where the state and batches live (`one_device()`, or `research.parallel`'s
       `make_placement`); the train data always yields global batches and results do not depend on it.
     - `log_every`: fetch the running means of the train metrics every so many steps (into
       `StepInfo.record` as `train/...`).
     - `steps_per_call`: steps per compiled call on device-resident data (`DeviceLoader`).
-    - `skip_nonfinite`: skip steps whose loss or gradient is NaN/Inf (counted as `train/skipped`).
+    - `skip_nonfinite`: skip steps one of whose `finite_metrics` is NaN/Inf (counted as `train/skipped`).
     - `debug_nans`: one step per call with `jax_debug_nans`, replaying a bad step op by op to name the
       operation that made the NaN (`NonFiniteError`); slow, one device only.
     - `population`: the state is a population (a leading member axis on every array).
@@ -125,7 +126,7 @@ class Engine:
 
     def __init__(
         self,
-        loss_fn: LossFn = classification_loss,
+        step: Step | None = None,
         *,
         placement: Placement = one_device(),
         log_every: int = 100,
@@ -137,7 +138,8 @@ class Engine:
     ):
         if debug_nans and not placement.on_one_device:
             raise ValueError("debug_nans replays steps op by op on one device; train without a parallel placement")
-        self.loss_fn, self.placement, self.population = loss_fn, placement, population
+        self.step = SupervisedStep() if step is None else step
+        self.placement, self.population = placement, population
         self.log_every, self.steps_per_call = log_every, steps_per_call
         self.skip_nonfinite, self.debug_nans, self.stop_signals = skip_nonfinite, debug_nans, stop_signals
         self.hooks: list[tuple[Hook, int | None, tuple[int, ...]]] = []
@@ -157,7 +159,7 @@ class Engine:
 
     def fit(
         self,
-        state: TrainState,
+        state: AbstractTrainState,
         train_data: DeviceLoader | TorchLoader | GrainLoader,
         num_steps: int,
         *,
@@ -178,12 +180,14 @@ class Engine:
         result = _result(trainer.state(leaves), final, time.perf_counter() - start_time, state_bytes)
         return dataclasses.replace(result, compile_seconds=compile_seconds)
 
-    def _trainer(self, state: TrainState, train_data: DeviceLoader | TorchLoader | GrainLoader) -> CompiledTrainer:
+    def _trainer(
+        self, state: AbstractTrainState, train_data: DeviceLoader | TorchLoader | GrainLoader
+    ) -> CompiledTrainer:
         member_batches = getattr(train_data, "members", None) is not None
         if member_batches and not self.population:
             raise ValueError("train_data has batches per member (DeviceLoader.for_members): train a population")
         return compiled_trainer(
-            self.loss_fn,
+            self.step,
             state,
             skip_nonfinite=self.skip_nonfinite,
             placement=self.placement,
@@ -194,7 +198,7 @@ class Engine:
     def _train(
         self,
         trainer: CompiledTrainer,
-        state: TrainState,
+        state: AbstractTrainState,
         train_data: DeviceLoader | TorchLoader | GrainLoader,
         num_steps: int,
         resume_window: dict[str, Any] | None,
@@ -295,7 +299,7 @@ class _Feed:
         self.layout: Layout | None = None
         self.several_devices = not trainer.placement.on_one_device
         if isinstance(data, DeviceLoader):
-            self.example = data.host.take(np.zeros(data.index_shape, np.int32))  # shaped like a step's batch
+            self.example = take_rows(data.host, np.zeros(data.index_shape, np.int32))  # shaped like a step's batch
             self.device_data = trainer.placement.put_data(data.host, data.arrays)
             self.host_batches = None
         else:
@@ -371,7 +375,7 @@ class _Feed:
         return leaves, stats
 
 
-def _peeked(batches: Iterator[Batch]) -> Iterator[Batch]:
+def _peeked(batches: Iterator[Any]) -> Iterator[Any]:
     """`batches` whose first batch can be read (as the example the statistics are laid out for) and
     is then trained on like the others."""
     first = next(batches)
@@ -436,7 +440,7 @@ def _nan_checks(on: bool) -> Iterator[None]:
         yield
 
 
-def _result(state: TrainState, record: dict[str, Any], seconds: float, state_bytes: int) -> FitResult:
+def _result(state: AbstractTrainState, record: dict[str, Any], seconds: float, state_bytes: int) -> FitResult:
     def prefixed(prefix: str) -> dict[str, float] | None:
         found = {k[len(prefix) :]: v for k, v in record.items() if k.startswith(prefix)}
         return found or None

@@ -1,45 +1,90 @@
+"""Evaluation: every example of a data set once, in batches of one size (the last one padded and its
+padding masked out), through a per-batch function; and evaluators of a train state, which evaluate the
+model it stands for (the EMA's, when it keeps one) and the trained model beside it."""
+
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..data import Batch, DeviceLoader, HostLoader
+from ..data import DeviceLoader, HostLoader, as_batch, take_rows
 from ..progress import Progress
-from ..typing import Array, Float, typecheck
-from ._state import TrainState, classification_metrics, forward
+from ..typing import Array, Float, PRNGKeyArray, PyTree, typecheck
+from ._global_batch import batch_rows
+from ._state import classification_metrics, forward
+
+# per_batch(model, model_state, batch, mask, key) -> a pytree of arrays (say, sums over the batch's real rows)
+PerBatch = Callable[[Any, Any, Any, Float[Array, " batch"], PRNGKeyArray], PyTree]
+# evaluate(state, data, progress=...) -> (metrics, raw_metrics or None), like `evaluate_state`.
+Evaluator = Callable[..., tuple[dict[str, Any], dict[str, Any] | None]]
+EVAL_SEED = 0  # the root of the keys a per-batch function gets: the same at every evaluation
 
 
 @eqx.filter_jit
 @typecheck
 def _eval_sums(
-    model: eqx.Module, model_state: eqx.nn.State | None, batch: Batch, mask: Float[Array, " batch"]
-) -> tuple[Float[Array, ""], Float[Array, ""]]:
+    model: eqx.Module, model_state: eqx.nn.State | None, batch: Any, mask: Float[Array, " batch"], key: PRNGKeyArray
+) -> dict[str, Float[Array, ""]]:
     logits, _ = forward(model, model_state, batch.inputs, key=None)
     losses, correct = classification_metrics(logits, batch.labels)
-    return jnp.sum(losses * mask), jnp.sum(correct * mask)
+    return {"loss": jnp.sum(losses * mask), "accuracy": jnp.sum(correct * mask)}
 
 
-def _padded(batches: Iterable[Batch], batch_size: int) -> Iterable[tuple[Batch, np.ndarray]]:
-    for inputs, labels in batches:
-        count = len(labels)
+def _padded(batches: Iterable[Any], batch_size: int) -> Iterable[tuple[Any, np.ndarray]]:
+    for batch in batches:
+        batch = as_batch(batch)
+        count = batch_rows(batch)
         mask = np.zeros(batch_size, np.float32)
         mask[:count] = 1
         if count < batch_size:
-            index = np.arange(batch_size) % count
-            inputs, labels = inputs[index], labels[index]
-        yield Batch(inputs, labels), mask
+            batch = take_rows(batch, np.arange(batch_size) % count)
+        yield batch, mask
 
 
-def padded_batches(data: DeviceLoader | HostLoader) -> tuple[Iterable[tuple[Batch, np.ndarray]], int]:
+def padded_batches(data: DeviceLoader | HostLoader) -> tuple[Iterable[tuple[Any, np.ndarray]], int]:
     """`(batches, size)`: every example of `data` once, in batches of one size (a smaller last batch is
     padded and its padding masked out by the 0/1 mask given with each batch), and the example count."""
     if isinstance(data, DeviceLoader):
         return data.padded_batches(), data.size
     # A HostLoader is a torch DataLoader, annotated as an Iterable so that this module need not import torch.
     return _padded(data, data.batch_size), len(data.dataset)  # pyright: ignore[reportAttributeAccessIssue]
+
+
+def evaluate_batches(
+    per_batch: PerBatch, model: Any, model_state: Any, data: DeviceLoader | HostLoader, *, progress: bool = False
+) -> tuple[list[Any], int]:
+    """`(results, size)`: `per_batch(model, model_state, batch, mask, key)` of every padded batch of `data`
+    (`padded_batches`), fetched to the host, and the example count. `per_batch` is compiled once
+    (`eqx.filter_jit`: wrap it yourself to keep it compiled across calls); the key of batch `i` is
+    `fold_in(key(EVAL_SEED), i)`, the same at every evaluation. With `progress`, an evaluation that
+    takes over a second shows a bar (batches/s and ETA)."""
+    batches, size = padded_batches(data)
+    batch_size = data.batch_size  # pyright: ignore[reportAttributeAccessIssue]  (a HostLoader's: DataLoader's)
+    bar = Progress(math.ceil(size / batch_size), desc="eval", unit="batch", enabled=progress, delay=1.0, leave=False)
+    root = jax.random.key(EVAL_SEED)
+    results = []
+    try:
+        for i, (batch, mask) in enumerate(batches):
+            batch = jax.tree.map(jnp.asarray, batch)
+            results.append(per_batch(model, model_state, batch, jnp.asarray(mask), jax.random.fold_in(root, i)))
+            if len(results) > 1:  # keep one batch in flight; the bar then counts finished batches
+                jax.block_until_ready(results[-2])
+                bar.update(1)
+    finally:
+        bar.close()
+    return jax.device_get(results), size
+
+
+def mean_of_sums(results: list[dict[str, Any]], size: int) -> dict[str, float]:
+    """Each metric's sum over the batches (in float32, batch by batch) divided by the example count: what
+    a per-batch function returning sums over the real rows of its batch means."""
+    names = list(results[0])
+    totals = np.sum(np.stack([np.stack([r[name] for name in names]) for r in results]), axis=0)
+    return {name: float(total / size) for name, total in zip(names, totals, strict=True)}
 
 
 def evaluate(
@@ -55,32 +100,52 @@ def evaluate(
     batch size and masked, so the average is exact and the evaluation compiles once. With
     `progress`, an evaluation that takes over a second shows a bar (batches/s and ETA).
     """
-    model = eqx.nn.inference_mode(model)
-    batches, size = padded_batches(data)
-    batch_size = data.batch_size  # pyright: ignore[reportAttributeAccessIssue]  (a HostLoader's: DataLoader's)
-    bar = Progress(math.ceil(size / batch_size), desc="eval", unit="batch", enabled=progress, delay=1.0, leave=False)
-    totals = []
-    try:
-        for b, mask in batches:
-            totals.append(
-                _eval_sums(model, model_state, Batch(jnp.asarray(b.inputs), jnp.asarray(b.labels)), jnp.asarray(mask))
-            )
-            if len(totals) > 1:  # keep one batch in flight; the bar then counts finished batches
-                jax.block_until_ready(totals[-2])
-                bar.update(1)
-    finally:
-        bar.close()
-    loss, correct = np.sum(jax.device_get(totals), axis=0)
-    return {"loss": float(loss / size), "accuracy": float(correct / size)}
+    results, size = evaluate_batches(_eval_sums, eqx.nn.inference_mode(model), model_state, data, progress=progress)
+    return mean_of_sums(results, size)
 
 
-def evaluate_state(
-    state: TrainState, data: DeviceLoader | HostLoader, *, progress: bool = False
-) -> tuple[dict[str, float], dict[str, float] | None]:
-    """`(metrics, raw_metrics)` of a TrainState: `metrics` of the model it stands for (the EMA
-    `(model, model_state)` when `state.ema` is set, else the trained model) and `raw_metrics` of the
-    trained model when there is an EMA (else `None`). `fit` logs them as `test/...` and `test_raw/...`."""
-    raw = evaluate(state.model, state.model_state, data, progress=progress)
-    if state.ema is None:
-        return raw, None
-    return evaluate(*state.averaged_model(), data, progress=progress), raw
+def model_evaluator(evaluate_model: Callable[..., dict[str, Any]]) -> Evaluator:
+    """An evaluator of train states from `evaluate_model(model, model_state, data, progress=...) -> metrics`:
+    `(metrics, raw_metrics)`, `metrics` of the model the state stands for (its EMA `(model, model_state)`
+    when it keeps one, else the trained model) and `raw_metrics` of the trained model when there is an
+    EMA (else `None`). `fit` logs them as `test/...` and `test_raw/...`."""
+
+    def evaluator(state: Any, data: DeviceLoader | HostLoader, *, progress: bool = False) -> tuple[dict, dict | None]:
+        raw = evaluate_model(state.model, state.model_state, data, progress=progress)
+        if state.ema is None:
+            return raw, None
+        model, model_state = state.ema.average
+        return evaluate_model(model, model_state, data, progress=progress), raw
+
+    return evaluator
+
+
+def batch_evaluator(
+    per_batch: PerBatch, finish: Callable[[list[Any], int], dict[str, Any]] = mean_of_sums
+) -> Evaluator:
+    """An evaluator of train states (`model_evaluator`) from a function of one padded batch:
+    `per_batch(model, model_state, batch, mask, key)` (compiled once; the model in inference mode; `mask`
+    is 1 on the batch's real rows, 0 on its padding) gives each batch's results, and `finish(results,
+    size)` the metrics (by default, sums over the real rows divided by the example count)."""
+    compiled = eqx.filter_jit(per_batch)
+
+    def evaluate_model(model: Any, model_state: Any, data: DeviceLoader | HostLoader, *, progress: bool = False):
+        return finish(*evaluate_batches(compiled, eqx.nn.inference_mode(model), model_state, data, progress=progress))
+
+    return model_evaluator(evaluate_model)
+
+
+def combined_evaluator(*evaluators: Evaluator) -> Evaluator:
+    """One evaluator whose metrics are those of `evaluators` together (say a test loss and a Fréchet distance)."""
+
+    def evaluate(state: Any, data: DeviceLoader | HostLoader, *, progress: bool = False) -> tuple[dict, dict | None]:
+        results = [evaluator(state, data, progress=progress) for evaluator in evaluators]
+        raw = None if all(r is None for _, r in results) else {k: v for _, r in results for k, v in (r or {}).items()}
+        return {k: v for metrics, _ in results for k, v in metrics.items()}, raw
+
+    return evaluate
+
+
+evaluate_state: Evaluator = model_evaluator(evaluate)
+evaluate_state.__doc__ = """`(metrics, raw_metrics)` of a `TrainState` of a classifier: mean loss and accuracy
+(`evaluate`) of the model it stands for (the EMA's when it keeps one) and, with an EMA, of the trained model."""

@@ -1,10 +1,10 @@
 """`fit`: the engine with the standard hooks, in one call, for library users (an experiment script's
 run adds the same hooks from its config: `research.experiment.add_default_hooks`).
 
-**Arguments of `fit`** (besides `Engine`'s `loss_fn`, `placement`, `log_every`, `steps_per_call`,
+**Arguments of `fit`** (besides `Engine`'s `step`, `placement`, `log_every`, `steps_per_call`,
 `skip_nonfinite`, `debug_nans`, `population`, and `Engine.fit`'s `resume_window`, `resume_data`):
 
-- `state`: the starting TrainState (step 0, or a restored checkpoint); left untouched.
+- `state`: the starting train state (step 0, or a restored checkpoint); left untouched.
 - `train_data`: a `DeviceLoader` (batches gathered on the device; `steps_per_call` steps run in
   one compiled call), a `TorchLoader` (host batches from a torch DataLoader, one call a step) or a
   `GrainLoader` (host batches through Grain).
@@ -40,16 +40,16 @@ from ._evaluate import evaluate_state
 from ._hooks import Checkpoint, Evaluate, Evaluator, NonFiniteGuard, Profile, ShowProgress, Track
 from ._placement import Placement, one_device
 from ._rundir import RunDir
-from ._state import LossFn, TrainState, classification_loss
+from ._step import AbstractTrainState, Step
 from ._tracking import JsonlTracker, Tracker
 
 
 def fit(
-    state: TrainState,
+    state: AbstractTrainState,
     train_data: DeviceLoader | TorchLoader | GrainLoader,
     *,
     num_steps: int,
-    loss_fn: LossFn = classification_loss,
+    step: Step | None = None,
     placement: Placement = one_device(),
     eval_data: DeviceLoader | HostLoader | None = None,
     val_data: DeviceLoader | HostLoader | None = None,
@@ -76,7 +76,7 @@ def fit(
     """Train `state` until `state.step == num_steps`: an `Engine` with the standard hooks. The arguments
     are described in this module's docstring (`help(research.train._fit)`)."""
     engine = Engine(
-        loss_fn,
+        step,
         placement=placement,
         log_every=log_every,
         steps_per_call=steps_per_call,

@@ -20,26 +20,22 @@ from ..errors import NonFiniteError
 from ..progress import Progress
 from ._checkpoint import CheckpointWriter
 from ._engine import StepInfo
-from ._evaluate import evaluate_state
-from ._rundir import RunDir
-from ._stats import NONFINITE_NAMES
+from ._evaluate import Evaluator, evaluate_state
+from ._rundir import Headline, RunDir
 from ._tracking import Tracker
-
-# evaluate(state, data, progress=...) -> (metrics, raw_metrics or None), like `evaluate_state`.
-Evaluator = Callable[..., tuple[dict[str, Any], dict[str, Any] | None]]
 
 
 @dataclasses.dataclass
 class NonFiniteGuard:
-    """Stop with `NonFiniteError` naming the first step whose loss or gradient was NaN/Inf, and the
-    last good checkpoint (which stays untouched; `saving`: the checkpoint hook whose save in flight
-    is committed first). Runs at every stop: a bad run stops early."""
+    """Stop with `NonFiniteError` naming the first step one of whose `finite_metrics` (the loss, the
+    gradient's norm) was NaN/Inf, and the last good checkpoint (which stays untouched; `saving`: the
+    checkpoint hook whose save in flight is committed first). Runs at every stop: a bad run stops early."""
 
     run: RunDir | None = None
     saving: "Checkpoint | None" = None
 
     def __call__(self, info: StepInfo) -> None:
-        bad_step, quantity = info.first_bad_step()
+        bad_step, metric = info.first_bad_step()
         if bad_step < 0:
             return
         if self.saving is not None:
@@ -47,7 +43,7 @@ class NonFiniteGuard:
         kept = self.run.checkpoint_paths()[-1] if self.run is not None and self.run.checkpoint_paths() else None
         where = f"; the last good checkpoint is {kept}" if kept else "; no checkpoint was written"
         raise NonFiniteError(
-            f"non-finite {NONFINITE_NAMES[quantity]} at step {bad_step + 1}"
+            f"non-finite {'gradient' if metric == 'grad_norm' else metric} at step {bad_step + 1}"
             f"{where}. Lower the learning rate, check the data, pass --skip-nonfinite to skip such steps, "
             "or rerun with --debug-nans to find the operation that made it"
         )
@@ -112,7 +108,7 @@ class ShowProgress:
 @dataclasses.dataclass
 class Checkpoint:
     """Save the state (with `header` and the unlogged metrics window) in the background, and keep the
-    `keep` newest checkpoints plus the best by `test/accuracy`.
+    `keep` newest checkpoints plus the best by `headline` (`test/accuracy`, highest, by default).
 
     A save returns once the arrays are copied off the devices; training goes on while Orbax writes
     them, and the next save (or the end of fit: `close`) waits for the commit. With several
@@ -129,12 +125,13 @@ class Checkpoint:
     keep: int = 3
     header: dict[str, Any] = dataclasses.field(default_factory=dict)
     every_seconds: float | None = None
+    headline: Headline = Headline()
     _last: float = dataclasses.field(default_factory=time.monotonic, init=False)
     _saved_step: int = dataclasses.field(default=-1, init=False)
     _writer: CheckpointWriter = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
-        self._writer = CheckpointWriter(on_commit=lambda _: self.run.prune_checkpoints(self.keep))
+        self._writer = CheckpointWriter(on_commit=lambda _: self.run.prune_checkpoints(self.keep, self.headline))
 
     def __call__(self, info: StepInfo) -> None:
         if info.step == self._saved_step:

@@ -32,10 +32,9 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from ..data import Batch
 from ..errors import ConfigError
 from ..typing import PRNGKeyArray, PyTree
-from ._state import LossFn, batch_rows, loss_value_and_grad, rows_of_global_batch
+from ._global_batch import LossFn, batch_rows, loss_value_and_grad, rows_of_global_batch
 
 # What XLA must not choose per program for a micro-batched step to round the same way in every program:
 # its CPU backend hands a dot to a YNNPACK fusion in some programs and to its own dot emitter in others (a
@@ -70,21 +69,21 @@ def check_micro_batch_loss(loss_fn: LossFn) -> None:
         )
 
 
-def _sums(loss_fn: LossFn, model: eqx.Module, model_state: Any, batch: Batch, key: PRNGKeyArray) -> tuple:
-    """`(sums, new model state)` of one micro-batch: the loss's own sums, or the mean's `(metrics, grads)`."""
+def _sums(loss_fn: LossFn, model: eqx.Module, model_state: Any, batch: PyTree, key: PRNGKeyArray) -> tuple:
+    """`(sums, new model state)` of one micro-batch: the loss's own sums, or the mean's `((loss, metrics), grads)`."""
     own = getattr(loss_fn, "micro_batch_sums", None)
     if own is not None:
         return own(model, model_state, batch, key)
-    (_, (metrics, model_state)), grads = loss_value_and_grad(loss_fn, model, model_state, batch, key)
-    return (metrics, grads), model_state
+    (loss, (metrics, model_state)), grads = loss_value_and_grad(loss_fn, model, model_state, batch, key)
+    return ((loss, metrics), grads), model_state
 
 
 def _finish(loss_fn: LossFn, total: PyTree, micro_batches: int, key: PRNGKeyArray) -> tuple:
     own = getattr(loss_fn, "from_micro_batch_sums", None)
     if own is not None:
         return own(total, key)
-    metrics, grads = jax.tree.map(lambda x: x / micro_batches, total)
-    return metrics["loss"], metrics, grads
+    (loss, metrics), grads = jax.tree.map(lambda x: x / micro_batches, total)
+    return loss, metrics, grads
 
 
 def _mean_state(stacked: PyTree, micro_batches: int) -> PyTree:
@@ -99,7 +98,7 @@ def micro_batch_value_and_grad(
     loss_fn: LossFn,
     model: eqx.Module,
     model_state: Any,
-    batch: Batch,
+    batch: PyTree,
     key: PRNGKeyArray,
     *,
     micro_batches: int,
@@ -107,13 +106,14 @@ def micro_batch_value_and_grad(
 ) -> tuple[tuple[Any, tuple[dict, Any]], PyTree]:
     """`loss_value_and_grad`'s result for the global batch, of which `batch` is this device's equal slice
     along `axis_name` (all of it without), as `micro_batches` micro-batches combined in a fixed order."""
+    check_micro_batch_loss(loss_fn)
     devices = 1 if axis_name is None else jax.lax.axis_size(axis_name)
     local = micro_batches // devices
     rows = batch_rows(batch) // local
     first = 0 if axis_name is None else jax.lax.axis_index(axis_name) * local
     micro = jax.tree.map(lambda x: x.reshape(local, rows, *x.shape[1:]), batch)
 
-    def one(_: None, indexed: tuple[Any, Batch]) -> tuple[None, tuple]:
+    def one(_: None, indexed: tuple[Any, PyTree]) -> tuple[None, tuple]:
         index, micro_batch = indexed
         with rows_of_global_batch(micro_batches * rows, (first + index) * rows):
             return None, _sums(loss_fn, model, model_state, micro_batch, key)

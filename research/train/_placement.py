@@ -23,8 +23,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ..data import Batch
 from ..errors import ConfigError, DeviceError
+from ..typing import PyTree
 from ._micro import EXACT_COMPILER_OPTIONS
 
 Leaves = list[jax.Array]
@@ -59,8 +59,8 @@ class Placement(abc.ABC):
       `put_batch`, `put_indices`: a host batch (this process's rows of it: a host loader reads only
       those) and the step indices into device data, as the compiled functions take them.
     - `metric_shapes(fn, leaves, batch)`: the shapes of one device's `fn(leaves, batch)`, traced.
-    - `check(model, rows)`: refuse, before any work, a model or a batch of `rows` rows that this
-      placement cannot train correctly (BatchNorm statistics over the wrong axis, an uneven split).
+    - `check(state, rows)`: refuse, before any work, a train state (its models) or a batch of `rows` rows
+      that this placement cannot train correctly (BatchNorm statistics over the wrong axis, an uneven split).
 
     From these: `gather`, `put_stats`, `put_data`, `put_count` and `packs`.
     """
@@ -76,7 +76,7 @@ class Placement(abc.ABC):
     def compile(self, fn: Callable, *, broadcast_last: bool = False) -> Callable: ...
 
     @abc.abstractmethod
-    def constrain(self, batch: Batch) -> Batch: ...
+    def constrain(self, batch: PyTree) -> PyTree: ...
 
     @abc.abstractmethod
     def constrain_state(self, leaves: Leaves) -> Leaves: ...
@@ -97,16 +97,16 @@ class Placement(abc.ABC):
     def replicate(self, x: Any) -> Any: ...
 
     @abc.abstractmethod
-    def put_batch(self, batch: Batch) -> Batch: ...
+    def put_batch(self, batch: PyTree) -> PyTree: ...
 
     @abc.abstractmethod
     def put_indices(self, indices: np.ndarray) -> Any: ...
 
     @abc.abstractmethod
-    def metric_shapes(self, fn: Callable, leaves: Leaves, batch: Batch) -> dict[str, jax.ShapeDtypeStruct]: ...
+    def metric_shapes(self, fn: Callable, leaves: Leaves, batch: PyTree) -> dict[str, jax.ShapeDtypeStruct]: ...
 
     @abc.abstractmethod
-    def check(self, model: eqx.Module, rows: int) -> None: ...
+    def check(self, state: Any, rows: int) -> None: ...
 
     @property
     def packs(self) -> bool:
@@ -122,7 +122,7 @@ class Placement(abc.ABC):
         no tree map: fresh ones are taken at every logging stop)."""
         return stats if self.on_one_device else jax.tree.map(self.replicate, stats)
 
-    def put_data(self, host: Batch, device: Batch) -> Batch:
+    def put_data(self, host: PyTree, device: PyTree) -> PyTree:
         """A dataset that every device holds whole: on one device its device copy as it is (no second
         copy), else copies of `host`."""
         return device if self.on_one_device else jax.tree.map(self.replicate, host)
@@ -161,7 +161,7 @@ def process_rows(array: np.ndarray, axis: int = 0) -> np.ndarray:
     return np.take(array, np.arange(index * size, (index + 1) * size), axis=axis)
 
 
-def batch_norm_layers(model: eqx.Module) -> list[eqx.nn.BatchNorm]:
+def batch_norm_layers(model: Any) -> list[eqx.nn.BatchNorm]:
     return [
         m
         for m in jax.tree.leaves(model, is_leaf=lambda m: isinstance(m, eqx.nn.BatchNorm))
@@ -201,7 +201,7 @@ def check_micro_batches(micro_batches: int | None, rows: int, devices: int) -> N
         )
 
 
-def check_batch_norm_axis(model: eqx.Module, axis_name: str | tuple[str, ...]) -> None:
+def check_batch_norm_axis(model: Any, axis_name: str | tuple[str, ...]) -> None:
     """Refuse a model whose BatchNorm layers would not reduce over the whole (global) batch."""
     for layer in batch_norm_layers(model):
         axis = tuple(layer.axis_name) if isinstance(layer.axis_name, (tuple, list)) else layer.axis_name
@@ -305,11 +305,11 @@ class MeshPlacement(Placement):
         state gathered for the step; it stays sharded between steps), doing its own fixed-order
         reductions over the data axis."""
 
-        def run(state: Any, batch: Batch) -> tuple[Any, Any]:
+        def run(state: Any, batch: PyTree) -> tuple[Any, Any]:
             dynamic, static = eqx.partition(state, eqx.is_array)
             new_static = []  # the non-array part of the new state, seen while tracing `local`
 
-            def local(dynamic: Any, batch: Batch) -> tuple[Any, Any]:
+            def local(dynamic: Any, batch: PyTree) -> tuple[Any, Any]:
                 new, metrics = step(eqx.combine(dynamic, static), batch, DATA_AXIS)
                 new_dynamic, static_part = eqx.partition(new, eqx.is_array)
                 new_static.append(static_part)
@@ -335,7 +335,7 @@ class MeshPlacement(Placement):
 
         return jax.jit(laid_out, donate_argnums=(0, 1), compiler_options=options)
 
-    def constrain(self, batch: Batch) -> Batch:
+    def constrain(self, batch: PyTree) -> PyTree:
         if self.on_one_device:
             return batch
         return jax.lax.with_sharding_constraint(batch, self._sharding(*self.batch_spec))
@@ -384,7 +384,7 @@ class MeshPlacement(Placement):
             return x  # the compiled call takes it
         return jax.make_array_from_process_local_data(self._sharding(), np.asarray(x))
 
-    def put_batch(self, batch: Batch) -> Batch:
+    def put_batch(self, batch: PyTree) -> PyTree:
         if self.on_one_device:
             return batch  # the compiled call takes host arrays: no transfer of our own
         sharding = self._sharding(*self.batch_spec)
@@ -397,16 +397,16 @@ class MeshPlacement(Placement):
         local = process_rows(indices, spec.index(self.axis)) if self.axis in spec else indices
         return jax.make_array_from_process_local_data(self._sharding(*spec), local, indices.shape)
 
-    def metric_shapes(self, fn: Callable, leaves: Leaves, batch: Batch) -> dict[str, jax.ShapeDtypeStruct]:
+    def metric_shapes(self, fn: Callable, leaves: Leaves, batch: PyTree) -> dict[str, jax.ShapeDtypeStruct]:
         return jax.eval_shape(fn, leaves, batch)
 
-    def check(self, model: eqx.Module, rows: int) -> None:
+    def check(self, state: Any, rows: int) -> None:
         check_device_count(self.devices)
         splits_rows = self.split == "batch"
         if splits_rows:
             check_split(rows, self.devices)
         check_micro_batches(self.micro_batches, rows, self.devices * jax.process_count() if splits_rows else 1)
-        check_batch_norm_axis(model, "batch")
+        check_batch_norm_axis(state, "batch")
 
 
 def one_device(*, micro_batches: int | None = None) -> MeshPlacement:

@@ -1,9 +1,10 @@
+import dataclasses
 import datetime
 import json
 import math
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from ..errors import CheckpointError
 from ._checkpoint import is_committed, read_header, remove_checkpoint, write_atomic
@@ -15,7 +16,43 @@ _CHECKPOINT = re.compile(r"^step_(\d+)(\.ckpt)?$")  # a directory; a file of the
 def _jsonable(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)  # JSON has no NaN/Inf; keep them visible as strings
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
     return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Headline:
+    """The number an experiment's runs are judged by: the evaluation's `metric` (`test/<metric>` in
+    metrics.jsonl, `test_<metric>` in summary.json) and its `goal` (`"max"`: higher is better). An
+    experiment's config names it (`RunConfig.headline`); the summary line, the best checkpoint kept,
+    `scripts/compare_runs` and `scripts/sweep`'s objective use it. `percent`: shown as a percentage."""
+
+    metric: str = "accuracy"
+    goal: Literal["max", "min"] = "max"
+    percent: bool = True
+
+    @property
+    def summary_key(self) -> str:
+        return f"test_{self.metric}"
+
+    def shown(self, value: Any) -> str:
+        """`value` as the summary line shows it (`97.50%`, `12.3456`)."""
+        if not isinstance(value, (int, float)):
+            return str(value)
+        return f"{100 * value:.2f}%" if self.percent else f"{value:.4g}"
+
+    def better(self, value: Any, than: float) -> bool:
+        """Whether `value` is a number better than `than` (a run's value is better than none: +-inf)."""
+        if not isinstance(value, (int, float)) or not math.isfinite(value):
+            return False
+        return value > than if self.goal == "max" else value < than
+
+    @property
+    def worst(self) -> float:
+        return -math.inf if self.goal == "max" else math.inf
 
 
 class RunDir:
@@ -79,7 +116,9 @@ class RunDir:
         write_atomic(self.metrics_file, "".join(json.dumps(r) + "\n" for r in kept).encode())
 
     def write_summary(self, summary: dict[str, Any]) -> None:
-        write_atomic(self.summary_file, (json.dumps(summary, indent=2, sort_keys=True) + "\n").encode())
+        # Strict JSON: a NaN or an infinity is written as a string, as metrics.jsonl does.
+        text = json.dumps(_jsonable(summary), indent=2, sort_keys=True, allow_nan=False)
+        write_atomic(self.summary_file, (text + "\n").encode())
 
     def read_summary(self) -> dict[str, Any] | None:
         """The final numbers of a finished run; `None` while it runs (or if it was killed)."""
@@ -120,24 +159,24 @@ class RunDir:
                 problems.append(str(e))
         return None, problems
 
-    def best_checkpoint(self, metric: str = "test/accuracy") -> Path | None:
-        """The valid checkpoint whose header records the highest `metric` (evaluated at its step)."""
-        best, best_value = None, -math.inf
+    def best_checkpoint(self, headline: Headline = Headline()) -> Path | None:
+        """The valid checkpoint whose header records the best `test/<headline metric>` (evaluated at its step)."""
+        best, best_value = None, headline.worst
         for path in self.checkpoint_paths():
             try:
-                value = read_header(path).get("eval", {}).get(metric)
+                value = read_header(path).get("eval", {}).get(f"test/{headline.metric}")
             except CheckpointError:
                 continue
-            if isinstance(value, (int, float)) and value > best_value:
+            if headline.better(value, best_value):
                 best, best_value = path, value
         return best
 
-    def prune_checkpoints(self, keep: int) -> None:
-        """Delete all but the `keep` newest checkpoints and the best one (see `best_checkpoint`)."""
+    def prune_checkpoints(self, keep: int, headline: Headline = Headline()) -> None:
+        """Delete all but the `keep` newest checkpoints and the best one by `headline` (`best_checkpoint`)."""
         paths = self.checkpoint_paths()
         if len(paths) <= keep:
             return
-        best = self.best_checkpoint()
+        best = self.best_checkpoint(headline)
         for path in paths[:-keep]:
             if path != best:
                 remove_checkpoint(path)

@@ -1,29 +1,23 @@
-import contextlib
-import contextvars
+"""Supervised training as one `Step`: `TrainState` (one model, its optimizer state, an EMA) and
+`SupervisedStep` (a loss over a batch, one optax optimizer), with the loss and forward pass of a classifier."""
+
 import dataclasses
-from collections.abc import Callable, Iterator
-from typing import Any
+import inspect
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-from jaxtyping import Key
 
 from ..data import Batch
 from ..state import EMA
 from ..typing import Array, Bool, Float, Int, Integer, KeyData, PRNGKeyArray, PyTree, typecheck
-from ._keys import split_key_data
-
-Metrics = dict[str, Float[Array, ""]]
-# loss_fn(model, model_state, batch, key) -> (loss, (metrics, new_model_state)): a mean over its batch.
-# A loss object may also define `value_and_grad(model, model_state, batch, key, *, axis_name)` with the
-# output of `eqx.filter_value_and_grad(loss_fn, has_aux=True)`; it then owns how its gradient combines
-# across the devices of `axis_name` (see `loss_value_and_grad`).
-LossFn = Callable[[eqx.Module, Any, Batch, PRNGKeyArray], tuple[Float[Array, ""], tuple[Metrics, Any]]]
+from ._global_batch import GlobalBatch, LossFn, Metrics, example_keys
+from ._step import AbstractTrainState, Step, take_step
 
 
-class TrainState(eqx.Module):
+class TrainState(AbstractTrainState):
     """Everything that changes during training, and nothing else: the single source of truth for resume.
 
     **Fields:**
@@ -85,48 +79,15 @@ class TrainState(eqx.Module):
             raise ValueError("this TrainState keeps no EMA of the model; build it with ema_decay > 0 or with_ema(...)")
         return self.ema.average
 
+    def networks(self) -> dict[str, eqx.Module]:
+        return {"model": self.model}
+
 
 def _strong(tree: PyTree) -> PyTree:
     """`tree` with weakly typed arrays made strong (same values and dtypes). Equinox creates some
     state leaves (BatchNorm's counter) weakly typed, but a checkpoint restores them strong: without
     this, a resumed run would compile its step again."""
     return jax.tree.map(lambda x: jnp.asarray(x, dtype=x.dtype) if eqx.is_array(x) and x.weak_type else x, tree)
-
-
-# Where the batch a loss sees sits in the global batch, `(global rows, first row)`, set while tracing
-# a step whose batch is one device's slice (`jax.pmap`) or one micro-batch (`--deterministic-reduction`).
-# `forward` then gives every example the key it would get in the whole batch, so dropout masks do not
-# depend on the device count or on the micro-batches.
-_rows_in_batch: contextvars.ContextVar[tuple[int, Any] | None] = contextvars.ContextVar("rows_in_batch", default=None)
-
-
-@contextlib.contextmanager
-def rows_of_global_batch(total: int, first: Any) -> Iterator[None]:
-    """Inside it, a batch is rows `first, first + 1, ...` (a traced index may do) of a global batch of
-    `total` rows: `example_keys` gives each example its key in the global batch."""
-    token = _rows_in_batch.set((total, first))
-    try:
-        yield
-    finally:
-        _rows_in_batch.reset(token)
-
-
-@contextlib.contextmanager
-def _batch_split_over(axis_name: str | None, rows: int) -> Iterator[None]:
-    if axis_name is None:
-        yield
-        return
-    with rows_of_global_batch(rows * jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name) * rows):
-        yield
-
-
-def _example_keys(key: PRNGKeyArray, count: int) -> Key[Array, " {count}"]:
-    rows = _rows_in_batch.get()
-    if rows is None:
-        return jax.random.split(key, count)
-    # split(key, n)[i] does not depend on n (partitionable threefry), so this is the global batch's keys.
-    total, first = rows
-    return jax.lax.dynamic_slice_in_dim(jax.random.split(key, total), first, count)
 
 
 @typecheck
@@ -141,23 +102,32 @@ def forward(
     """Apply a single-example model to a batch with `jax.vmap`; inputs are signals (floats), tokens (ints)
     or images (uint8).
 
-    Each example gets its own key (dropout masks differ across the batch). A stateful model is called
-    as `model(x, state, key=...)` with the state shared (not mapped) and batch statistics reduced
+    Each example gets its own key (dropout masks differ across the batch) when the model's `__call__`
+    takes a `key` (any Equinox model: one without is called as `model(x)`). A stateful model is called
+    as `model(x, state[, key=...])` with the state shared (not mapped) and batch statistics reduced
     over `axis_name`.
     """
-    keys = None if key is None else _example_keys(key, inputs.shape[0])
+    takes_key = _takes_key(model)
+    keys = None if key is None or not takes_key else example_keys(key, inputs.shape[0])
+
     # (A concrete eqx.Module has a __call__; the base class, which pyright reads, does not declare one.)
+    def call(x: Any, k: Any, *state: Any) -> Any:
+        return model(x, *state, key=k) if takes_key else model(x, *state)  # pyright: ignore[reportCallIssue]
+
     if model_state is None:
-        outputs = jax.vmap(lambda x, k: model(x, key=k))(inputs, keys)  # pyright: ignore[reportCallIssue]
-        return outputs, None
+        return jax.vmap(call)(inputs, keys), None
     # The state goes in as an argument (not closed over) so that the model works on a copy: an
     # `eqx.nn.State` invalidates itself once `set` is called on it, which would break the caller's.
-    return jax.vmap(
-        lambda x, k, s: model(x, s, key=k),  # pyright: ignore[reportCallIssue]
-        in_axes=(0, 0, None),
-        out_axes=(0, None),
-        axis_name=axis_name,
-    )(inputs, keys, model_state)
+    return jax.vmap(call, in_axes=(0, 0, None), out_axes=(0, None), axis_name=axis_name)(inputs, keys, model_state)
+
+
+def _takes_key(model: Any) -> bool:
+    """Whether `model(...)` takes a `key` keyword (a parameter named `key`, or `**kwargs`)."""
+    try:
+        parameters = inspect.signature(model).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: assume the convention of this codebase
+        return True
+    return any(p.name == "key" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 @typecheck
@@ -189,68 +159,71 @@ def classification_loss(
     return loss, ({"loss": loss, "accuracy": jnp.mean(correct.astype(jnp.float32))}, model_state)
 
 
-def _split(key_data: KeyData) -> tuple[KeyData, PRNGKeyArray]:
-    """`jax.random.split` of the state's key: (next state key data, this step's key)."""
-    # (jax.config's options are attributes made at run time, which pyright cannot see.)
-    impl = jax.config.jax_default_prng_impl  # pyright: ignore[reportAttributeAccessIssue]
-    if key_data.shape == (2,) and impl == "threefry2x32":
-        key, step_key = split_key_data(key_data)  # the same bits without XLA's CPU while loop
-        return key, jax.random.wrap_key_data(step_key)
-    key, step_key = jax.random.split(jax.random.wrap_key_data(key_data))
-    return jax.random.key_data(key), step_key
+class SupervisedStep(Step):
+    """Supervised training, today's step: the gradient of `loss_fn` on the state's model for the global
+    batch, one update of the state's optax optimizer, the EMA's update; metrics are the loss's and
+    `grad_norm`, the global norm of the gradient.
 
+    **Fields:**
 
-def example_keys(key: PRNGKeyArray, count: int) -> Key[Array, " {count}"]:
-    """One key per example of a batch of `count`: `jax.random.split(key, count)`, or, inside a train
-    step whose batch is split over a device axis, this device's slice of the whole batch's keys (so
-    per-example randomness does not depend on the device count)."""
-    return _example_keys(key, count)
+    - `loss_fn`: `(model, model_state, batch, key) -> (loss, (metrics, new model state))`, a mean over
+      its batch (`classification_loss` by default), or a loss object with its own `value_and_grad` (DP-SGD's,
+      which decides how its gradient combines across devices and micro-batches: `GlobalBatch`).
 
-
-def loss_value_and_grad(
-    loss_fn: LossFn,
-    model: eqx.Module,
-    model_state: Any,
-    batch: Batch,
-    key: PRNGKeyArray,
-    *,
-    axis_name: str | None = None,
-) -> tuple[tuple[Float[Array, ""], tuple[Metrics, Any]], PyTree]:
-    """The loss and its gradient on the model for the GLOBAL batch, of which `batch` is this device's
-    equal slice when `axis_name` names a device axis.
-
-    The loss decides how its gradient combines. A plain loss is a mean over its batch, so the mean of
-    the devices' means (`lax.pmean`) is the global mean. A loss with its own `value_and_grad` gets
-    `axis_name` and combines itself: DP-SGD sums the clipped per-example gradients over the devices
-    and adds its noise once, to the global sum (a mean of per-device noisy means would shrink the
-    signal by the device count and not the noise).
+    The state is a `TrainState`. The step has two halves, `gradient` and `apply`: a population under
+    `--deterministic-reduction` takes its members' gradients vmapped and applies each member's update on
+    its own (`CompiledTrainer`), which keeps its bits the same on every layout.
     """
-    with _batch_split_over(axis_name, batch_rows(batch)):
-        own = getattr(loss_fn, "value_and_grad", None)
-        if own is not None:
-            return own(model, model_state, batch, key, axis_name=axis_name)
-        (loss, (metrics, model_state)), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(
-            model, model_state, batch, key
+
+    loss_fn: LossFn = dataclasses.field(default_factory=lambda: classification_loss)
+    finite_metrics: ClassVar[tuple[str, ...]] = ("loss", "grad_norm")
+
+    def __call__(
+        self, state: "TrainState", batch: PyTree, key: PRNGKeyArray, global_batch: GlobalBatch
+    ) -> tuple["TrainState", Metrics]:
+        gradient, metrics = self.gradient(state, batch, key, global_batch)
+        return self.apply(state, gradient, metrics)
+
+    def gradient(
+        self, state: "TrainState", batch: PyTree, key: PRNGKeyArray, global_batch: GlobalBatch
+    ) -> tuple[tuple[PyTree, Any], Metrics]:
+        """The first half: `(the gradient, the new model state)` and the loss's metrics."""
+        (_, (metrics, model_state)), grads = global_batch.value_and_grad(
+            self.loss_fn, state.model, state.model_state, batch, key
         )
-    if axis_name is not None:
-        loss, grads, metrics = jax.lax.pmean((loss, grads, metrics), axis_name)
-    return (loss, (metrics, model_state)), grads
+        return (grads, model_state), metrics
 
-
-def batch_rows(batch: Batch) -> int:
-    """The rows of a batch (its leading axis)."""
-    return jax.tree.leaves(batch)[0].shape[0]
+    def apply(
+        self, state: "TrainState", gradient: tuple[PyTree, Any], metrics: Metrics
+    ) -> tuple["TrainState", Metrics]:
+        """The second half: the optimizer's update, the EMA's, and the metrics with `grad_norm`."""
+        grads, model_state = gradient
+        params = eqx.filter(state.model, eqx.is_inexact_array)
+        updates, opt_state = state.optimizer.update(grads, state.opt_state, params)
+        model = eqx.apply_updates(state.model, updates)
+        ema = None if state.ema is None else state.ema.update((model, model_state))[0]
+        new_state = TrainState(
+            step=state.step,
+            model=model,
+            model_state=model_state,
+            opt_state=opt_state,
+            key=state.key,
+            optimizer=state.optimizer,
+            ema=ema,
+        )
+        return new_state, {**metrics, "grad_norm": optax.tree.norm(grads)}
 
 
 def train_step(
     state: TrainState,
-    batch: Batch,
+    batch: PyTree,
     loss_fn: LossFn = classification_loss,
     *,
     axis_name: str | None = None,
     micro_batches: int | None = None,
 ) -> tuple[TrainState, Metrics]:
-    """One optimizer step: a pure function `TrainState, Batch -> TrainState, Metrics`.
+    """One optimizer step: a pure function `TrainState, batch -> TrainState, Metrics` (the engine's
+    `SupervisedStep(loss_fn)` taken once, for a loop of your own).
 
     The gradient is taken directly on the model object with `eqx.filter_value_and_grad` (or by the
     loss's own `value_and_grad`, when it has one, as DP-SGD's does); metrics gain `grad_norm`, the
@@ -267,51 +240,4 @@ def train_step(
     fixed order, so the step's bits do not depend on the device count (`_micro.py`; BatchNorm layers
     then reduce over `"batch"` alone: each micro-batch is normalised on its own).
     """
-    gradient, metrics = step_gradient(state, batch, loss_fn, axis_name=axis_name, micro_batches=micro_batches)
-    return apply_gradient(state, gradient, metrics)
-
-
-Gradient = tuple[PyTree, Any, KeyData]  # a step's (gradient, new model state, the state's next key)
-
-
-def step_gradient(
-    state: TrainState,
-    batch: Batch,
-    loss_fn: LossFn = classification_loss,
-    *,
-    axis_name: str | None = None,
-    micro_batches: int | None = None,
-) -> tuple[Gradient, Metrics]:
-    """The first half of `train_step` (its arguments): the gradient, the new model state and key, and the
-    loss's metrics; `apply_gradient` is the second."""
-    key, step_key = _split(state.key)
-    if micro_batches is None:
-        (_, (metrics, model_state)), grads = loss_value_and_grad(
-            loss_fn, state.model, state.model_state, batch, step_key, axis_name=axis_name
-        )
-    else:
-        from ._micro import micro_batch_value_and_grad  # it builds on this module
-
-        (_, (metrics, model_state)), grads = micro_batch_value_and_grad(
-            loss_fn, state.model, state.model_state, batch, step_key, micro_batches=micro_batches, axis_name=axis_name
-        )
-    return (grads, model_state, key), metrics
-
-
-def apply_gradient(state: TrainState, gradient: Gradient, metrics: Metrics) -> tuple[TrainState, Metrics]:
-    """The second half of `train_step`: the optimizer's update, the EMA's, and the metrics with `grad_norm`."""
-    grads, model_state, key = gradient
-    params = eqx.filter(state.model, eqx.is_inexact_array)
-    updates, opt_state = state.optimizer.update(grads, state.opt_state, params)
-    model = eqx.apply_updates(state.model, updates)
-    ema = None if state.ema is None else state.ema.update((model, model_state))[0]
-    new_state = TrainState(
-        step=state.step + 1,
-        model=model,
-        model_state=model_state,
-        opt_state=opt_state,
-        key=key,
-        optimizer=state.optimizer,
-        ema=ema,
-    )
-    return new_state, {**metrics, "grad_norm": optax.tree.norm(grads)}
+    return take_step(SupervisedStep(loss_fn), state, batch, GlobalBatch(axis_name, micro_batches))

@@ -1,0 +1,124 @@
+"""The step as a value: a `Step` is how one training step changes a state, passed to the engine by the
+experiment; an `AbstractTrainState` is what the engine needs of that state.
+
+The engine owns the two things every state has: the step counter and the key. `take_step` splits the
+state's key into the next state's key and this step's key, calls the step with this step's key, and
+counts the step; the step changes everything else (models, optimizer states, an EMA, a rollout). So a
+step is a pure function of (state, batch, key), the single source of truth for resume, and the engine
+can vmap it (a population), place it (one device, pmap, a mesh, FSDP), skip it when it goes non-finite
+and checkpoint its state, whatever it holds.
+
+Supervised training is one step (`research.train.SupervisedStep`); a GAN's alternating updates are
+another (`experiments/gan.py`).
+"""
+
+import abc
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from ..state import EMA
+from ..typing import Array, Int, KeyData, PRNGKeyArray, PyTree
+from ._global_batch import GlobalBatch, Metrics
+from ._keys import split_key_data
+
+
+class AbstractTrainState(eqx.Module):
+    """What the engine needs of a training state (an `eqx.Module`; subclass it with the fields a step
+    carries: models, optimizer states, anything else).
+
+    **Fields every state has:**
+
+    - `step`: the number of steps taken (`Int[Array, ""]`); the engine counts it.
+    - `key`: raw PRNG key data (`jax.random.key_data`, so that it serialises), split by the engine once a step.
+    - `ema`: `None`, or an `research.state.EMA` of `(model, model_state)`, updated by the step; what is
+      evaluated, exported and sampled when it is there (`--ema-decay`).
+    - `model`, `model_state`: the model the run trains for (evaluated, exported, sampled: a GAN's
+      generator) and its `eqx.nn.State` (or `None`); a field or a property.
+
+    **Methods:**
+
+    - `with_ema(decay)`: this state with an EMA of `(model, model_state)` starting here.
+    - `networks()`: every trained network by name (`{"generator": ..., "discriminator": ...}`), whose
+      parameters a run's config.json counts.
+    """
+
+    step: eqx.AbstractVar[Int[Array, ""]]
+    key: eqx.AbstractVar[KeyData]
+    ema: eqx.AbstractVar[EMA | None]
+    model: eqx.AbstractVar[Any]
+    model_state: eqx.AbstractVar[Any]
+
+    @abc.abstractmethod
+    def with_ema(self, decay: float) -> "AbstractTrainState": ...
+
+    @abc.abstractmethod
+    def networks(self) -> dict[str, eqx.Module]: ...
+
+
+class Step(eqx.Module):
+    """One training step as a value: `step(state, batch, key, global_batch) -> (new state, metrics)`.
+
+    Subclass it (an `eqx.Module`: the step's own settings are its fields, a loss function, a number of
+    critic steps) and hand it to the engine (`Engine(step)`, `fit(step=...)`, `Setup(step=...)`).
+
+    **What a step declares:**
+
+    - `finite_metrics`: the names of the metrics that are all finite on a good step (say its losses and
+      gradient norms). A step where one is not stops the run (`NonFiniteError`, naming it), or, with
+      `--skip-nonfinite`, leaves the state as it was (the step counter and the key still advance).
+
+    **`__call__(state, batch, key, global_batch)`:**
+
+    - `state`: an `AbstractTrainState`; return it with everything changed but `step` and `key` (the
+      engine counts the step and advances the key).
+    - `batch`: any pytree whose leaves have a leading row axis (this device's rows of the global batch
+      when the placement splits it).
+    - `key`: this step's key.
+    - `global_batch`: a `GlobalBatch`; take every gradient (and the metrics with it) through
+      `global_batch.value_and_grad`, so that the step gives the same numbers on every placement.
+
+    Metrics are a dict of float32 scalars (one value per member in a population): the engine logs their
+    running means as `train/<name>`.
+    """
+
+    finite_metrics: eqx.AbstractVar[tuple[str, ...]]
+
+    @abc.abstractmethod
+    def __call__(
+        self, state: Any, batch: PyTree, key: PRNGKeyArray, global_batch: GlobalBatch
+    ) -> tuple[Any, Metrics]: ...
+
+
+def split_key(key_data: KeyData) -> tuple[KeyData, PRNGKeyArray]:
+    """`jax.random.split` of a state's key: (the next state's key data, this step's key)."""
+    # (jax.config's options are attributes made at run time, which pyright cannot see.)
+    impl = jax.config.jax_default_prng_impl  # pyright: ignore[reportAttributeAccessIssue]
+    if key_data.shape == (2,) and impl == "threefry2x32":
+        key, step_key = split_key_data(key_data)  # the same bits without XLA's CPU while loop
+        return key, jax.random.wrap_key_data(step_key)
+    key, step_key = jax.random.split(jax.random.wrap_key_data(key_data))
+    return jax.random.key_data(key), step_key
+
+
+def counted(state: Any, new: Any, key: KeyData) -> Any:
+    """`new` (what a step made of `state`) one step on from `state`, with the next key."""
+    return eqx.tree_at(lambda s: (s.step, s.key), new, (state.step + 1, key))
+
+
+def take_step(step: Step, state: Any, batch: PyTree, global_batch: GlobalBatch) -> tuple[Any, Metrics]:
+    """One step of `step` on `state`: the state's key split, the step taken with this step's key, the
+    step counted (`counted`)."""
+    key, step_key = split_key(state.key)
+    new, metrics = step(state, batch, step_key, global_batch)
+    return counted(state, new, key), metrics
+
+
+def all_finite(metrics: dict[str, Array], names: tuple[str, ...]) -> Array:
+    """Whether every metric in `names` is finite (one flag per member in a population)."""
+    ok = jnp.isfinite(metrics[names[0]])
+    for name in names[1:]:
+        ok = ok & jnp.isfinite(metrics[name])
+    return ok
