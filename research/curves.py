@@ -1,4 +1,5 @@
-"""Learning-curve plots (`curves.png`): loss and accuracy against the step, training solid, test dashed.
+"""Learning-curve plots (`curves.png`): every logged metric against the step (the loss and the accuracy
+first, then the others: `grad_norm`, a GAN's `d_loss`, its `fid`, ...), training solid, test dashed.
 
 `draw_curves(runs, out, title=...)` draws one plot. `CurveFigure` is the same figure kept for drawing
 again: its axes, tick objects and the canvas's text and math layouts are made once, which makes each
@@ -25,7 +26,23 @@ from pathlib import Path
 from typing import Any
 
 Records = Sequence[dict[str, Any]]
-CURVE_PANELS = (("loss", "loss"), ("accuracy", "accuracy"))  # (metric, y-axis label)
+CURVE_PANELS = ("loss", "accuracy")  # the panels of a classifier's runs, first in every plot that has them
+COLUMNS = 3  # panels a row
+
+
+def panels_of(runs: Sequence[tuple[Records, str]]) -> tuple[str, ...]:
+    """The metrics the records of `runs` log as numbers, under `train/` or `test/`: the loss and the accuracy
+    first, the others in name order (`CURVE_PANELS` when nothing is logged yet)."""
+    names = {
+        key.split("/", 1)[1]
+        for records, _ in runs
+        for record in records
+        for key, value in record.items()
+        if key.startswith(("train/", "test/")) and isinstance(value, (int, float)) and not isinstance(value, bool)
+    }
+    if not names:
+        return CURVE_PANELS
+    return (*(name for name in CURVE_PANELS if name in names), *sorted(names - set(CURVE_PANELS)))
 
 
 def curve(records: Records, name: str) -> tuple[list[int], list[float]]:
@@ -35,26 +52,40 @@ def curve(records: Records, name: str) -> tuple[list[int], list[float]]:
 
 
 class CurveFigure:
-    """The learning-curve figure of `runs` runs, one colour each, drawn with `draw` as often as needed.
+    """The learning-curve figure of `runs` runs, one colour each, one panel a metric of `panels`
+    (`COLUMNS` a row), drawn with `draw` as often as needed.
 
     A plot drawn by a figure used before is pixel for pixel the plot a fresh figure draws (tested).
     """
 
-    def __init__(self, runs: int):
+    def __init__(self, runs: int, panels: tuple[str, ...] = CURVE_PANELS):
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
 
-        self.figure = Figure(figsize=(11, 4.2), dpi=110)
+        self.panels = panels
+        columns, rows = min(len(panels), COLUMNS), math.ceil(len(panels) / COLUMNS)
+        self.figure = Figure(figsize=(5.5 * columns, 4.2 + 3.6 * (rows - 1)), dpi=110)
         # A canvas of its own: `savefig` would otherwise make one (and a renderer, whose caches of text
         # and math layouts start empty) for every plot.
         FigureCanvasAgg(self.figure)
         # Fixed margins: the constrained layout engine measured as half of the time of every run's plot.
-        self.figure.subplots_adjust(left=0.06, right=0.99, bottom=0.12, top=0.87, wspace=0.2)
-        self.axes = self.figure.subplots(1, len(CURVE_PANELS))
+        inch = 1 / self.figure.get_figheight()  # the one-row margins (0.12, 0.13 of 4.2 inches) in inches
+        self.figure.subplots_adjust(
+            left=0.06 * 2 / columns,
+            right=0.99,
+            bottom=0.5 * inch,
+            top=1 - (0.55 if rows == 1 else 0.8) * inch,
+            wspace=0.2,
+            hspace=0.45,
+        )
+        grid = self.figure.subplots(rows, columns, squeeze=False).flatten()
+        for unused in grid[len(panels) :]:
+            unused.remove()
+        self.axes = grid[: len(panels)]
         self.lines = [[self._run_lines(ax, i) for i in range(runs)] for ax in self.axes]
-        for ax, (metric, ylabel) in zip(self.axes, CURVE_PANELS, strict=True):
+        for ax, metric in zip(self.axes, panels, strict=True):
             ax.set_xlabel("step")
-            ax.set_ylabel(ylabel)
+            ax.set_ylabel(metric)
             ax.set_title(f"{metric} (solid: train, dashed: test)", fontsize=10, y=1.0)  # y: no auto-placement (slow)
             ax.grid(True, alpha=0.3)
         self.title = self.figure.suptitle("")
@@ -67,7 +98,7 @@ class CurveFigure:
 
     def draw(self, runs: Sequence[tuple[Records, str]], out: str | Path | io.BytesIO, *, title: str) -> None:
         """Plot `runs` (each its logged records and its label in the legend) into the PNG file `out`."""
-        for ax, (metric, _), lines in zip(self.axes, CURVE_PANELS, self.lines, strict=True):
+        for ax, metric, lines in zip(self.axes, self.panels, self.lines, strict=True):
             for (records, label), (train, test) in zip(runs, lines, strict=True):
                 train.set_data(*curve(records, f"train/{metric}"))
                 train.set_label(label)
@@ -86,7 +117,7 @@ class CurveFigure:
         from matplotlib.ticker import PercentFormatter
 
         values = [y for line in ax.get_lines() for y in line.get_ydata()]
-        falls_far = metric == "loss" and values and min(values) > 0 and max(values) / min(values) > 20
+        falls_far = metric.endswith("loss") and values and min(values) > 0 and max(values) / min(values) > 20
         ax.set_yscale("log" if falls_far else "linear")  # losses fall over orders of magnitude
         if metric == "accuracy":
             ax.yaxis.set_major_formatter(PercentFormatter(1.0))
@@ -96,7 +127,7 @@ class CurveFigure:
 
 def draw_curves(runs: Sequence[tuple[Records, str]], out: str | Path, *, title: str) -> Path:
     """Plot `runs` (each its logged records and its label) into the PNG file `out`; returns its path."""
-    CurveFigure(len(runs)).draw(runs, out, title=title)
+    CurveFigure(len(runs), panels_of(runs)).draw(runs, out, title=title)
     return Path(out)
 
 
@@ -170,7 +201,7 @@ class CurvePool:
     """
 
     def __init__(self, processes: int):
-        self._here: dict[int, CurveFigure] = {}
+        self._here: dict[tuple[int, tuple[str, ...]], CurveFigure] = {}
         self._queue: collections.deque[Job] = collections.deque()
         self._workers = [_Worker() for _ in range(processes)]
 
@@ -189,7 +220,7 @@ class CurvePool:
 
     def _draw_here(self, job: Job) -> None:
         runs = [(records, label) for records, label in job["runs"]]
-        _figure_for(self._here, len(runs)).draw(runs, job["out"], title=job["title"])
+        _figure_for(self._here, runs).draw(runs, job["out"], title=job["title"])
 
     def close(self) -> None:
         while self._queue:
@@ -227,20 +258,21 @@ def plot_processes(plots: int) -> int:
 def _serve() -> None:
     """A `CurvePool` worker: draw each job read from stdin (one JSON object a line) until stdin closes."""
     # Ready before the first job comes: matplotlib imported, a one-run figure drawn once (fonts loaded).
-    figures = {1: CurveFigure(1)}
-    figures[1].draw([([], "")], io.BytesIO(), title="")
+    figures: dict[tuple[int, tuple[str, ...]], CurveFigure] = {}
+    _figure_for(figures, [([], "")]).draw([([], "")], io.BytesIO(), title="")
     for line in sys.stdin:
         job = json.loads(line)
         runs = [(records, label) for records, label in job["runs"]]
-        _figure_for(figures, len(runs)).draw(runs, job["out"], title=job["title"])
+        _figure_for(figures, runs).draw(runs, job["out"], title=job["title"])
         print("drawn", flush=True)
 
 
-def _figure_for(figures: dict[int, CurveFigure], runs: int) -> CurveFigure:
-    """The figure of `runs` runs in `figures`, made on first use."""
-    if runs not in figures:
-        figures[runs] = CurveFigure(runs)
-    return figures[runs]
+def _figure_for(figures: dict[tuple[int, tuple[str, ...]], CurveFigure], runs: Sequence[tuple[Records, str]]):
+    """The figure of `runs` (their number and their metrics) in `figures`, made on first use."""
+    key = (len(runs), panels_of(runs))
+    if key not in figures:
+        figures[key] = CurveFigure(*key)
+    return figures[key]
 
 
 if __name__ == "__main__":

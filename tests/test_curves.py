@@ -7,7 +7,7 @@ import matplotlib.image
 import numpy as np
 import pytest
 
-from research.curves import CurveFigure, CurvePool, draw_curves, plot_processes
+from research.curves import CurveFigure, CurvePool, draw_curves, panels_of, plot_processes
 from research.experiment import plot_curves
 from research.train import RunDir
 
@@ -96,3 +96,22 @@ def test_workers_only_for_enough_plots_and_cores(monkeypatch):
     assert [plot_processes(n) for n in (7, 16, 24, 64)] == [0, 2, 3, 4]
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})
     assert plot_processes(64) == 0
+
+
+def test_every_logged_metric_gets_a_panel_loss_and_accuracy_first(tmp_path):
+    """A GAN logs no accuracy but two losses, gradient norms and a test fid: a panel each, in rows of
+    three, drawn again by a reused figure to the same pixels."""
+    gan = [
+        {"step": s, "train/d_loss": 1 / s, "train/g_loss": 2 / s, "train/d_grad_norm": 0.5, "test/fid": 10 / s}
+        for s in (1, 2, 4)
+    ]
+    classifier = [{**r, "train/grad_norm": 1.0, "test/member_accuracy": [0.5, 0.6]} for r in RUNS["falls far"]]
+    assert panels_of([(gan, "g")]) == ("d_grad_norm", "d_loss", "fid", "g_loss")
+    assert panels_of([(classifier, "c")]) == ("loss", "accuracy", "grad_norm")  # lists (members) are not curves
+    assert panels_of([([], "nothing")]) == ("loss", "accuracy")
+    reused = CurveFigure(1, panels_of([(gan, "g")]))
+    reused.draw([(gan[:2], "g")], tmp_path / "first.png", title="gan")
+    reused.draw([(gan, "g")], tmp_path / "again.png", title="gan")
+    fresh = draw_curves([(gan, "g")], tmp_path / "fresh.png", title="gan")
+    np.testing.assert_array_equal(pixels(tmp_path / "again.png"), pixels(fresh))
+    assert pixels(fresh).shape[:2] == (int(110 * (4.2 + 3.6)), int(110 * 3 * 5.5))  # two rows of three panels
