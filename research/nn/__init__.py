@@ -2,7 +2,9 @@
 
 Registered names (`build_model(name, key=..., **hparams)`): `logistic`, `mlp`, `cnn`, `gru`,
 `resnet` (stateful: built with its `eqx.nn.State`), `transformer`, `lm` (a byte-level decoder-only
-language model), `image_resnet` (a ResNet for 28-32 px images, stateful), and `linear_sigmoid`.
+language model), `image_resnet` (a ResNet for 28-32 px images, stateful), `dcgan_generator` and
+`dcgan_discriminator` (a DCGAN pair for 28-32 px images, with group norm: stateless), `unet` (a small
+DDPM noise-prediction U-Net), and `linear_sigmoid`.
 `generate(model, prompt, length, key=...)` samples from an `lm` with a key-value cache.
 """
 
@@ -10,6 +12,7 @@ from ._batch_norm import BatchNorm
 from ._cnn import CNN1d
 from ._conv import conv1d_as_matmul, conv2d_as_matmul
 from ._generate import generate
+from ._generative import Discriminator, Generator, TimeResidualBlock, UNet
 from ._gru import GRUClassifier
 from ._image_resnet import ImageBlock, ImageResNet
 from ._lm import DecoderBlock, LanguageModel, LastTokenClassifier, cast_floating
@@ -27,7 +30,9 @@ __all__ = [
     "BatchNorm",
     "CNN1d",
     "DecoderBlock",
+    "Discriminator",
     "GRUClassifier",
+    "Generator",
     "ImageBlock",
     "ImageResNet",
     "LanguageModel",
@@ -39,8 +44,10 @@ __all__ = [
     "LinearSigmoid",
     "ResNet1d",
     "ResidualBlock",
+    "TimeResidualBlock",
     "TransformerBlock",
     "TransformerClassifier",
+    "UNet",
     "array_names",
     "build_model",
     "cast_floating",

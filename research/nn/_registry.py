@@ -5,6 +5,7 @@ import equinox as eqx
 
 from ..typing import PRNGKeyArray
 from ._cnn import CNN1d
+from ._generative import Discriminator, Generator, UNet
 from ._gru import GRUClassifier
 from ._image_resnet import ImageResNet
 from ._lm import LanguageModel
@@ -52,3 +53,6 @@ register_model("resnet", ResNet1d)
 register_model("transformer", TransformerClassifier)
 register_model("lm", LanguageModel)
 register_model("image_resnet", ImageResNet)
+register_model("dcgan_generator", Generator)
+register_model("dcgan_discriminator", Discriminator)
+register_model("unet", UNet)
