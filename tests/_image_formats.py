@@ -12,6 +12,19 @@ from research.data import Batch
 TEST_SIZE = 360
 
 
+def native_digits(train_size: int | None = None, test_size: int | None = None) -> tuple[Batch, Batch]:
+    """(train, test): the digits as scikit-learn ships them, uint8 images [n, 8, 8, 1] (its 17 grey levels
+    scaled to 0-255) and int32 labels; a fixed split of 1,437 / 360 (the first `train_size` / `test_size`)."""
+    from sklearn.datasets import load_digits
+
+    found = load_digits()
+    images = np.round(found.images * (255 / 16)).astype(np.uint8)[..., None]
+    order = np.random.default_rng(0).permutation(len(images))
+    test, train = order[:TEST_SIZE][:test_size], order[TEST_SIZE:][:train_size]
+    labels = found.target.astype(np.int32)
+    return Batch(images[train], labels[train]), Batch(images[test], labels[test])
+
+
 def digits() -> tuple[Batch, Batch]:
     """(train, test): uint8 images [n, 32, 32, 3] (each digit pixel a 4x4 block, grey in RGB) and int32
     labels; a fixed split of 1,437 / 360."""

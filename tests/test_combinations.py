@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _image_formats import native_digits
 from test_tracking import assert_same_history, jsonl_history, mlflow_history, tensorboard_history, wandb_history
 
 from research.train import RunDir, read_wandb_runs
@@ -45,12 +46,14 @@ class Experiment:
     has_loader: bool = False  # takes --loader {device,torch}
     data_dir: bool = False  # reads MNIST-1D from --data-dir (tests/conftest.py's generated directory)
     images: bool = False  # reads --data: a .npz of 256 + 64 of scikit-learn's digits (tests/_image_formats.py)
+    digits8: bool = False  # reads --data: the same digits 8x8 grey, as scikit-learn ships them
     ema_everywhere: bool = True  # else --ema-decay on the first placement only (each placement compiles anew)
     script: str | None = None  # experiments/<script>.py; None: the name in EXPERIMENTS
     phases: tuple[str, ...] | None = None  # the PHASES it runs; None: all
     timeout: float = 45  # seconds for one run (a short run takes a few); then it counts as a hang
 
 
+GENERATIVE = ("--features", "4", "--batch-size", "16", "--steps-per-call", "2", "--log-every", "2", "--eval-every", "2")
 EXPERIMENTS = {  # state_passing is no training run
     "xor": Experiment(
         ("--epochs", "1", "--train-size", "256", "--test-size", "64", "--batch-size", "32"),
@@ -143,6 +146,21 @@ EXPERIMENTS = {  # state_passing is no training run
         ("--num-members", "2", "--hidden", "8", "--epochs", "2", "--batch-size", "1000"),
         data_dir=True,
     ),
+    # two networks, two optimizers: two discriminator updates (on every other row of the batch: the same rows on
+    # every placement) and a generator update a step; no judge (the fid is tests/test_generative.py's)
+    "gan": Experiment(
+        ("--steps", "2", *GENERATIVE, "--latent", "8", "--critic-steps", "2"),
+        ("--steps", "4", *GENERATIVE, "--latent", "8", "--critic-steps", "2"),
+        digits8=True,
+        timeout=120,  # its first run compiles both networks' updates beside the other worker
+    ),
+    # the supervised step over images alone; its EMA is on by default; evaluated by its test loss
+    "diffusion": Experiment(
+        ("--steps", "2", *GENERATIVE, "--levels", "1", "--diffusion-steps", "10", "--sample-steps", "2"),
+        ("--steps", "4", *GENERATIVE, "--levels", "1", "--diffusion-steps", "10", "--sample-steps", "2"),
+        digits8=True,
+        timeout=120,
+    ),
     # no --devices or --ema-decay (one unrolled run a step: nothing to split, no weights to average): refused
     "metalearn_lr": Experiment(
         ("--steps", "2", "--inner-steps", "3", "--hidden", "4", "--num-samples", "5000"),
@@ -226,7 +244,7 @@ class Combination:
         phases = [p for p in EXPERIMENTS[self.experiment].phases or PHASES if p in TRACKED_PHASES]
         return self.tracker != "untracked" and self.phase == phases[-1]
 
-    def argv(self, root: Path, data_dir: Path, images: Path) -> list[str]:
+    def argv(self, root: Path, data_dir: Path, images: Path, digits8: Path) -> list[str]:
         experiment = EXPERIMENTS[self.experiment]
         return [
             *PHASES[self.phase](experiment),
@@ -236,6 +254,7 @@ class Combination:
             *TRACKERS[self.tracker],
             *(("--data-dir", str(data_dir)) if experiment.data_dir else ()),
             *(("--data", str(images)) if experiment.images else ()),
+            *(("--data", str(digits8)) if experiment.digits8 else ()),
             "--run-dir",
             str(root / "runs" / self.run_name),
             *COMMON,
@@ -354,6 +373,9 @@ def combination_results(request, tmp_path_factory, mnist1d_dir, digits_formats) 
         x_test=digits["x_test"][::5][:64],
         y_test=digits["y_test"][::5][:64],
     )
+    train8, test8 = native_digits(256, 64)
+    digits8 = root / "digits8-small.npz"
+    np.savez(digits8, x_train=train8.inputs, y_train=train8.labels, x_test=test8.inputs, y_test=test8.labels)
 
     def runs(devices: int) -> list[dict]:
         return [
@@ -361,7 +383,7 @@ def combination_results(request, tmp_path_factory, mnist1d_dir, digits_formats) 
                 "id": c.id,
                 "script": EXPERIMENTS[c.experiment].script or c.experiment,
                 "timeout": EXPERIMENTS[c.experiment].timeout,
-                "argv": c.argv(root, mnist1d_dir, images),
+                "argv": c.argv(root, mnist1d_dir, images, digits8),
             }
             for c in needed
             if c.devices == devices
@@ -399,7 +421,8 @@ def problems(combination: Combination, results: dict[str, dict]) -> list[str]:
 
     if combination.phase == "resumed-finished":  # a requeued job: report the finished run, touch nothing
         found = [f"touched {name} of the finished run" for name in result["files_touched"]]
-        if not any("test accuracy" in line for line in result["stdout"]):
+        script = EXPERIMENTS[combination.experiment].script or combination.experiment
+        if not any(line.startswith(f"{script}: ") for line in result["stdout"]):
             found.append("did not print the finished run's summary")
         return found
     summary = result["summary"]

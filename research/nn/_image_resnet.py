@@ -145,6 +145,18 @@ class ImageResNet(eqx.Module):
         *,
         key: PRNGKeyArray | None = None,
     ) -> tuple[Float[Array, " {self.classes}"], eqx.nn.State]:
+        features, state = self.features(x, state)
+        return self.head(features), state
+
+    @typecheck
+    def features(
+        self,
+        x: Integer[Array, "{self.height} {self.width} {self.channels}"]
+        | Float[Array, "{self.height} {self.width} {self.channels}"],
+        state: eqx.nn.State,
+    ) -> tuple[Float[Array, " features"], eqx.nn.State]:
+        """The globally pooled activations of the last stage, which the head reads (`4 * features` of them):
+        the feature space a Fréchet distance between two sets of images is measured in."""
         scale = 255.0 if jnp.issubdtype(x.dtype, jnp.integer) else 1.0
         mean, std = (jnp.asarray(s, jnp.float32).reshape(1, 1, -1) for s in (self.mean, self.std))
         x = (x.astype(jnp.float32) / scale - mean) / std
@@ -152,4 +164,4 @@ class ImageResNet(eqx.Module):
         h = jax.nn.relu(h)
         for block in self.blocks:
             h, state = block(h, state)
-        return self.head(jnp.mean(h, axis=(1, 2))), state
+        return jnp.mean(h, axis=(1, 2)), state

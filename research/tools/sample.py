@@ -1,10 +1,15 @@
-"""Text sampled from a trained byte-level language model (a run of `./scripts/run lm`).
+"""Samples of a trained generative run: text from a byte-level language model (`./scripts/run lm`), or a
+grid of images from an image model (`gan`, `diffusion`).
 
     scripts/sample RUN_DIR [--prompt TEXT] [--bytes N] [--temperature T] [--top-k K] [--seed S] [--ema]
+    scripts/sample RUN_DIR [--count N] [--seed S] [--ema] [-o FILE]
 
-Prints the prompt followed by the `--bytes` bytes the model writes after it (`research.nn.generate`,
-with its key-value cache), decoded as UTF-8 (a broken sequence shows as U+FFFD), and on stderr one line
-with the generation speed in bytes/s, timed on a second call (the first one compiles the loop).
+Of a language model, prints the prompt followed by the `--bytes` bytes the model writes after it
+(`research.nn.generate`, with its key-value cache), decoded as UTF-8 (a broken sequence shows as
+U+FFFD), and on stderr one line with the generation speed in bytes/s, timed on a second call (the first
+one compiles the loop). Of an image model (an experiment whose script defines `sampler(config)`),
+writes `--count` images drawn with the keys of `--seed` as one PNG grid (`-o`, default
+`RUN_DIR/sample-seed<S>.png`) and says where on stderr.
 """
 
 import dataclasses
@@ -18,9 +23,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..experiment import load_run
+from ..experiment import load_experiment, load_run
+from ..judge import sample_images
 from ..messages import messages_to_stderr
 from ..nn import LanguageModel, generate
+from ..report import save_image_grid
 from ..typing import PRNGKeyArray
 from ._runs import Parser, UsageError, fail, open_runs
 
@@ -88,6 +95,22 @@ def load_language_model(run_dir: str | Path, *, ema: bool = False) -> LanguageMo
     return model
 
 
+def draw_images(run_dir: str | Path, count: int, *, seed: int = 0, ema: bool = False) -> np.ndarray:
+    """`count` uint8 images drawn by the trained model of an image run (`ema`: its EMA's) with the keys of
+    `seed`, through its experiment script's `sampler(config)`."""
+    experiment = open_runs([run_dir])[0].read_config().get("experiment", "?")
+    module = load_experiment(experiment)
+    if not hasattr(module, "sampler"):
+        raise UsageError(f"{run_dir} is a run of {experiment}, which draws no images (gan and diffusion do)")
+    run = load_run(run_dir)
+    if run.setup.population:
+        raise UsageError(f"{run.path} is a population of models: sample from one member's run")
+    model, model_state = (run.ema_model, run.ema_model_state) if ema else (run.model, run.model_state)
+    if model is None:
+        raise UsageError(f"--ema: the run in {run.path} kept no EMA of its weights (it trained with --ema-decay 0)")
+    return sample_images(module.sampler(run.config), model, model_state, count, seed=seed)
+
+
 def _within(low: int | float, high: int | float, kind: type) -> Callable[[str], Any]:
     def parse(text: str) -> Any:
         value = kind(text)
@@ -99,32 +122,60 @@ def _within(low: int | float, high: int | float, kind: type) -> Callable[[str], 
     return parse
 
 
+TEXT_OPTIONS = ("prompt", "bytes", "temperature", "top_k")
+IMAGE_OPTIONS = ("count", "out")
+
+
 def _parser() -> Parser:
     parser = Parser(
         prog="sample",
-        usage="scripts/sample RUN_DIR [--prompt TEXT] [--bytes N] [--temperature T] [--top-k K] [--seed S] [--ema]",
-        description="Print text sampled from a trained byte-level language model (an lm run).",
+        usage="scripts/sample RUN_DIR [--prompt TEXT] [--bytes N] [--temperature T] [--top-k K] [--seed S] [--ema]\n"
+        "       scripts/sample RUN_DIR [--count N] [--seed S] [--ema] [-o FILE]",
+        description="Print text sampled from a trained byte-level language model (an lm run), or write a grid of "
+        "images drawn by a trained image model (a gan or diffusion run).",
     )
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="an lm run directory (with config.json and a checkpoint)")
     parser.add_argument(
-        "--prompt", default="", help="the text to continue (default: none, the model starts after a newline)"
+        "run_dir", metavar="RUN_DIR", help="an lm, gan or diffusion run directory (with config.json and a checkpoint)"
     )
-    parser.add_argument("--bytes", type=_within(1, 10**9, int), default=256, help="bytes to generate (default 256)")
+    parser.add_argument(
+        "--prompt", default=None, help="the text to continue (default: none, the model starts after a newline)"
+    )
+    parser.add_argument("--bytes", type=_within(1, 10**9, int), default=None, help="bytes to generate (default 256)")
     parser.add_argument(
         "--temperature",
         type=_within(0, float("inf"), float),
-        default=0.8,
+        default=None,
         help="sampling temperature; 0: always the most likely byte (default 0.8)",
     )
     parser.add_argument(
         "--top-k",
         type=_within(0, 256, int),
-        default=40,
+        default=None,
         help="sample among the K most likely bytes; 0: all of them (default 40)",
     )
     parser.add_argument("--seed", type=int, default=0, help="the sampling key's seed (default 0)")
     parser.add_argument("--ema", action="store_true", help="the EMA model (a run with --ema-decay)")
+    parser.add_argument(
+        "--count", type=_within(1, 10**5, int), default=None, help="images to draw, of an image run (default 64)"
+    )
+    parser.add_argument(
+        "-o", "--out", default=None, help="the PNG file of an image run's grid (default: RUN_DIR/sample-seed<S>.png)"
+    )
     return parser
+
+
+def _image_run(run_dir: str) -> bool:
+    experiment = open_runs([run_dir])[0].read_config().get("experiment")
+    return experiment != "lm" and hasattr(load_experiment(str(experiment)), "sampler")
+
+
+def _refuse_options_of_the_other_kind(args: Any, image_run: bool) -> None:
+    given = [name for name in (TEXT_OPTIONS if image_run else IMAGE_OPTIONS) if getattr(args, name) is not None]
+    if given:
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        takes = "--count, -o" if image_run else "--prompt, --bytes, --temperature, --top-k"
+        kind = "an image run, which draws images" if image_run else "a language model's run, which writes text"
+        raise UsageError(f"{flags}: {args.run_dir} is {kind}; it takes {takes}")
 
 
 @messages_to_stderr()  # the library's messages (research.messages) as lines on stderr
@@ -132,14 +183,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
+        image_run = _image_run(args.run_dir)
+        _refuse_options_of_the_other_kind(args, image_run)
+        if image_run:
+            images = draw_images(args.run_dir, args.count or 64, seed=args.seed, ema=args.ema)
+            out = save_image_grid(args.out or Path(args.run_dir) / f"sample-seed{args.seed}.png", images)
+            print(f"sample: {len(images)} images of {args.run_dir} written to {out}", file=sys.stderr)
+            return
         model = load_language_model(args.run_dir, ema=args.ema)
         sample = sample_bytes(
             model,
-            args.prompt.encode(),
-            args.bytes,
+            (args.prompt or "").encode(),
+            args.bytes or 256,
             key=jax.random.key(args.seed),
-            temperature=args.temperature,
-            top_k=args.top_k or None,
+            temperature=0.8 if args.temperature is None else args.temperature,
+            top_k=40 if args.top_k is None else (args.top_k or None),
         )
     except ValueError as e:  # UsageError, ResearchInputError (a run that is missing or cannot load), generate's
         fail(parser.prog, e)

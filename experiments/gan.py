@@ -1,0 +1,307 @@
+"""A DCGAN (Radford et al. 2016) on the images of --data: a generator and a discriminator, each with its
+own Adam, trained by alternating updates through the engine, as a `Step` of its own (`GANStep`).
+
+Each step takes `--critic-steps` discriminator updates, each on `--batch-size` real images and as many
+generated ones, then one generator update (the non-saturating loss). A grid of samples from fixed latents
+is saved at every evaluation (`samples.png`), and every evaluation reports the discriminator's loss on the
+test images against as many generated ones (`d_loss`, `d_real`, `d_fake`). With `--judge RUN_DIR` (a
+classifier `images` trained on the same data) it reports `fid` too: the Fréchet distance between as many
+generated images as the test set holds and the test images, in the judge's feature space; the summary adds
+the distance of the untrained generator and of as many training images (the floor sampling noise alone
+gives). `--ema-decay` samples from an EMA of the generator's weights. Run `./scripts/run gan --help` for
+the options.
+
+    ./scripts/run images --data data/digits8.npz --crop-padding 0 --epochs 15 --run-dir runs/judge8
+    ./scripts/run gan --data data/digits8.npz --judge runs/judge8
+"""
+
+import dataclasses
+from typing import Any, ClassVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+
+from research.cli import ConfigError, TrainConfig, Training, group, main_entry, option, positive, unit_interval
+from research.data import FORMATS_HELP, DeviceLoader, read_image_data
+from research.experiment import Setup, run_experiment
+from research.judge import draw_samples, frechet_evaluator, load_judge, real_frechet_distance
+from research.nn import Discriminator, Generator
+from research.state import EMA
+from research.train import (
+    AbstractTrainState,
+    GlobalBatch,
+    Headline,
+    RunDir,
+    Step,
+    combined_evaluator,
+    evaluate_batches,
+    example_keys,
+    mean_of_sums,
+)
+from research.typing import Array, Float, Int, KeyData, PRNGKeyArray, PyTree
+
+
+@dataclasses.dataclass(frozen=True)
+class GanTraining(Training):
+    lr: float = option(2e-4, "Adam learning rate of both networks", check=positive, vmappable=True)
+    batch_size: int = option(64, "real images a discriminator update (and generated ones)", check=positive)
+    steps_per_call: int = option(10, "training steps per compiled call", check=positive)
+    log_every: int = option(50, "steps between logged training metrics", check=positive)
+    eval_every: int = option(500, "steps between evaluations (samples.png, and fid with --judge)", check=positive)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(TrainConfig):
+    """Train a DCGAN on the training images of --data (labels unused)."""
+
+    headline: ClassVar[Headline] = Headline("fid", goal="min", percent=False)
+    training: GanTraining = group(GanTraining)
+    data: str | None = option(None, f"the images: {FORMATS_HELP} (default: none; required)")
+    steps: int = option(3000, "generator updates", check=positive, resumable=True)
+    latent: int = option(64, "size of the generator's latent vector", check=positive)
+    features: int = option(32, "channels of both networks' widest-resolution layer", check=positive)
+    critic_steps: int = option(1, "discriminator updates a generator update", check=positive)
+    beta1: float = option(0.5, "Adam's first-moment decay (DCGAN's 0.5)", check=unit_interval)
+    judge: str | None = option(
+        None, "an `images` run trained on the same data, whose features measure the Fréchet distance (fid)"
+    )
+
+
+class GANState(AbstractTrainState):
+    """A GAN's train state: both networks and their Adam states; the run's model is the generator."""
+
+    step: Int[Array, ""]
+    generator: Generator
+    discriminator: Discriminator
+    g_opt_state: PyTree
+    d_opt_state: PyTree
+    key: KeyData
+    g_optimizer: optax.GradientTransformation = eqx.field(static=True)
+    d_optimizer: optax.GradientTransformation = eqx.field(static=True)
+    ema: EMA | None = None
+
+    @property
+    def model(self) -> Generator:
+        return self.generator
+
+    @property
+    def model_state(self) -> None:
+        return None
+
+    def with_ema(self, decay: float) -> "GANState":
+        return dataclasses.replace(self, ema=EMA.init((self.generator, None), decay))
+
+    def networks(self) -> dict[str, eqx.Module]:
+        return {"generator": self.generator, "discriminator": self.discriminator}
+
+
+def to_signed(images: Array) -> Float[Array, "*batch height width channels"]:
+    """Stored images (uint8 0-255) in the generator's range, [-1, 1]."""
+    return images.astype(jnp.float32) / 127.5 - 1
+
+
+def latents(key: PRNGKeyArray, rows: int, size: int) -> Float[Array, "rows latent"]:
+    """One latent vector a row, each from the key its row has in the global batch (`example_keys`)."""
+    return jax.vmap(lambda k: jax.random.normal(k, (size,)))(example_keys(key, rows))
+
+
+class DiscriminatorLoss(eqx.Module):
+    """The discriminator's loss on real images and as many of the (fixed) generator's: softplus(-D(real))
+    + softplus(D(fake)), averaged; metrics: that loss, and D's mean probability of "real" on each kind."""
+
+    generator: Generator
+    latent: int = eqx.field(static=True)
+
+    def __call__(self, discriminator: Discriminator, _: None, images: Array, key: PRNGKeyArray):
+        fake = jax.vmap(self.generator)(latents(key, images.shape[0], self.latent))
+        real_logits, fake_logits = jax.vmap(discriminator)(to_signed(images)), jax.vmap(discriminator)(fake)
+        loss = jnp.mean(jax.nn.softplus(-real_logits)) + jnp.mean(jax.nn.softplus(fake_logits))
+        metrics = {
+            "d_loss": loss,
+            "d_real": jnp.mean(jax.nn.sigmoid(real_logits)),
+            "d_fake": jnp.mean(jax.nn.sigmoid(fake_logits)),
+        }
+        return loss, (metrics, None)
+
+
+class GeneratorLoss(eqx.Module):
+    """The generator's non-saturating loss against the (fixed) discriminator: softplus(-D(G(z))), averaged
+    over as many latents as the batch has rows."""
+
+    discriminator: Discriminator
+    latent: int = eqx.field(static=True)
+
+    def __call__(self, generator: Generator, _: None, images: Array, key: PRNGKeyArray):
+        fake = jax.vmap(generator)(latents(key, images.shape[0], self.latent))
+        loss = jnp.mean(jax.nn.softplus(-jax.vmap(self.discriminator)(fake)))
+        return loss, ({"g_loss": loss}, None)
+
+
+def _update(optimizer: optax.GradientTransformation, model: Any, grads: Any, opt_state: Any) -> tuple[Any, Any]:
+    updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_inexact_array))
+    return eqx.apply_updates(model, updates), opt_state
+
+
+class GANStep(Step):
+    """`critic_steps` discriminator updates, each on every `critic_steps`-th row of the batch (rows `i`,
+    `i + critic_steps`, ...: on any placement the same images), then one generator update; the EMA of the
+    generator follows. Metrics: the last discriminator update's `d_loss`, `d_real`, `d_fake`, the
+    generator's `g_loss`, and both gradients' norms."""
+
+    latent: int = eqx.field(static=True)
+    critic_steps: int = eqx.field(static=True, default=1)
+    finite_metrics: ClassVar[tuple[str, ...]] = ("d_loss", "g_loss", "d_grad_norm", "g_grad_norm")
+
+    def __call__(self, state: GANState, batch: Array, key: PRNGKeyArray, global_batch: GlobalBatch):
+        keys = jax.random.split(key, self.critic_steps + 1)
+        discriminator, d_opt_state = state.discriminator, state.d_opt_state
+        for i in range(self.critic_steps):
+            d_loss = DiscriminatorLoss(state.generator, self.latent)
+            (_, (metrics, _)), d_grads = global_batch.value_and_grad(
+                d_loss, discriminator, None, batch[i :: self.critic_steps], keys[i]
+            )
+            discriminator, d_opt_state = _update(state.d_optimizer, discriminator, d_grads, d_opt_state)
+        g_loss = GeneratorLoss(discriminator, self.latent)
+        (_, (g_metrics, _)), g_grads = global_batch.value_and_grad(
+            g_loss, state.generator, None, batch[:: self.critic_steps], keys[-1]
+        )
+        generator, g_opt_state = _update(state.g_optimizer, state.generator, g_grads, state.g_opt_state)
+        ema = None if state.ema is None else state.ema.update((generator, None))[0]
+        new = dataclasses.replace(
+            state,
+            generator=generator,
+            discriminator=discriminator,
+            g_opt_state=g_opt_state,
+            d_opt_state=d_opt_state,
+            ema=ema,
+        )
+        norms = {"d_grad_norm": optax.tree.norm(d_grads), "g_grad_norm": optax.tree.norm(g_grads)}
+        return new, {**metrics, **g_metrics, **norms}
+
+
+class HeldOut(eqx.Module):
+    """One evaluation batch: the discriminator's loss on the test images against as many generated ones, and
+    its mean probability of "real" on each (sums over the batch's real rows). A discriminator that has learned
+    its training images by heart tells the test images from generated ones no better than chance."""
+
+    latent: int = eqx.field(static=True)
+
+    def __call__(self, networks: tuple[Generator, Discriminator], _: None, images: Array, mask: Array, key: Any):
+        generator, discriminator = networks
+        fake = jax.vmap(lambda k: generator(jax.random.normal(k, (self.latent,))))(jax.random.split(key, len(images)))
+        real_logits, fake_logits = jax.vmap(discriminator)(to_signed(images)), jax.vmap(discriminator)(fake)
+        losses = jax.nn.softplus(-real_logits) + jax.nn.softplus(fake_logits)
+        return {
+            "d_loss": jnp.sum(losses * mask),
+            "d_real": jnp.sum(jax.nn.sigmoid(real_logits) * mask),
+            "d_fake": jnp.sum(jax.nn.sigmoid(fake_logits) * mask),
+        }
+
+
+def held_out_evaluator(config: Config):
+    """`d_loss`, `d_real`, `d_fake` of the discriminator on the test images and the generator's images (the
+    EMA generator's, and the trained one's as `test_raw/...`, when the state keeps an EMA)."""
+    per_batch = eqx.filter_jit(HeldOut(config.latent))
+
+    def evaluate(state: GANState, data: Any, *, progress: bool = False):
+        def of(generator: Generator) -> dict[str, float]:
+            networks = eqx.nn.inference_mode((generator, state.discriminator))
+            return mean_of_sums(*evaluate_batches(per_batch, networks, None, data, progress=progress))
+
+        raw = of(state.generator)
+        return (raw, None) if state.ema is None else (of(state.ema.average[0]), raw)
+
+    return evaluate
+
+
+def sampler(config: Config):
+    """`sample(generator, _, keys) -> images in [-1, 1]`, one a key: what evaluation, samples.png and
+    `scripts/sample` draw."""
+
+    def sample(generator: Generator, _: Any, keys: jax.Array) -> Float[Array, "batch height width channels"]:
+        return jax.vmap(lambda k: generator(jax.random.normal(k, (config.latent,))))(keys)
+
+    return sample
+
+
+def adam(config: Config) -> optax.GradientTransformation:
+    """Adam with the learning rate in its state (`inject_hyperparams`), so seeds and rates train as one population."""
+    return optax.inject_hyperparams(optax.adam)(learning_rate=config.training.lr, b1=config.beta1)
+
+
+def build_state(config: Config, image_shape: tuple[int, int, int]) -> GANState:
+    g_key, d_key, train_key = jax.random.split(jax.random.key(config.training.seed), 3)
+    height, width, channels = image_shape
+    generator = Generator(config.latent, height, width, channels, config.features, key=g_key)
+    discriminator = Discriminator(height, width, channels, config.features, key=d_key)
+    g_optimizer, d_optimizer = adam(config), adam(config)
+    return GANState(
+        step=jnp.zeros((), jnp.int32),
+        generator=generator,
+        discriminator=discriminator,
+        g_opt_state=g_optimizer.init(eqx.filter(generator, eqx.is_inexact_array)),
+        d_opt_state=d_optimizer.init(eqx.filter(discriminator, eqx.is_inexact_array)),
+        key=jax.random.key_data(train_key),
+        g_optimizer=g_optimizer,
+        d_optimizer=d_optimizer,
+    )
+
+
+def setup(config: Config) -> Setup:
+    """The state and the data of a run, without training (`scripts/show_jaxpr gan --data PATH` uses it)."""
+    if config.data is None:
+        raise ConfigError(f"--data names the images to train on: {FORMATS_HELP}")
+    data = read_image_data(config.data)
+    image_shape = data.train.inputs.shape[1:]
+    height, width, _ = image_shape
+    if height % 4 or width % 4:
+        raise ConfigError(f"--data: the generator doubles its resolution twice; {height}x{width} images are not")
+    rows = config.training.batch_size * config.critic_steps  # a step's real images: one batch per critic update
+    if rows > len(data.train.inputs):
+        raise ConfigError(
+            f"--batch-size {config.training.batch_size} x --critic-steps {config.critic_steps} = {rows} images a "
+            f"step, more than the {len(data.train.inputs)} training images"
+        )
+    train_data = DeviceLoader(data.train.inputs, None, rows, seed=config.training.seed)
+    judge = None if config.judge is None else load_judge(config.judge, image_shape)
+    test_data = DeviceLoader(data.test.inputs, None, min(500, len(data.test.inputs)), shuffle=False)
+    sample = sampler(config)
+    evaluators = [held_out_evaluator(config)] + ([] if judge is None else [frechet_evaluator(judge, sample)])
+
+    def summarize(run: RunDir, summary: dict[str, Any]) -> dict[str, Any] | None:
+        """The Fréchet distances to compare the run's with: of as many training images (real vs real), and
+        of the model as it starts (untrained)."""
+        if judge is None:
+            return None
+        untrained, _ = frechet_evaluator(judge, sample)(build_state(config, image_shape), test_data)
+        return {
+            "fid_real_vs_real": real_frechet_distance(judge, data.train.inputs, data.test.inputs),
+            "fid_untrained": untrained["fid"],
+        }
+
+    return Setup(
+        build_state=lambda: build_state(config, image_shape),
+        train_data=train_data,
+        num_steps=config.steps,
+        eval_data=test_data,
+        step=GANStep(config.latent, config.critic_steps),
+        evaluator=combined_evaluator(*evaluators),
+        summarize_run=summarize,
+        draw=lambda state, directory: draw_samples(directory / "samples.png", sample, state),
+    )
+
+
+def main(config: Config) -> dict:
+    summary = run_experiment("gan", config, setup(config))
+    if "fid_real_vs_real" in summary:
+        print(
+            f"gan: Fréchet distance to the test images {summary['test_fid']:.4g}; of the untrained model "
+            f"{summary['fid_untrained']:.4g}, of as many training images {summary['fid_real_vs_real']:.4g}"
+        )
+    return summary
+
+
+if __name__ == "__main__":
+    main_entry(main, Config)

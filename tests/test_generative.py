@@ -1,0 +1,215 @@
+"""The two kinds of research that are not supervised classification, through the engine: `gan` (two
+networks, two optimizers, alternating updates: a `Step` of its own) and `diffusion` (a `SupervisedStep`
+over images alone), judged by the Fréchet distance in the features of a classifier `images` trained on the
+same digits. Placements, EMA and `--deterministic-reduction` on 1 and 4 devices are the combination
+grid's (tests/test_combinations.py); here: what each run leaves, resume after SIGTERM, a vmapped population,
+`load_run`, `scripts/export` and `scripts/sample`."""
+
+import os
+import signal
+
+import jax
+import matplotlib.image
+import numpy as np
+import pytest
+from _image_formats import native_digits
+
+from research import load_run
+from research.errors import ConfigError, Preempted
+from research.experiment import load_experiment
+from research.judge import load_judge, real_frechet_distance
+from research.nn import Generator, UNet, load_weights
+from research.provenance import parameter_counts
+from research.tools import export, sample, sweep
+from research.train import RunDir, Track, checkpoint_digest
+
+gan = load_experiment("gan")
+diffusion = load_experiment("diffusion")
+images = load_experiment("images")
+
+GAN = {"latent": 8, "features": 4, "batch_size": 16, "critic_steps": 2, "log_every": 4, "steps_per_call": 2}
+GAN_RUN = {**GAN, "steps": 8, "eval_every": 4, "ema_decay": 0.9, "checkpoint_minutes": 0.0}
+DIFFUSION = {"features": 4, "levels": 1, "diffusion_steps": 20, "sample_steps": 4, "batch_size": 16, "log_every": 4}
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory):
+    """256 training and 64 test images of scikit-learn's digits, 8x8 grey, as it ships them."""
+    train, test = native_digits(256, 64)
+    path = tmp_path_factory.mktemp("digits") / "digits8.npz"
+    np.savez(path, x_train=train.inputs, y_train=train.labels, x_test=test.inputs, y_test=test.labels)
+    return path
+
+
+@pytest.fixture(scope="module")
+def judge_run(digits, tmp_path_factory):
+    """A small classifier `images` trained on those digits: the judge of the generated ones."""
+    path = tmp_path_factory.mktemp("judge") / "judge"
+    config = images.Config.from_options(
+        data=str(digits),
+        epochs=3,
+        features=4,
+        blocks=1,
+        batch_size=32,
+        crop_padding=0,
+        run_dir=str(path),
+        progress=False,
+    )
+    images.main(config)
+    return path
+
+
+def train(module, root, name, **options):
+    config = module.Config.from_options(run_dir=str(root / name), progress=False, **options)
+    return module.main(config), root / name
+
+
+@pytest.fixture(scope="module")
+def gan_run(digits, judge_run, tmp_path_factory):
+    return train(gan, tmp_path_factory.mktemp("gan"), "run", data=str(digits), judge=str(judge_run), **GAN_RUN)
+
+
+@pytest.fixture(scope="module")
+def diffusion_run(digits, judge_run, tmp_path_factory):
+    root = tmp_path_factory.mktemp("diffusion")
+    return train(diffusion, root, "run", data=str(digits), judge=str(judge_run), steps=8, eval_every=4, **DIFFUSION)
+
+
+def grid_size(count, image=8):
+    side, scale = int(np.ceil(np.sqrt(count))), max(2, 64 // image)
+    return ((-(-count // side)) * (image + 1) + 1) * scale, (side * (image + 1) + 1) * scale
+
+
+def without_timing(path):
+    return [{k: v for k, v in r.items() if k != "steps_per_s"} for r in RunDir(path).read_metrics()]
+
+
+@pytest.mark.slow
+def test_a_gan_run_trains_both_networks_and_reports_the_frechet_distance_of_its_samples(gan_run):
+    summary, path = gan_run
+    run = RunDir(path)
+    for key in ("test_fid", "test_raw_fid", "fid_real_vs_real", "fid_untrained", "train_d_loss", "train_g_loss"):
+        assert np.isfinite(summary[key]) and summary[key] >= 0, key
+    assert summary["step"] == 8 and "test_accuracy" not in summary and 0 < summary["test_d_real"] < 1
+    records = run.read_metrics()
+    logged = {k for r in records for k in r}
+    assert {"train/d_loss", "train/g_loss", "train/d_real", "train/d_fake", "train/d_grad_norm"} <= logged
+    assert [r["step"] for r in records if "test/fid" in r] == [4, 8]
+    config = run.read_config()
+    state = load_run(path).state
+    counts = {name: parameter_counts(network)["total"] for name, network in state.networks().items()}
+    assert config["parameters"] == {"total": sum(counts.values()), "by_field": counts}
+    assert config["headline"] == {"metric": "fid", "goal": "min", "percent": False}
+    assert matplotlib.image.imread(path / "samples.png").shape[:2] == grid_size(64)
+    assert (path / "curves.png").exists()
+    # Two discriminator updates a step: its Adam has counted 16, the generator's 8.
+    assert int(state.d_opt_state.count) == 16 and int(state.g_opt_state.count) == 8
+
+
+@pytest.mark.slow
+def test_an_untrained_generator_is_far_from_the_data_and_the_data_is_close_to_itself(gan_run, digits, judge_run):
+    """The judge's Fréchet distance tells generated images from real ones: the untrained generator's noise
+    is many times farther from the test images than as many training images are."""
+    summary, _ = gan_run
+    data = np.load(digits)
+    real = real_frechet_distance(load_judge(judge_run, (8, 8, 1)), data["x_train"], data["x_test"])
+    assert real == pytest.approx(summary["fid_real_vs_real"], rel=1e-6)
+    assert summary["fid_untrained"] > 5 * real
+
+
+@pytest.mark.slow
+def test_a_gan_stopped_by_sigterm_resumes_to_the_bits_of_a_run_never_stopped(gan_run, digits, judge_run, tmp_path):
+    """SIGTERM at step 4 (in this process: the engine's handler takes it): the run checkpoints there and
+    raises `Preempted`; `--resume auto` continues it to the checkpoint and the records of the run never
+    stopped."""
+    _, straight = gan_run
+    config = gan.Config.from_options(
+        data=str(digits), judge=str(judge_run), run_dir=str(tmp_path / "stopped"), progress=False, **GAN_RUN
+    )
+    original = Track.__call__  # a hook that runs at every stop
+
+    def signal_at_step_4(self, info):
+        original(self, info)
+        if info.step == 4:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Track, "__call__", signal_at_step_4)
+        with pytest.raises(Preempted, match="stopped by SIGTERM at step 4 of 8; its checkpoint is saved"):
+            gan.main(config)
+    assert [p.name for p in RunDir(tmp_path / "stopped").checkpoint_paths()] == ["step_000000004"]
+    gan.main(config.replace(resume="auto"))
+    final = [RunDir(path).checkpoint_paths()[-1] for path in (tmp_path / "stopped", straight)]
+    assert final[0].name == final[1].name == "step_000000008"
+    assert checkpoint_digest(final[0]) == checkpoint_digest(final[1])
+    assert without_timing(tmp_path / "stopped") == without_timing(straight)
+
+
+@pytest.mark.slow
+def test_a_vmapped_population_of_gans_equals_its_runs_alone(gan_run, digits, judge_run, tmp_path):
+    """`scripts/sweep gan seed=0,1 --vmapped`: one compiled program for both seeds; the seed-0 member's run
+    equals the seed-0 run alone (its metrics, its generator, its fid) and has its own samples.png."""
+    summary, alone = gan_run
+    flags = ["--data", str(digits), "--judge", str(judge_run)]
+    flags += [f"--{k.replace('_', '-')}={v}" for k, v in GAN_RUN.items()]
+    sweep.main(["gan", "seed=0,1", "--vmapped", "--sweep-dir", str(tmp_path / "v"), "--", *flags])
+    together = tmp_path / "v" / "seed=0"
+    a, b = without_timing(together), without_timing(alone)
+    assert [sorted(r) for r in a] == [sorted(r) for r in b]
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_allclose([x[k] for k in sorted(x)], [y[k] for k in sorted(y)], rtol=1e-4, atol=1e-6)
+    assert RunDir(together).read_summary()["test_fid"] == pytest.approx(summary["test_fid"], rel=1e-3)
+    for p, q in zip(jax.tree.leaves(load_run(together).model), jax.tree.leaves(load_run(alone).model), strict=True):
+        np.testing.assert_allclose(np.asarray(p), np.asarray(q), rtol=1e-4, atol=1e-6)
+    other = load_run(tmp_path / "v" / "seed=1").model
+    assert not np.allclose(jax.tree.leaves(other)[0], jax.tree.leaves(load_run(alone).model)[0])
+    assert (together / "samples.png").exists() and (tmp_path / "v" / "seed=1" / "samples.png").exists()
+
+
+@pytest.mark.slow
+def test_a_gan_run_loads_exports_its_generator_and_samples(gan_run, tmp_path, capsys):
+    _, path = gan_run
+    run = load_run(path)
+    assert isinstance(run.model, Generator) and isinstance(run.ema_model, Generator) and run.step == 8
+    export.main([str(path), "--ema", "-o", str(tmp_path / "generator.safetensors")])
+    like = Generator(8, 8, 8, 1, 4, key=jax.random.key(1))
+    loaded, _ = load_weights(tmp_path / "generator.safetensors", like)
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(run.ema_model), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    sample.main([str(path), "--count", "10", "--seed", "3", "-o", str(tmp_path / "ten.png")])
+    assert matplotlib.image.imread(tmp_path / "ten.png").shape[:2] == grid_size(10)
+    drawn = sample.draw_images(path, 10, seed=3)
+    assert drawn.shape == (10, 8, 8, 1) and drawn.dtype == np.uint8
+    np.testing.assert_array_equal(drawn, sample.draw_images(path, 10, seed=3))
+    with pytest.raises(SystemExit) as exit_info:
+        sample.main([str(path), "--prompt", "hello"])
+    assert exit_info.value.code == 2
+    assert "--prompt" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_diffusion_run_denoises_samples_with_its_ema_and_reports_its_fid(diffusion_run, tmp_path):
+    summary, path = diffusion_run
+    for key in ("test_loss", "test_fid", "test_raw_fid", "test_raw_loss", "train_loss", "fid_real_vs_real"):
+        assert np.isfinite(summary[key]), key
+    assert 0 < summary["test_loss"] < 1.5  # predicting noise of unit variance: 1 before any training
+    run = load_run(path)
+    assert isinstance(run.model, UNet) and run.ema_model is not None  # --ema-decay 0.999 by default
+    assert matplotlib.image.imread(path / "samples.png").shape[:2] == grid_size(64)
+    sample.main([str(path), "--count", "4", "-o", str(tmp_path / "four.png")])
+    assert matplotlib.image.imread(tmp_path / "four.png").shape[:2] == grid_size(4)
+
+
+def test_the_generative_experiments_refuse_bad_options_in_one_line(digits):
+    def refused(module, **options):
+        with pytest.raises(ConfigError) as info:
+            module.setup(module.Config.from_options(**{"data": str(digits), **options}))
+        assert "\n" not in str(info.value)
+        return str(info.value)
+
+    assert "--batch-size 200 x --critic-steps 2 = 400 images" in refused(gan, batch_size=200, critic_steps=2)
+    assert "--sample-steps 30 is more than --diffusion-steps 20" in refused(
+        diffusion, diffusion_steps=20, sample_steps=30
+    )
+    assert "--levels 4 halves the resolution 4 times; 8x8 does not" in refused(diffusion, levels=4)
+    assert "--data names the images" in refused(gan, data=None)
