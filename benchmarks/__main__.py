@@ -19,6 +19,7 @@ CASES = {
     "h": "loaders",
     "i": "gpt",
     "j": "deterministic",
+    "k": "generative",
 }
 
 
@@ -45,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         _dp_sgd,
         _frameworks,
         _fsdp,
+        _generative,
         _gpt,
         _loaders,
         _mlp,
@@ -65,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         "loaders": _loaders,
         "gpt": _gpt,
         "deterministic": _deterministic,
+        "generative": _generative,
     }
     start = time.perf_counter()
     info = _report.machine()
@@ -80,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         name = CASES[case]
         if name in ("cnn", "per_example", "population", "loaders", "deterministic") and not _frameworks.have_mnist1d():
             skipped[case] = "skipped: the mnist1d package is not installed (run scripts/setup)"
+            print(f"case ({case}) {name}: {skipped[case]}", file=sys.stderr)
+            continue
+        if name == "generative" and not _frameworks.have_sklearn():
+            skipped[case] = "skipped: scikit-learn (its bundled digits) is not installed (the `dev` extra)"
             print(f"case ({case}) {name}: {skipped[case]}", file=sys.stderr)
             continue
         case_start = time.perf_counter()

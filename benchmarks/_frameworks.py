@@ -13,6 +13,10 @@ def have_mnist1d() -> bool:
     return importlib.util.find_spec("mnist1d") is not None
 
 
+def have_sklearn() -> bool:
+    return importlib.util.find_spec("sklearn") is not None
+
+
 def have_opacus() -> bool:
     return importlib.util.find_spec("opacus") is not None
 

@@ -191,6 +191,17 @@ def targets(results: dict) -> list[tuple[str, str, str, bool | None]]:
                     r <= 1.25,
                 )
             )
+    for model, result in results.get("generative", {}).get("models", {}).items():
+        ours, by_hand = _find(result["step"], "ours"), _find(result["step"], "hand-written")
+        r = ours.median / by_hand.median
+        rows.append(
+            (
+                f"(k) {model} step vs a hand-written Equinox loop of the same model",
+                "<= 1.0x the time",
+                f"{r:.2f}x the time",
+                r <= 1.0,
+            )
+        )
     return rows
 
 
@@ -378,6 +389,8 @@ def write_markdown(path: Path, results: dict, info: dict, quick: bool, seconds: 
         lines += _gpt_section(results["gpt"])
     if "deterministic" in results:
         lines += _deterministic_section(results["deterministic"])
+    if "generative" in results:
+        lines += _generative_section(results["generative"])
     lines += ["", findings.strip(), ""]
     path.write_text("\n".join(lines))
 
@@ -477,6 +490,51 @@ def _deterministic_section(j: dict) -> list[str]:
     return lines
 
 
+def _generative_section(k: dict) -> list[str]:
+    models = k["models"]
+    gan, diffusion = models["GAN"]["recipe"], models["diffusion"]["recipe"]
+    lines = [
+        "",
+        "## (k) The generative experiments' steps against hand-written Equinox loops",
+        "",
+        "One training step of `experiments/gan.py` and of `experiments/diffusion.py` at their default recipes on "
+        "scikit-learn's 8x8 digits (1,437 uint8 training images), through the engine as `run_experiment` drives "
+        f"it (`compiled_trainer(step, state).run` over a `DeviceLoader`, {gan['steps_per_call']} steps a call), "
+        "against the same model, losses, per-example latents / noise and optimizers written as Equinox's "
+        "examples write them (`deep_convolutional_gan`, `score_based_diffusion`): `eqx.filter_jit` step "
+        "functions taking the models, optimizer states and key, called in a Python loop once a batch, each "
+        "batch gathered from a device array with numpy indices; the GAN's loop calls a discriminator update, "
+        "then a generator update. GAN: latent "
+        f"{gan['latent']}, features {gan['features']}, batch {gan['batch']}, one discriminator update a step, "
+        f"Adam {gan['lr']:g} (b1 {gan['beta1']:g}) each ({gan['parameters']['generator']:,} + "
+        f"{gan['parameters']['discriminator']:,} "
+        f"parameters). Diffusion: UNet features {diffusion['features']}, levels {diffusion['levels']} "
+        f"({diffusion['parameters']['unet']:,} parameters), 1,000-step schedule, batch {diffusion['batch']}, "
+        f"Adam {diffusion['lr']:g} after clipping at 1, the recipe's EMA of the weights ({diffusion['ema_decay']:g}) "
+        "in both. "
+        f"Each sample is {k['steps']} steps; losses: their mean over the last sample (keys differ, so they "
+        "agree in size, not in value). The engine also computes the experiments' other metrics (gradient "
+        "norms, D's mean probabilities), which the hand-written loops leave out. Building the four networks "
+        f"and their optimizer states took {k['seconds']['build']:.0f} s of this case, compiling the four "
+        f"candidates (and a first step of each) {k['seconds']['compile']:.0f} s, two at a time, the timed samples "
+        f"{k['seconds']['timed']:.0f} s.",
+        "",
+        "| model | candidate | median per step | IQR | min - max | x hand-written | mean losses |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for model, result in models.items():
+        base = _find(result["step"], "hand-written").median
+        for t in result["step"]:
+            q1, q3 = t.quartiles
+            losses = ", ".join(f"{name} {value:.3f}" for name, value in t.extra["losses"].items() if "loss" in name)
+            lines.append(
+                f"| {model} | {t.name} | {_fmt_seconds(t.median)} | {_fmt_seconds(q1)} - {_fmt_seconds(q3)} | "
+                f"{_fmt_seconds(min(t.seconds))} - {_fmt_seconds(max(t.seconds))} | {t.median / base:.2f} | "
+                f"{losses} |"
+            )
+    return lines
+
+
 def write_chart(path: Path, results: dict) -> str | None:
     try:
         import matplotlib
@@ -501,12 +559,17 @@ def write_chart(path: Path, results: dict) -> str | None:
         for model in results.get("dp_sgd", {}).get("models", {})
     ]
     panels += [("population", grid, f"(f) {grid} (s)", 1) for grid in results.get("population", {}).get("grids", {})]
+    panels += [
+        ("generative", model, f"(k) {model} step (ms)", 1e3)
+        for model in results.get("generative", {}).get("models", {})
+    ]
     if not panels:
         return None
     fig, axes = plt.subplots(len(panels), 1, figsize=(8, 2.2 * len(panels) + 0.5), squeeze=False)
     for ax, (case, key, title, scale) in zip(axes[:, 0], panels, strict=True):
-        nested = {"dp_sgd": "models", "population": "grids"}
+        nested = {"dp_sgd": "models", "population": "grids", "generative": "models"}
         timings = results[case][nested[case]][key] if case in nested else results[case][key]
+        timings = timings["step"] if case == "generative" else timings
         medians = [t.median * scale for t in timings]
         errors = [
             [(t.median - t.quartiles[0]) * scale for t in timings],

@@ -1,6 +1,7 @@
 """`scripts/bench --quick` runs end to end and writes a complete report (no timing assertions)."""
 
 import json
+import math
 
 import jax
 import pytest
@@ -12,7 +13,7 @@ from benchmarks.__main__ import main
 def test_quick_benchmark_run_writes_the_report_with_every_case(tmp_path, capsys):
     with jax.numpy_rank_promotion("allow"):  # the other frameworks' idioms broadcast (x @ w + b)
         # (g) and (j) start processes with simulated devices (a minute each); tests/test_fsdp.py and
-        # tests/test_deterministic_reduction.py cover what they run.
+        # tests/test_deterministic_reduction.py cover what they run. (k) has its own test below.
         assert main(["--quick", "--cases", "a,b,c,d,e,f,h,i", "--out", str(tmp_path)]) == 0
     report = (tmp_path / "benchmarks.md").read_text()
     results = json.loads((tmp_path / "benchmarks.json").read_text())
@@ -43,3 +44,23 @@ def test_quick_benchmark_run_writes_the_report_with_every_case(tmp_path, capsys)
         assert len(loaders["resume"]) == 6 and loaders["size"] == 6_000
     else:
         assert "skipped: the mnist1d package is not installed" in report
+
+
+@pytest.mark.slow
+def test_quick_generative_case_times_the_engine_against_hand_written_equinox(tmp_path):
+    """(k): both experiments' steps, ours and by hand, timed and reported; both train (finite losses of
+    the same size: the keys differ, so not the same values)."""
+    pytest.importorskip("sklearn")
+    assert main(["--quick", "--cases", "k", "--out", str(tmp_path)]) == 0
+    report = (tmp_path / "benchmarks.md").read_text()
+    models = json.loads((tmp_path / "benchmarks.json").read_text())["results"]["generative"]["models"]
+    assert "## (k) The generative experiments' steps against hand-written Equinox loops" in report
+    assert set(models) == {"GAN", "diffusion"}
+    for model, result in models.items():
+        assert f"| (k) {model} step vs a hand-written Equinox loop of the same model | <= 1.0x the time |" in report
+        ours, by_hand = result["step"]
+        assert ours["name"].startswith("ours") and by_hand["name"].startswith("hand-written Equinox")
+        assert all(row["median"] > 0 and row["repeats"] >= 2 for row in result["step"])
+        for name, value in by_hand["losses"].items():
+            assert math.isfinite(value) and math.isfinite(ours["losses"][name])
+            assert 0.5 < ours["losses"][name] / value < 2, (model, name, ours["losses"], by_hand["losses"])
