@@ -29,7 +29,7 @@ MICRO_BATCHES = 8
 
 
 def _experiment(model: str, quick: bool):
-    """`(state, train_data, loss_fn, steps_per_call)` of a warm-up-ready run of `model`."""
+    """`(state, train_data, step, steps_per_call)` of a warm-up-ready run of `model`."""
     from research.experiment import load_experiment
 
     if model == "cnn":
@@ -41,7 +41,7 @@ def _experiment(model: str, quick: bool):
         config = module.Config.from_options(steps=1000, text_bytes=400_000, progress=False)
         calls = 20
     setup = module.setup(config)
-    return setup.build_state(), setup.train_data, setup.loss_fn, 10 if quick else calls
+    return setup.build_state(), setup.train_data, setup.step, 10 if quick else calls
 
 
 def _temp_bytes(trainer, state, data, steps: int) -> int | None:
@@ -57,9 +57,9 @@ def _temp_bytes(trainer, state, data, steps: int) -> int | None:
     return None if analysis is None else int(analysis.temp_size_in_bytes)
 
 
-def _training(state, data, loss_fn, steps: int, placement) -> Callable[[], float]:
+def _training(state, data, step, steps: int, placement) -> Callable[[], float]:
     """Seconds per step of `steps` warm steps of `fit` in one compiled call (compiled here)."""
-    from research.train import SupervisedStep, fit
+    from research.train import fit
 
     def train() -> float:
         start = time.perf_counter()
@@ -67,7 +67,7 @@ def _training(state, data, loss_fn, steps: int, placement) -> Callable[[], float
             state,
             data,
             num_steps=steps,
-            step=SupervisedStep(loss_fn),
+            step=step,
             placement=placement,
             steps_per_call=steps,
             log_every=steps,
@@ -87,12 +87,12 @@ def worker(devices: int, quick: bool) -> dict:
 
     results = {}
     for model in ("cnn", "lm"):
-        state, data, loss_fn, steps = _experiment(model, quick)
+        state, data, step, steps = _experiment(model, quick)
         candidates, memory = {}, {}
         for name, micro in (("ordinary step", None), ("--deterministic-reduction", MICRO_BATCHES)):
             placement = make_placement("auto", devices, micro)
-            candidates[name] = _training(state, data, loss_fn, steps, placement)
-            memory[name] = _temp_bytes(compiled_trainer(loss_fn, state, placement=placement), state, data, steps)
+            candidates[name] = _training(state, data, step, steps, placement)
+            memory[name] = _temp_bytes(compiled_trainer(step, state, placement=placement), state, data, steps)
         timings = interleave(candidates, 2 if quick else 7)
         results[model] = {"step": {t.name: t.seconds for t in timings.values()}, "temp_bytes": memory}
     return results

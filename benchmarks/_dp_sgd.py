@@ -16,7 +16,7 @@ import optax
 from research.data import Batch
 from research.nn import MLP, CNN1d
 from research.per_example import DPSGDLoss, clipped_gradient_sum
-from research.train import TrainState, classification_loss, compiled_trainer
+from research.train import SupervisedStep, TrainState, classification_loss, compiled_trainer
 
 from ._frameworks import OPACUS_MISSING, at_best_thread_count, have_opacus
 from ._timing import interleave, timed
@@ -44,7 +44,7 @@ def step_candidate(model_name: str, loss_name: str, steps: int):
     """`steps` engine steps per call, on a device-resident batch."""
     make_model, features = MODELS[model_name]
     state = TrainState.create(make_model(jax.random.key(0)), optax.adam(LR), key=jax.random.key(1))
-    trainer = compiled_trainer(LOSSES[loss_name], state)
+    trainer = compiled_trainer(SupervisedStep(LOSSES[loss_name]), state)
     batch = jax.device_put(_batch(features))
     leaves = trainer.leaves(state)
     carry = [leaves, trainer.init_stats(leaves, batch)]

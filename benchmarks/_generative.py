@@ -226,11 +226,15 @@ def _trainable(tree) -> int:
     return sum(x.size for x in jax.tree.leaves(eqx.filter(tree, eqx.is_inexact_array)))
 
 
-def _gan(steps: int):
+# --quick: smaller networks, which compile faster (a smoke run, not a measurement)
+QUICK = {"GAN": {"features": 8, "latent": 16}, "diffusion": {"features": 8, "levels": 1}}
+
+
+def _gan(steps: int, quick: bool):
     """The GAN's recipe, parameter counts and candidates (`name: (run, losses)`), `steps` steps a sample."""
     import experiments.gan as gan
 
-    config = gan.Config.from_options()
+    config = gan.Config.from_options(**(QUICK["GAN"] if quick else {}))
     images = digits()
     state = gan.build_state(config, images.shape[1:])
     batch, per_call = config.training.batch_size, config.training.steps_per_call
@@ -247,11 +251,11 @@ def _gan(steps: int):
     }
 
 
-def _diffusion(steps: int):
+def _diffusion(steps: int, quick: bool):
     """The diffusion model's recipe, parameter count and candidates (`name: (run, losses)`)."""
     import experiments.diffusion as diffusion
 
-    config = diffusion.Config.from_options()
+    config = diffusion.Config.from_options(**(QUICK["diffusion"] if quick else {}))
     images = digits()
     decay = config.ema.ema_decay
     state = diffusion.build_state(config, images.shape[1:])
@@ -276,7 +280,8 @@ def run(quick: bool) -> dict:
     # Building the states and compiling the four candidates take most of the case's time: they run two at a
     # time, to keep both cores busy where XLA's compilation would not (the timed samples run alone, interleaved).
     with ThreadPoolExecutor(2) as pool:
-        setups = dict(zip(("GAN", "diffusion"), pool.map(lambda make: make(steps), (_gan, _diffusion)), strict=True))
+        made = pool.map(lambda make: make(steps, quick), (_gan, _diffusion))
+        setups = dict(zip(("GAN", "diffusion"), made, strict=True))
         built = time.perf_counter()
         warm_ups = [run_ for _, made in reversed(setups.values()) for run_, _ in made.values()]
         list(pool.map(lambda run_: run_(1), warm_ups))  # compile, and one step: the longest (diffusion's) first

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from research.data import Batch
-from research.train import NextTokenLoss
+from research.train import NextTokenLoss, SupervisedStep
 
 from ._frameworks import at_best_thread_count
 from ._mlp import PEAK, compiled_run, matmul_candidate
@@ -59,9 +59,8 @@ def ours(steps: int, *, dim: int, depth: int, heads: int, context: int, batch: i
     import experiments.lm as lm
 
     config = lm.Config.from_options(dim=dim, depth=depth, heads=heads, context=context, batch_size=batch, lr=LR)
-    return compiled_run(
-        NextTokenLoss(), lm.build_state(config), Batch(*map(jnp.asarray, _windows(context, batch))), steps
-    )
+    windows = Batch(*map(jnp.asarray, _windows(context, batch)))
+    return compiled_run(SupervisedStep(NextTokenLoss()), lm.build_state(config), windows, steps)
 
 
 class TorchBlock(torch.nn.Module):

@@ -12,7 +12,7 @@ import torch
 
 from research.data import Batch
 from research.nn import MLP
-from research.train import SupervisedStep, TrainState, classification_loss, compiled_trainer
+from research.train import Step, SupervisedStep, TrainState, compiled_trainer
 
 from ._frameworks import FLAX_MISSING, at_best_thread_count, have_flax
 from ._timing import interleave, timed
@@ -66,13 +66,13 @@ def ours_run(steps):
     x, y = _data()
     model = MLP(SIZES[0], SIZES[-1], hidden=SIZES[1:-1], activation="relu", key=jax.random.key(0))
     state = TrainState.create(model, optax.adam(LR), key=jax.random.key(1))
-    return compiled_run(classification_loss, state, Batch(jnp.asarray(x), jnp.asarray(y)), steps)
+    return compiled_run(SupervisedStep(), state, Batch(jnp.asarray(x), jnp.asarray(y)), steps)
 
 
-def compiled_run(loss_fn, state: TrainState, data: Batch, steps: int):
+def compiled_run(step: Step, state: TrainState, data: Batch, steps: int):
     """A call of `steps` training steps of `state` in one compiled call (the engine's `trainer.run`, a
     fori_loop over index rows), every step on the whole of `data`; each call continues the last one."""
-    trainer = compiled_trainer(loss_fn, state)
+    trainer = compiled_trainer(step, state)
     indices = np.tile(np.arange(len(data.labels), dtype=np.int32), (steps, 1))
     leaves = trainer.leaves(state)
     carry = [leaves, trainer.init_stats(leaves, data)]
