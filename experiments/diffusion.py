@@ -112,19 +112,24 @@ class DenoisingLoss(eqx.Module):
         return loss, ({"loss": loss}, model_state)
 
 
-def sampler(config: Config):
+class DDIM(eqx.Module):
     """`sample(model, _, keys) -> images in [-1, 1]`: DDIM with eta 0 from the noise of each key, over
-    `--sample-steps` steps of the schedule evenly spaced from its last step to its first."""
-    schedule = Schedule(config.diffusion_steps)
-    steps = np.round(np.linspace(schedule.steps - 1, 0, min(config.sample_steps, schedule.steps))).astype(np.int32)
-    alpha_bars = schedule.alpha_bars
-    now, after = alpha_bars[steps], np.append(alpha_bars[steps[1:]], np.float32(1))  # after the last step: the image
+    `steps` steps of the schedule evenly spaced from its last step to its first. (A module, not a closure:
+    equal samplers share their compiled programs.)"""
 
-    def sample(model: UNet, _: Any, keys: jax.Array) -> Float[Array, "batch height width channels"]:
+    schedule: Schedule = eqx.field(static=True)
+    steps: int = eqx.field(static=True)
+
+    def __call__(self, model: UNet, _: Any, keys: jax.Array) -> Float[Array, "batch height width channels"]:
+        total = self.schedule.steps
+        steps = np.round(np.linspace(total - 1, 0, min(self.steps, total))).astype(np.int32)
+        alpha_bars = self.schedule.alpha_bars
+        now, after = alpha_bars[steps], np.append(alpha_bars[steps[1:]], np.float32(1))  # after the last: the image
+
         def one(key: PRNGKeyArray) -> Float[Array, "height width channels"]:
             def denoise(x: Array, at: tuple[Array, Array, Array]) -> tuple[Array, None]:
                 t, a_now, a_after = at
-                noise = model(x, t.astype(jnp.float32) / schedule.steps)
+                noise = model(x, t.astype(jnp.float32) / total)
                 image = jnp.clip((x - jnp.sqrt(1 - a_now) * noise) / jnp.sqrt(a_now), -1, 1)
                 return jnp.sqrt(a_after) * image + jnp.sqrt(1 - a_after) * noise, None
 
@@ -134,21 +139,23 @@ def sampler(config: Config):
 
         return jax.vmap(one)(keys)
 
-    return sample
+
+def sampler(config: Config) -> DDIM:
+    return DDIM(Schedule(config.diffusion_steps), config.sample_steps)
 
 
-def test_loss(schedule: Schedule):
-    """The denoising loss of the test images, each from its fixed step and noise (the evaluation's keys)."""
-    loss = DenoisingLoss(schedule)
+class TestLoss(eqx.Module):
+    """The denoising loss of one evaluation batch of test images, each from its fixed step and noise (the
+    evaluation's keys), summed over the batch's real rows."""
 
-    def per_batch(model: UNet, _: Any, images: Array, mask: Array, key: PRNGKeyArray) -> dict[str, Array]:
-        def one(image: Array, key: PRNGKeyArray) -> Array:
-            return loss(model, None, image[None], key)[0]
+    schedule: Schedule = eqx.field(static=True)
 
-        losses = jax.vmap(one)(images, jax.random.split(key, images.shape[0]))
+    def __call__(self, model: UNet, _: Any, images: Array, mask: Array, key: PRNGKeyArray) -> dict[str, Array]:
+        loss = DenoisingLoss(self.schedule)
+        losses = jax.vmap(lambda image, k: loss(model, None, image[None], k)[0])(
+            images, jax.random.split(key, images.shape[0])
+        )
         return {"loss": jnp.sum(losses * mask)}
-
-    return batch_evaluator(per_batch)
 
 
 def build_state(config: Config, image_shape: tuple[int, int, int]) -> TrainState:
@@ -180,7 +187,7 @@ def setup(config: Config) -> Setup:
     test_data = DeviceLoader(data.test.inputs, None, min(500, len(data.test.inputs)), shuffle=False)
     schedule, sample = Schedule(config.diffusion_steps), sampler(config)
     judge = None if config.judge is None else load_judge(config.judge, image_shape)
-    evaluators = [test_loss(schedule)] + ([] if judge is None else [frechet_evaluator(judge, sample)])
+    evaluators = [batch_evaluator(TestLoss(schedule))] + ([] if judge is None else [frechet_evaluator(judge, sample)])
 
     def summarize(run: RunDir, summary: dict[str, Any]) -> dict[str, Any] | None:
         """The Fréchet distances to compare the run's with: of as many training images (real vs real), and

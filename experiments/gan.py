@@ -216,14 +216,18 @@ def held_out_evaluator(config: Config):
     return evaluate
 
 
-def sampler(config: Config):
+class Sampler(eqx.Module):
     """`sample(generator, _, keys) -> images in [-1, 1]`, one a key: what evaluation, samples.png and
-    `scripts/sample` draw."""
+    `scripts/sample` draw. (A module, not a closure: equal samplers share their compiled programs.)"""
 
-    def sample(generator: Generator, _: Any, keys: jax.Array) -> Float[Array, "batch height width channels"]:
-        return jax.vmap(lambda k: generator(jax.random.normal(k, (config.latent,))))(keys)
+    latent: int = eqx.field(static=True)
 
-    return sample
+    def __call__(self, generator: Generator, _: Any, keys: jax.Array) -> Float[Array, "batch height width channels"]:
+        return jax.vmap(lambda k: generator(jax.random.normal(k, (self.latent,))))(keys)
+
+
+def sampler(config: Config) -> Sampler:
+    return Sampler(config.latent)
 
 
 def adam(config: Config) -> optax.GradientTransformation:

@@ -48,6 +48,8 @@ class Experiment:
     images: bool = False  # reads --data: a .npz of 256 + 64 of scikit-learn's digits (tests/_image_formats.py)
     digits8: bool = False  # reads --data: the same digits 8x8 grey, as scikit-learn ships them
     ema_everywhere: bool = True  # else --ema-decay on the first placement only (each placement compiles anew)
+    emas: tuple[str, ...] | None = None  # the EMAS variants it runs on every placement; None: all
+    tracked: bool = True  # runs once more with every tracker (the trackers do not depend on the step)
     script: str | None = None  # experiments/<script>.py; None: the name in EXPERIMENTS
     phases: tuple[str, ...] | None = None  # the PHASES it runs; None: all
     timeout: float = 45  # seconds for one run (a short run takes a few); then it counts as a hang
@@ -147,18 +149,24 @@ EXPERIMENTS = {  # state_passing is no training run
         data_dir=True,
     ),
     # two networks, two optimizers: two discriminator updates (on every other row of the batch: the same rows on
-    # every placement) and a generator update a step; no judge (the fid is tests/test_generative.py's)
+    # every placement) and a generator update a step; evaluated by the discriminator's loss on the test images (the
+    # fid is tests/test_generative.py's). Each compiles for seconds: on every placement the variant that must match
+    # one device to the bit (--deterministic-reduction, with the EMA), in every phase; no tracked runs
     "gan": Experiment(
         ("--steps", "2", *GENERATIVE, "--latent", "8", "--critic-steps", "2"),
         ("--steps", "4", *GENERATIVE, "--latent", "8", "--critic-steps", "2"),
         digits8=True,
+        emas=("ema-det",),
+        tracked=False,
         timeout=120,  # its first run compiles both networks' updates beside the other worker
     ),
-    # the supervised step over images alone; its EMA is on by default; evaluated by its test loss
+    # the supervised step over images alone, its EMA on by default, evaluated by its test loss; as gan
     "diffusion": Experiment(
         ("--steps", "2", *GENERATIVE, "--levels", "1", "--diffusion-steps", "10", "--sample-steps", "2"),
         ("--steps", "4", *GENERATIVE, "--levels", "1", "--diffusion-steps", "10", "--sample-steps", "2"),
         digits8=True,
+        emas=("ema-det",),
+        tracked=False,
         timeout=120,
     ),
     # no --devices or --ema-decay (one unrolled run a step: nothing to split, no weights to average): refused
@@ -265,13 +273,16 @@ COMBINATIONS = [
     Combination(name, placement, ema, loader, phase)
     for name, experiment in EXPERIMENTS.items()
     for placement, ema, loader, phase in itertools.product(
-        PLACEMENTS, EMAS, LOADERS if experiment.has_loader else list(LOADERS)[:1], experiment.phases or PHASES
+        PLACEMENTS,
+        experiment.emas or EMAS,
+        LOADERS if experiment.has_loader else list(LOADERS)[:1],
+        experiment.phases or PHASES,
     )
     if experiment.ema_everywhere or ema == "noema" or placement == next(iter(PLACEMENTS))
 ] + [
     Combination(name, "1dev", "noema", "device", phase, "tracked")
     for name, experiment in EXPERIMENTS.items()
-    if experiment.script is None
+    if experiment.script is None and experiment.tracked
     for phase in experiment.phases or PHASES
     if phase in TRACKED_PHASES
 ]
