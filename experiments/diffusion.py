@@ -14,6 +14,7 @@ many drawn images as the test set holds and the test images in the judge's featu
 """
 
 import dataclasses
+import functools
 from typing import Any, ClassVar
 
 import equinox as eqx
@@ -162,8 +163,15 @@ def build_state(config: Config, image_shape: tuple[int, int, int]) -> TrainState
     model_key, train_key = jax.random.split(jax.random.key(config.training.seed))
     height, width, channels = image_shape
     model = UNet(channels, config.features, config.levels, height=height, width=width, key=model_key)
-    adam = optax.inject_hyperparams(optax.adam)(learning_rate=config.training.lr)
-    return TrainState.create(model, optax.chain(optax.clip_by_global_norm(1.0), adam), key=train_key)
+    return TrainState.create(model, optimizer(config.training.lr), key=train_key)
+
+
+@functools.cache
+def optimizer(lr: float) -> optax.GradientTransformation:
+    """Adam after clipping the gradient's norm to 1 (DDPM's), the learning rate in its state
+    (`inject_hyperparams`: seeds and rates train as one population). One object per rate: runs in one
+    process whose states hold the same object share the compiled step."""
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.inject_hyperparams(optax.adam)(learning_rate=lr))
 
 
 def setup(config: Config) -> Setup:

@@ -16,6 +16,7 @@ the options.
 """
 
 import dataclasses
+import functools
 from typing import Any, ClassVar
 
 import equinox as eqx
@@ -230,9 +231,12 @@ def sampler(config: Config) -> Sampler:
     return Sampler(config.latent)
 
 
-def adam(config: Config) -> optax.GradientTransformation:
-    """Adam with the learning rate in its state (`inject_hyperparams`), so seeds and rates train as one population."""
-    return optax.inject_hyperparams(optax.adam)(learning_rate=config.training.lr, b1=config.beta1)
+@functools.cache
+def adam(lr: float, beta1: float) -> optax.GradientTransformation:
+    """Adam with the learning rate in its state (`inject_hyperparams`), so seeds and rates train as one
+    population. One object per setting: the optimizer is a static field of the state, and runs in one process
+    (a sweep's, a test's) whose states hold the same object share the compiled step."""
+    return optax.inject_hyperparams(optax.adam)(learning_rate=lr, b1=beta1)
 
 
 def build_state(config: Config, image_shape: tuple[int, int, int]) -> GANState:
@@ -240,7 +244,7 @@ def build_state(config: Config, image_shape: tuple[int, int, int]) -> GANState:
     height, width, channels = image_shape
     generator = Generator(config.latent, height, width, channels, config.features, key=g_key)
     discriminator = Discriminator(height, width, channels, config.features, key=d_key)
-    g_optimizer, d_optimizer = adam(config), adam(config)
+    g_optimizer = d_optimizer = adam(config.training.lr, config.beta1)
     return GANState(
         step=jnp.zeros((), jnp.int32),
         generator=generator,
