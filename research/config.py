@@ -225,6 +225,13 @@ class Training(Options):
     eval_every: int = option(
         0, "steps between test evaluations (0: only at the end)", check=non_negative, resumable=True
     )
+    early_stopping: int = option(
+        0,
+        "end the run as finished once the experiment's headline metric (the validation set's when the run "
+        "has one) has not bettered its best in this many evaluations in a row; needs --eval-every (0: off)",
+        check=non_negative,
+        resumable=True,
+    )
     steps_per_call: int = option(1, "training steps per compiled call on device-resident data", check=positive)
     skip_nonfinite: bool = option(
         False, "skip steps with a NaN/Inf loss or gradient instead of stopping the run", resumable=True
@@ -477,7 +484,8 @@ def check_combination(config: RunConfig, processes: int | None = None) -> None:
     - `--process-id` is below `--num-processes`;
     - `--debug-nans` replays steps op by op on one device, so it takes no data parallelism;
     - `--resume auto` needs `--run-dir`: a restarted job must find its own run, not the newest one;
-    - `--deterministic-reduction`'s micro-batches split the batch, and the devices split them.
+    - `--deterministic-reduction`'s micro-batches split the batch, and the devices split them;
+    - `--early-stopping` counts evaluations, so it needs `--eval-every`.
     """
     training, checkpointing, devices = config.training, config.checkpointing, devices_of(config)
     processes = processes or devices.num_processes or 1
@@ -503,6 +511,11 @@ def check_combination(config: RunConfig, processes: int | None = None) -> None:
         )
     if devices.deterministic_reduction and batch_size is not None and batch_size % devices.micro_batches:
         raise ConfigError(f"--batch-size {batch_size} is not divisible by --micro-batches {devices.micro_batches}")
+    if training.early_stopping and not training.eval_every:
+        raise ConfigError(
+            f"--early-stopping {training.early_stopping} counts evaluations, and this run evaluates only at its end; "
+            "pass --eval-every N too"
+        )
 
 
 def micro_batches(devices: Devices) -> int | None:

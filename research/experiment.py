@@ -22,6 +22,7 @@ from .config import (
     ConfigError,
     RunConfig,
     Tracking,
+    Training,
     check_combination,
     devices_of,
     ema_of,
@@ -44,6 +45,7 @@ from .tracking import RunTrackers, open_trackers, run_files
 from .train import (
     AbstractTrainState,
     Checkpoint,
+    EarlyStopping,
     Ending,
     Engine,
     Evaluate,
@@ -241,6 +243,7 @@ def run_experiment(
     _check_profile_window(tracking_of(config), setup.num_steps)
     state = initial_state(setup, ema_of(config))
     placement = _checked_for(placement, setup, state)
+    _check_early_stopping(config.training, setup)
     writer = jax.process_index() == 0
     plan = plan_run(experiment, config, num_steps=setup.num_steps, writer=writer)
     if isinstance(plan, Finished):
@@ -326,11 +329,13 @@ def _run_and_summarize(
     """Train (or, checkpointed at its last step, only evaluate) and write the summary and curves.png."""
     start, run = time.perf_counter(), plan.run
     if isinstance(plan, EvaluateOnly):
-        result = _evaluate_finished(setup, state, run, placement)
+        result = _evaluate_finished(setup, state, run, placement, header.get("finished"))
     else:
         result = _train(experiment, config, setup, state, placement, run, header, trackers)
     losses = tuple(name for name in setup.step.finite_metrics if not name.endswith("grad_norm"))
     summary = {"experiment": experiment, **run_summary(result, losses), "wall_seconds": time.perf_counter() - start}
+    if result.finished_early is not None:
+        summary["finished_early"] = result.finished_early
     if result.compile_seconds is not None:
         summary["compile_seconds"] = result.compile_seconds
     summary.update(peak_memory())
@@ -377,7 +382,7 @@ def _train(
         stop_signals=True,
     )
     start = int(np.max(np.asarray(state.step)))  # a population steps its members together
-    add_default_hooks(engine, experiment, config, setup, run, trackers, start=start)
+    add_default_hooks(engine, experiment, config, setup, run, trackers, start=start, hook_states=header.get("hooks"))
     return engine.fit(
         state, setup.train_data, setup.num_steps, resume_window=header.get("window"), resume_data=header.get("data")
     )
@@ -392,18 +397,23 @@ def add_default_hooks(
     trackers: RunTrackers,
     *,
     start: int,
+    hook_states: dict[str, Any] | None = None,
 ) -> None:
     """Add a run's standard hooks, chosen from its config, in the order they run (a later hook sees what
-    an earlier one put in the record): the non-finite guard, evaluation (validation, then test),
-    tracking (metrics.jsonl and the `trackers`), progress, checkpoints (a step and a time cadence), the
-    profile. Every process checkpoints its shards; process 0 alone logs, tracks and shows progress.
-    `start` is the step the run starts from."""
+    an earlier one put in the record): the non-finite guard, evaluation (validation, then test), early
+    stopping, tracking (metrics.jsonl and the `trackers`), progress, checkpoints (a step and a time
+    cadence), the profile. Every process checkpoints its shards; process 0 alone logs, tracks and shows
+    progress. `start` is the step the run starts from, `hook_states` its checkpoint's (`hooks`)."""
     writer = jax.process_index() == 0
     training, checkpointing = config.training, config.checkpointing
     header = {"experiment": experiment, "config": config.to_dict()}
     headline = type(config).headline
     minutes = checkpointing.checkpoint_minutes
-    checkpoint = Checkpoint(run, checkpointing.keep_checkpoints, header, 60 * minutes or None, headline)
+    resumable = _resumable_hooks(training, setup, headline)
+    for name, hook in resumable.items():
+        if hook_states and name in hook_states:
+            hook.load_state_dict(hook_states[name])
+    checkpoint = Checkpoint(run, checkpointing.keep_checkpoints, header, 60 * minutes or None, headline, resumable)
     if not training.skip_nonfinite:  # a NaN state is not saved on preemption
         engine.add_hook(NonFiniteGuard(run, checkpoint), on_preemption=True)
     progress = training.progress and writer
@@ -413,6 +423,8 @@ def add_default_hooks(
             engine.add_hook(evaluate, every=training.eval_every or setup.num_steps)
     if setup.draw is not None and not setup.population:
         engine.add_hook(Draw(setup.draw, run.path, writer), every=training.eval_every or setup.num_steps)
+    for hook in resumable.values():
+        engine.add_hook(hook)
     tracked: list[Tracker] = [JsonlTracker(run)] if writer else []
     if trackers.trackers:
         tracked.append(trackers)
@@ -426,6 +438,26 @@ def add_default_hooks(
     if profile is not None:
         engine.add_hook(profile, at=(profile.start, profile.stop))
         profile.begin_if_due(start)
+
+
+def _resumable_hooks(training: Training, setup: Setup, headline: Headline) -> dict[str, EarlyStopping]:
+    """The hooks that count across stops, by the name their state has in a checkpoint's header."""
+    if not training.early_stopping:
+        return {}
+    watched = f"{'val' if setup.val_data is not None else 'test'}/{headline.metric}"
+    return {"early_stopping": EarlyStopping(watched, training.early_stopping, headline.goal)}
+
+
+def _check_early_stopping(training: Training, setup: Setup) -> None:
+    if not training.early_stopping:
+        return
+    if setup.population:
+        raise ConfigError(
+            "--early-stopping ends a run at one step, and a population's members would stop at different "
+            "ones; train them as separate runs (scripts/sweep without --vmapped)"
+        )
+    if setup.eval_data is None and setup.val_data is None:
+        raise ConfigError("--early-stopping watches an evaluation, and this experiment evaluates on no data")
 
 
 @dataclasses.dataclass
@@ -475,9 +507,12 @@ def _profile_hint(start: int, stop: int) -> Callable[[Path], None]:
     return hint
 
 
-def _evaluate_finished(setup: Setup, state: AbstractTrainState, run: RunDir, placement: Placement) -> FitResult:
-    """The result of a run whose training ended (its last checkpoint is at its last step) but that was
-    stopped before it wrote its summary: its final model evaluated again, its last logged train metrics."""
+def _evaluate_finished(
+    setup: Setup, state: AbstractTrainState, run: RunDir, placement: Placement, finished_early: str | None
+) -> FitResult:
+    """The result of a run whose training ended (its last checkpoint is at its last step, or marked
+    `finished_early`) but that was stopped before it wrote its summary: its final model evaluated again,
+    its last logged train metrics."""
     arrays, rest = eqx.partition(state, eqx.is_array)
     leaves, treedef = jax.tree.flatten(arrays)
     placed = placement.place(leaves)
@@ -496,6 +531,7 @@ def _evaluate_finished(setup: Setup, state: AbstractTrainState, run: RunDir, pla
         bytes_on_first_device(placed),
         steps_per_s=last.get("steps_per_s"),
         val_metrics=val,
+        finished_early=finished_early,
     )
 
 

@@ -60,9 +60,10 @@ def summary_line(experiment: str, summary: dict[str, Any], run: RunDir, headline
         if k in summary and k != headline.summary_key
     ]
     headline_part = f"{what} {headline.shown(summary[key])}{raw} " if key in summary else ""
+    early = f" (finished early: {summary['finished_early']})" if "finished_early" in summary else ""
     return (
         f"{experiment}: {headline_part}({', '.join(losses) or 'no losses'}) "
-        f"at step {summary['step']}, {summary['wall_seconds']:.1f} s\nrun directory: {run.path} "
+        f"at step {summary['step']}{early}, {summary['wall_seconds']:.1f} s\nrun directory: {run.path} "
         "(learning curves: curves.png)"
     )
 

@@ -99,13 +99,14 @@ def plan_run(experiment: str, config: RunConfig, *, num_steps: int, writer: bool
     run = RunDir(path)
     checkpoint = _latest_valid_checkpoint(run)
     check_same_config(run, config)
-    step = read_header(checkpoint)["step"]
+    header = read_header(checkpoint)
+    step = header["step"]
     if step > num_steps:
         raise ConfigError(
             f"--resume: the run in {path} is at step {step}, past the {num_steps} steps "
             "this config trains; resume with as many steps or more"
         )
-    if step < num_steps:
+    if step < num_steps and "finished" not in header:  # (a hook ended it early: `StepInfo.finish`)
         return Resume(run, checkpoint, step)
     summary = run.read_summary()
     return EvaluateOnly(run, checkpoint, step) if summary is None else Finished(run, summary, step)

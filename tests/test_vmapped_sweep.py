@@ -240,6 +240,10 @@ def test_a_population_killed_before_its_members_were_written_is_completed(swept,
         ),
         (["lr=0.1", "--", "--loader", "torch"], "sweep: error: --vmapped gathers each member's batches on the device"),
         (["lr=0.1,1", "--search", "random"], "sweep: error: --vmapped trains a grid's runs as one population"),
+        (
+            ["lr=0.1", "--", "--early-stopping", "2", "--eval-every", "19"],
+            "sweep: error: --vmapped trains its members for the same steps, and --early-stopping",
+        ),
     ],
 )
 def test_what_one_program_cannot_train_is_refused_in_one_line(args, message, tmp_path, capsys):

@@ -60,6 +60,11 @@ def check_vmappable(config_class: type, keys: Sequence[str], config: RunConfig) 
             f"--vmapped splits its population's members (or its batches) over --devices with --parallel auto "
             f"or sharded, not {parallel}"
         )
+    if config.training.early_stopping:
+        raise UsageError(
+            "--vmapped trains its members for the same steps, and --early-stopping would end them at different "
+            "ones; sweep without --vmapped"
+        )
     if config.to_dict().get("loader", "device") != "device":  # an option of the experiment's own, if it has one
         raise UsageError("--vmapped gathers each member's batches on the device: use --loader device")
 

@@ -26,7 +26,7 @@ from ._global_batch import (
     loss_value_and_grad,
     rows_of_global_batch,
 )
-from ._hooks import Checkpoint, Evaluate, NonFiniteGuard, Profile, ShowProgress, Track
+from ._hooks import Checkpoint, EarlyStopping, Evaluate, NonFiniteGuard, Profile, ShowProgress, Track
 from ._keys import random_normal
 from ._language import NextTokenLoss, evaluate_language_model, next_token_sums
 from ._micro import EXACT_COMPILER_OPTIONS, check_micro_batch_loss, micro_batch_value_and_grad, tree_sum
@@ -62,6 +62,7 @@ from ._state import (
     forward,
     train_step,
 )
+from ._signals import StopSignals
 from ._step import AbstractTrainState, Step, take_step
 from ._tracking import (
     TRACKERS,
@@ -102,6 +103,7 @@ __all__ = [
     "DataError",
     "Ending",
     "Engine",
+    "EarlyStopping",
     "Evaluate",
     "Evaluator",
     "FitResult",
@@ -124,6 +126,7 @@ __all__ = [
     "RunTracker",
     "ShowProgress",
     "StepInfo",
+    "StopSignals",
     "TensorBoardTracker",
     "Track",
     "Tracker",

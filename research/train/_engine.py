@@ -54,6 +54,11 @@ class StepInfo:
     - `first_bad_step()`: `(step, metric)` of the first non-finite step since the last fetch.
     - `window()`: the running metrics not yet logged, as a checkpoint header stores them.
     - `data_state()`: the host loader's own state at this step (a Grain iterator's), or None.
+    - `finish(reason)`: end the run here as finished (early stopping): the later hooks of this stop
+      see it `final` (the checkpoint saves it, marked finished), and fit returns.
+    - `replace_state(state)`: go on from `state` instead, a state of the same structure (pruned
+      weights, a synced target network, a new learning rate in `optax.inject_hyperparams`'s state):
+      the later hooks of this stop (the checkpoint) and the next steps take it.
     """
 
     step: int
@@ -64,10 +69,21 @@ class StepInfo:
     stats: StepStats
     logged: bool = False
     data_state: Callable[[], Any] = lambda: None
+    finished_early: str | None = None  # why a hook ended the run before `num_steps` (`finish`)
 
     @property
     def final(self) -> bool:
-        return self.step == self.num_steps
+        return self.step == self.num_steps or self.finished_early is not None
+
+    def replace_state(self, state: Any) -> None:
+        """Train on from `state` (the structure of `self.state`), placed as the run places its state."""
+        self.leaves = self.trainer.place(state)
+        for built in ("state", "saved_state"):  # the cached copies are of the state replaced
+            self.__dict__.pop(built, None)
+
+    def finish(self, reason: str) -> None:
+        """End the run at this stop as finished, for `reason` (say, no improvement for 5 evaluations)."""
+        self.finished_early = reason
 
     @functools.cached_property
     def state(self) -> Any:
@@ -100,6 +116,7 @@ class FitResult:
     steps_per_s: float | None = None  # over the last logging window (compile and hooks left out)
     val_metrics: dict[str, float] | None = None  # on the validation set, when the run has one
     compile_seconds: float | None = None  # JAX's tracing and compilation in the calls up to the first stop
+    finished_early: str | None = None  # why a hook ended the run before its last step (`StepInfo.finish`)
 
 
 class Engine:
@@ -173,12 +190,12 @@ class Engine:
         with self._closing_hooks():  # also when placing the state or laying out the statistics fails
             trainer = self._trainer(state, train_data)
             traces_before = dict(trainer.num_traces)
-            leaves, final, state_bytes, compile_seconds = self._train(
+            leaves, final, state_bytes, compile_seconds, finished_early = self._train(
                 trainer, state, train_data, num_steps, resume_window, resume_data
             )
         _warn_on_retrace(trainer, traces_before)
         result = _result(trainer.state(leaves), final, time.perf_counter() - start_time, state_bytes)
-        return dataclasses.replace(result, compile_seconds=compile_seconds)
+        return dataclasses.replace(result, compile_seconds=compile_seconds, finished_early=finished_early)
 
     def _trainer(
         self, state: AbstractTrainState, train_data: DeviceLoader | TorchLoader | GrainLoader
@@ -203,8 +220,9 @@ class Engine:
         num_steps: int,
         resume_window: dict[str, Any] | None,
         resume_data: Any,
-    ) -> tuple[Leaves, dict[str, Any], int, float | None]:
-        """The loop: the final leaves, the last record, the state's bytes a device, the compile seconds."""
+    ) -> tuple[Leaves, dict[str, Any], int, float | None, str | None]:
+        """The loop: the final leaves, the last record, the state's bytes a device, the compile seconds,
+        and why a hook ended the run early (`StepInfo.finish`), if one did."""
         step = int(np.max(np.asarray(state.step)))
         leaves = trainer.place(state)  # fresh copies: the compiled steps donate them
         state_bytes = bytes_on_first_device(leaves)
@@ -227,12 +245,15 @@ class Engine:
                     stats = feed.init_stats(leaves)
                 with clock.paused():
                     self._run_hooks(info)
+                    leaves = info.leaves  # (a hook may have replaced the state)
                     if signals is not None and not alone and step < num_steps:
                         received = _agreed_signal(signals)
                         if received:
                             self._preempted(info, received)
                 final.update(info.record)
-        return leaves, final, state_bytes, compiling.seconds
+                if info.finished_early is not None:
+                    return leaves, final, state_bytes, compiling.seconds, info.finished_early
+        return leaves, final, state_bytes, compiling.seconds, None
 
     @contextlib.contextmanager
     def _closing_hooks(self) -> Iterator[None]:

@@ -15,6 +15,8 @@ run adds the same hooks from its config: `research.experiment.add_default_hooks`
 - `run`: where to log (`metrics.jsonl`) and checkpoint; nothing is written when `None`. With
   several processes pass it on every process: each saves its shards of the checkpoints (in the
   background), process 0 commits them and logs.
+- `early_stopping`: an `EarlyStopping` hook (`EarlyStopping("test/loss", patience=5)`), after the
+  evaluation; its count is checkpointed with the state (restore it from the header's `hooks` to resume).
 - `checkpoint_every`, `keep_checkpoints`, `checkpoint_header`: `Checkpoint`'s cadence, how many
   to keep and the JSON header written with each (`None`: only the final step, which is always
   checkpointed); `checkpoint_seconds`: also checkpoint at the first stop after so many seconds.
@@ -37,7 +39,7 @@ from ..data import DeviceLoader, GrainLoader, HostLoader, TorchLoader
 from ..progress import Progress
 from ._engine import Engine, FitResult
 from ._evaluate import evaluate_state
-from ._hooks import Checkpoint, Evaluate, Evaluator, NonFiniteGuard, Profile, ShowProgress, Track
+from ._hooks import Checkpoint, EarlyStopping, Evaluate, Evaluator, NonFiniteGuard, Profile, ShowProgress, Track
 from ._placement import Placement, one_device
 from ._rundir import RunDir
 from ._step import AbstractTrainState, Step
@@ -72,6 +74,7 @@ def fit(
     evaluator: Evaluator = evaluate_state,
     stop_signals: bool = False,
     profile: Profile | None = None,
+    early_stopping: EarlyStopping | None = None,
 ) -> FitResult:
     """Train `state` until `state.step == num_steps`: an `Engine` with the standard hooks. The arguments
     are described in this module's docstring (`help(research.train._fit)`)."""
@@ -85,12 +88,19 @@ def fit(
         population=population,
         stop_signals=stop_signals,
     )
-    checkpoint = None if run is None else Checkpoint(run, keep_checkpoints, checkpoint_header or {}, checkpoint_seconds)
+    resumable = {} if early_stopping is None else {"early_stopping": early_stopping}
+    checkpoint = (
+        None
+        if run is None
+        else Checkpoint(run, keep_checkpoints, checkpoint_header or {}, checkpoint_seconds, resumable=resumable)
+    )
     if not skip_nonfinite:  # a NaN state is not saved on preemption
         engine.add_hook(NonFiniteGuard(run, checkpoint), on_preemption=True)
     for data, name in ((val_data, "val"), (eval_data, "test")):
         if data is not None:
             engine.add_hook(Evaluate(data, progress, evaluator, name), every=eval_every or num_steps)
+    if early_stopping is not None:
+        engine.add_hook(early_stopping)
     engine.add_hook(Track(_trackers(run, tracker), lr_schedule))
     start = int(np.max(np.asarray(state.step)))  # a population steps its members together
     engine.add_hook(ShowProgress(Progress(num_steps, initial=start, enabled=progress), start))

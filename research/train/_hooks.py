@@ -1,15 +1,16 @@
 """The engine's standard hooks: what happens at a stop of the loop, each with its own cadence.
 
 Add them in this order (`fit` and `research.experiment.add_default_hooks` do): the non-finite
-guard, evaluation, tracking (metrics.jsonl and other trackers), progress, checkpoints, the profile; a
-later hook sees what an earlier one put in `StepInfo.record`.
+guard, evaluation, early stopping, tracking (metrics.jsonl and other trackers), progress, checkpoints,
+the profile; a later hook sees what an earlier one put in `StepInfo.record`, and that an earlier one
+ended the run (`StepInfo.final`).
 """
 
 import dataclasses
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import numpy as np
@@ -67,6 +68,43 @@ class Evaluate:
 
 
 @dataclasses.dataclass
+class EarlyStopping:
+    """End the run as finished (`StepInfo.finish`) once `metric` (a record's key: `test/loss`,
+    `val/accuracy`) has not bettered its best for `patience` evaluations in a row; `goal` says which
+    way is better. Add it after the evaluation, at every stop (it acts where the record has `metric`).
+
+    Its count is part of the run: the checkpoint stores `state_dict()` (the `Checkpoint`'s `resumable`)
+    and a resumed run `load_state_dict`s it, so it stops where the uninterrupted run stops."""
+
+    metric: str
+    patience: int
+    goal: Literal["max", "min"] = "min"
+    best: float | None = None  # the best value so far, and the step that reached it
+    best_step: int = 0
+    evaluations_since_best: int = 0
+
+    def __call__(self, info: StepInfo) -> None:
+        value = info.record.get(self.metric)
+        if value is None:
+            return
+        judge = Headline(self.metric, self.goal)
+        if judge.better(value, judge.worst if self.best is None else self.best):
+            self.best, self.best_step, self.evaluations_since_best = float(value), info.step, 0
+            return
+        self.evaluations_since_best += 1
+        if self.evaluations_since_best >= self.patience and not info.final:
+            best = "no finite value" if self.best is None else f"its best, {self.best:.6g} at step {self.best_step}"
+            info.finish(f"{self.metric} has not bettered {best}, in {self.patience} evaluations")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best, "best_step": self.best_step, "evaluations_since_best": self.evaluations_since_best}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best, self.best_step = state["best"], state["best_step"]
+        self.evaluations_since_best = state["evaluations_since_best"]
+
+
+@dataclasses.dataclass
 class Track:
     """Hand each non-empty record to the trackers (metrics.jsonl, TensorBoard), with `lr`, the rate
     of the last step taken, when the optimizer has a schedule and train metrics were fetched."""
@@ -117,7 +155,10 @@ class Checkpoint:
 
     Add it with a step cadence (`every=N`) and, for a cadence in time, add `when_due` too (at every
     stop): it saves once `every_seconds` have passed since the last save, so a killed run loses
-    bounded work whatever its step cadence."""
+    bounded work whatever its step cadence.
+
+    The header also holds `finished` where a hook ended the run early (`StepInfo.finish`: resuming it
+    trains no further), and the `state_dict()` of each of the `resumable` hooks, by name (`hooks`)."""
 
     saves_state = True  # the engine tells a preempted run's user that its state was saved
 
@@ -126,6 +167,7 @@ class Checkpoint:
     header: dict[str, Any] = dataclasses.field(default_factory=dict)
     every_seconds: float | None = None
     headline: Headline = Headline()
+    resumable: dict[str, Any] = dataclasses.field(default_factory=dict)
     _last: float = dataclasses.field(default_factory=time.monotonic, init=False)
     _saved_step: int = dataclasses.field(default=-1, init=False)
     _writer: CheckpointWriter = dataclasses.field(init=False)
@@ -142,6 +184,10 @@ class Checkpoint:
             "window": info.window(),
             "eval": {k: v for k, v in info.record.items() if k.startswith(("test/", "val/"))},
         }
+        if info.finished_early is not None:
+            header["finished"] = info.finished_early
+        if self.resumable:
+            header["hooks"] = {name: hook.state_dict() for name, hook in self.resumable.items()}
         data = info.data_state()
         if data is not None:  # a host loader's own position (Grain's iterator state), to resume it from
             header["data"] = data
