@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from _entry import run_entry
 
 from research.data import DeviceLoader, XORDataset
@@ -89,6 +90,7 @@ def test_the_count_is_checkpointed_so_a_resumed_run_stops_where_an_uninterrupted
     )
 
 
+@pytest.mark.slow
 def test_the_experiment_stops_on_its_headline_and_resume_reports_it_finished(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     args = ["--no-progress", "--epochs", "40", "--eval-every", "19", "--early-stopping", "3", "--run-dir", "r"]
