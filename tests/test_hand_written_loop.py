@@ -18,7 +18,9 @@ STEPS = "3000"
 
 def start(run_dir):
     env = {**os.environ, "CI": "true"}
-    return subprocess.Popen([sys.executable, str(LOOP), str(run_dir), STEPS], env=env, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, str(LOOP), str(run_dir), STEPS], env=env, stderr=subprocess.PIPE, text=True
+    )
 
 
 @pytest.mark.slow

@@ -54,6 +54,7 @@ from ._placement import (
     replicated,
 )
 from ._rundir import Headline, RunDir
+from ._signals import StopSignals
 from ._state import (
     SupervisedStep,
     TrainState,
@@ -62,7 +63,6 @@ from ._state import (
     forward,
     train_step,
 )
-from ._signals import StopSignals
 from ._step import AbstractTrainState, Step, take_step
 from ._tracking import (
     TRACKERS,
