@@ -13,6 +13,7 @@ import pytest
 from _entry import run_entry
 
 from research.data import DeviceLoader, XORDataset
+from research.errors import ConfigError
 from research.nn import MLP
 from research.train import (
     Checkpoint,
@@ -73,6 +74,11 @@ def test_a_hook_ends_the_run_as_finished_with_the_state_it_reached(tmp_path):
     assert header["hooks"]["early_stopping"]["evaluations_since_best"] == 2
     plain = xor_fit(xor_state(), 3 * EVAL_EVERY, None, None)  # the same steps without the hook
     assert tree_digest(result.state) == tree_digest(plain.state)
+
+
+def test_a_metric_the_evaluation_does_not_report_is_refused_at_the_first_evaluation(tmp_path):
+    with pytest.raises(ConfigError, match=r"watches test/fid, which .* \(it reports test/accuracy, test/loss\)"):
+        xor_fit(xor_state(), 100, EarlyStopping("test/fid", patience=2), None)
 
 
 def test_the_count_is_checkpointed_so_a_resumed_run_stops_where_an_uninterrupted_one_does(tmp_path):

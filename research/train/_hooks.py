@@ -17,7 +17,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from ..data import DeviceLoader, HostLoader
-from ..errors import NonFiniteError
+from ..errors import ConfigError, NonFiniteError
 from ..progress import Progress
 from ._checkpoint import CheckpointWriter
 from ._engine import StepInfo
@@ -86,6 +86,12 @@ class EarlyStopping:
     def __call__(self, info: StepInfo) -> None:
         value = info.record.get(self.metric)
         if value is None:
+            reported = sorted(k for k in info.record if k.startswith(self.metric.split("/")[0] + "/"))
+            if reported:  # an evaluation that does not report the metric would never stop the run
+                raise ConfigError(
+                    f"--early-stopping watches {self.metric}, which this run's evaluation does not report "
+                    f"(it reports {', '.join(reported)})"
+                )
             return
         judge = Headline(self.metric, self.goal)
         if judge.better(value, judge.worst if self.best is None else self.best):
