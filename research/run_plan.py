@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .config import Checkpointing, ConfigError, RunConfig, flat_options, resumable_options
+from .config import Checkpointing, ConfigError, RunConfig, flat_options, is_group, resumable_options
 from .parallel import process_zero_text
 from .train import RunDir, read_header
 
@@ -175,8 +175,21 @@ def config_differences(saved: dict[str, Any], config: RunConfig) -> list[str]:
     what keeps `--resume` from continuing that run."""
     saved = flat_options(type(config), saved)  # one nested by group, as a hand-written file may be
     current = json.loads(json.dumps(config.to_dict()))  # as config.json holds it: a tuple option is a list there
+    # An option added after the run was saved trained it at its default.
+    saved = {**{k: v for k, v in _defaults(type(config)).items() if k not in saved}, **saved}
     keys = sorted((set(saved) | set(current)) - resumable_options(config))
     return [f"{k}: saved {saved.get(k)!r}, now {current.get(k)!r}" for k in keys if saved.get(k) != current.get(k)]
+
+
+def _defaults(config_class: type) -> dict[str, Any]:
+    """Every option's default (of a config or an option group), as config.json holds it."""
+    defaults = {}
+    for field in dataclasses.fields(config_class):
+        if is_group(field):
+            defaults.update(_defaults(field.type) if isinstance(field.type, type) else {})
+        elif field.default is not dataclasses.MISSING:
+            defaults[field.name] = json.loads(json.dumps(field.default))
+    return defaults
 
 
 def check_same_config(run: RunDir, config: RunConfig) -> None:
