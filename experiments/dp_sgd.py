@@ -55,8 +55,8 @@ class Config(TrainConfig):
     max_batch_size: int = option(
         0,
         "rows of a compiled batch (0: expected + 4 std + 4, rounded up to a multiple of the devices, or of "
-        "--micro-batches under --deterministic-reduction); larger draws are truncated to a random subset, which "
-        "the accounting includes",
+        "--micro-batches under --deterministic-reduction, times --grad-accum); larger draws are truncated to a "
+        "random subset, which the accounting includes",
         check=non_negative,
     )
     epochs: int = option(
@@ -99,7 +99,8 @@ def setup(config: Config) -> Setup:
         config.training.batch_size,
         seed=config.training.seed,
         max_batch_size=config.max_batch_size or None,
-        multiple_of=micro_batches(config.devices) or config.devices.devices * jax.process_count(),
+        multiple_of=(micro_batches(config.devices) or config.devices.devices * jax.process_count())
+        * config.training.grad_accum,
     )
     return Setup(
         build_state=lambda: build_state(config),

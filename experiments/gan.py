@@ -149,11 +149,16 @@ class GANStep(Step):
     """`critic_steps` discriminator updates, each on every `critic_steps`-th row of the batch (rows `i`,
     `i + critic_steps`, ...: on any placement the same images), then one generator update; the EMA of the
     generator follows. Metrics: the last discriminator update's `d_loss`, `d_real`, `d_fake`, the
-    generator's `g_loss`, and both gradients' norms."""
+    generator's `g_loss`, and both gradients' norms. `grad_accum` (`--grad-accum`) takes each gradient in
+    parts."""
 
     latent: int = eqx.field(static=True)
     critic_steps: int = eqx.field(static=True, default=1)
+    grad_accum: int = eqx.field(static=True, default=1)
     finite_metrics: ClassVar[tuple[str, ...]] = ("d_loss", "g_loss", "d_grad_norm", "g_grad_norm")
+
+    def with_grad_accum(self, grad_accum: int) -> "GANStep":
+        return dataclasses.replace(self, grad_accum=grad_accum)
 
     def __call__(self, state: GANState, batch: Array, key: PRNGKeyArray, global_batch: GlobalBatch):
         keys = jax.random.split(key, self.critic_steps + 1)
@@ -161,12 +166,12 @@ class GANStep(Step):
         for i in range(self.critic_steps):
             d_loss = DiscriminatorLoss(state.generator, self.latent)
             (_, (metrics, _)), d_grads = global_batch.value_and_grad(
-                d_loss, discriminator, None, batch[i :: self.critic_steps], keys[i]
+                d_loss, discriminator, None, batch[i :: self.critic_steps], keys[i], grad_accum=self.grad_accum
             )
             discriminator, d_opt_state = _update(state.d_optimizer, discriminator, d_grads, d_opt_state)
         g_loss = GeneratorLoss(discriminator, self.latent)
         (_, (g_metrics, _)), g_grads = global_batch.value_and_grad(
-            g_loss, state.generator, None, batch[:: self.critic_steps], keys[-1]
+            g_loss, state.generator, None, batch[:: self.critic_steps], keys[-1], grad_accum=self.grad_accum
         )
         generator, g_opt_state = _update(state.g_optimizer, state.generator, g_grads, state.g_opt_state)
         ema = None if state.ema is None else state.ema.update((generator, None))[0]

@@ -60,9 +60,6 @@ class Config(TrainConfig):
         "kept out of training as a validation set, evaluated as val/... (0: none)",
         check=lambda value: None if value == 0 else _fraction(value),
     )
-    grad_accum: int = option(
-        1, "micro-batches per optimizer step (lax.scan; the same step as the whole batch)", check=positive
-    )
     remat: bool = option(
         True,
         "rematerialise each block in the backward pass: less memory, more compute, "
@@ -99,14 +96,8 @@ def learning_rate(config: Config) -> optax.Schedule:
 
 def setup(config: Config) -> Setup:
     """The model, the windows of text and the loss of a run, built without training."""
-    # Each device's rows (each micro-batch's, under --deterministic-reduction) split into --grad-accum.
-    split = config.devices.micro_batches if config.devices.deterministic_reduction else config.devices.devices
-    splitter = "--micro-batches" if config.devices.deterministic_reduction else "--devices"
-    if config.dim % config.heads or config.training.batch_size % (config.grad_accum * split):
-        raise ConfigError(
-            f"--heads {config.heads} must divide --dim {config.dim}, and --grad-accum {config.grad_accum}"
-            f" x {splitter} {split} must divide --batch-size {config.training.batch_size}"
-        )
+    if config.dim % config.heads:
+        raise ConfigError(f"--heads {config.heads} must divide --dim {config.dim}")
     train, held_out = split_held_out(read_text_bytes(config.text, max_bytes=config.text_bytes), config.held_out)
     train, val = split_held_out(train, config.val_fraction)
     train_data = DeviceLoader(
@@ -117,7 +108,7 @@ def setup(config: Config) -> Setup:
         train_data=train_data,
         eval_data=_evaluation_windows(held_out, config.context),
         num_steps=config.steps,
-        step=SupervisedStep(NextTokenLoss(config.grad_accum)),
+        step=SupervisedStep(NextTokenLoss()),
         lr_schedule=learning_rate(config),
         evaluator=evaluate_language_model,
         val_data=_evaluation_windows(val, config.context) if config.val_fraction else None,

@@ -31,6 +31,7 @@ from research.data import (
     HostLoader,
     load_mnist1d,
 )
+from research.errors import ConfigError
 from research.experiment import Setup, run_experiment
 from research.nn import MLP, build_model
 from research.population import member, num_members
@@ -202,6 +203,11 @@ def build_state(config: Config) -> TrainState:
 
 def setup(config: Config) -> Setup:
     """The population and the data of a run: one outer "example", the inner run's batches."""
+    if config.training.grad_accum > 1:
+        raise ConfigError(
+            f"--grad-accum {config.training.grad_accum}: metalearn_lr's step is one unrolled inner run, "
+            "which has no rows to take in parts"
+        )
     train, test = load_mnist1d(config.data_dir, num_samples=config.num_samples)
     runs = inner_batches(train, config.inner_steps, config.training.batch_size)
     train_data = DeviceLoader(runs.inputs, runs.labels, 1, shuffle=False)

@@ -232,6 +232,12 @@ class Training(Options):
         check=non_negative,
         resumable=True,
     )
+    grad_accum: int = option(
+        1,
+        "take each step's gradient in this many parts of the batch, one after another: the same step with the "
+        "activation memory of one part (parts of each device's rows, or of each --micro-batches micro-batch)",
+        check=positive,
+    )
     steps_per_call: int = option(1, "training steps per compiled call on device-resident data", check=positive)
     skip_nonfinite: bool = option(
         False, "skip steps with a NaN/Inf loss or gradient instead of stopping the run", resumable=True
@@ -485,7 +491,8 @@ def check_combination(config: RunConfig, processes: int | None = None) -> None:
     - `--debug-nans` replays steps op by op on one device, so it takes no data parallelism;
     - `--resume auto` needs `--run-dir`: a restarted job must find its own run, not the newest one;
     - `--deterministic-reduction`'s micro-batches split the batch, and the devices split them;
-    - `--early-stopping` counts evaluations, so it needs `--eval-every`.
+    - `--early-stopping` counts evaluations, so it needs `--eval-every`;
+    - `--grad-accum`'s parts split each device's rows (each micro-batch's).
     """
     training, checkpointing, devices = config.training, config.checkpointing, devices_of(config)
     processes = processes or devices.num_processes or 1
@@ -511,6 +518,13 @@ def check_combination(config: RunConfig, processes: int | None = None) -> None:
         )
     if devices.deterministic_reduction and batch_size is not None and batch_size % devices.micro_batches:
         raise ConfigError(f"--batch-size {batch_size} is not divisible by --micro-batches {devices.micro_batches}")
+    split, splitter = (
+        (devices.micro_batches, "--micro-batches") if devices.deterministic_reduction else (count, "devices")
+    )
+    if batch_size is not None and batch_size % (training.grad_accum * split):
+        raise ConfigError(
+            f"--batch-size {batch_size} is not divisible by --grad-accum {training.grad_accum} x {split} {splitter}"
+        )
     if training.early_stopping and not training.eval_every:
         raise ConfigError(
             f"--early-stopping {training.early_stopping} counts evaluations, and this run evaluates only at its end; "

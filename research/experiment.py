@@ -241,6 +241,8 @@ def run_experiment(
     placement = make_placement(devices.parallel, devices.devices, micro_batches(devices))
     check_combination(config, processes=jax.process_count())
     _check_profile_window(tracking_of(config), setup.num_steps)
+    if config.training.grad_accum > 1:
+        setup = dataclasses.replace(setup, step=setup.step.with_grad_accum(config.training.grad_accum))
     state = initial_state(setup, ema_of(config))
     placement = _checked_for(placement, setup, state)
     _check_early_stopping(config.training, setup)

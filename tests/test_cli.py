@@ -270,14 +270,15 @@ def test_a_run_dir_from_before_the_nested_groups_resumes_and_loads(tmp_path, mon
     monkeypatch.chdir(tmp_path)
     run_xor(["--run-dir", "r"])
     record = json.loads((tmp_path / "r/config.json").read_text())
-    assert record["config"] == {**FLAT_CONFIG, "early_stopping": 0}  # the same flat record, and options added since
+    since = {"early_stopping": 0, "grad_accum": 1}  # options added since: their defaults
+    assert record["config"] == {**FLAT_CONFIG, **since}  # the same flat record, and options added since
     for config in (FLAT_CONFIG, {"training": {"lr": 0.1}, **{k: v for k, v in FLAT_CONFIG.items() if k != "lr"}}):
         (tmp_path / "r/config.json").write_text(json.dumps({**record, "config": config}))  # nested: read too
         loaded = load_run("r")
         assert (loaded.step, loaded.config.training.lr, loaded.config.epochs) == (8, 0.1, 1)
         assert parse_config(xor.Config, ["--config", "r/config.json"], prog="xor.py").to_dict() == {
             **FLAT_CONFIG,
-            "early_stopping": 0,  # an option added since: its default
+            **since,
             "run_dir": None,  # --config takes what a run trains, not where it lives
         }
     with pytest.raises(SystemExit):  # a changed option is still refused, named as before

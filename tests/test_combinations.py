@@ -62,9 +62,9 @@ EXPERIMENTS = {  # state_passing is no training run
         ("--epochs", "2", "--train-size", "256", "--test-size", "64", "--batch-size", "32"),
         has_loader=True,
     ),
-    "circles": Experiment(
-        ("--epochs", "1", "--batch-size", "500", "--hidden", "8"),
-        ("--epochs", "2", "--batch-size", "500", "--hidden", "8"),
+    "circles": Experiment(  # 5 steps of 400 an epoch (4 micro-batches x 2 parts divide it)
+        ("--epochs", "1", "--batch-size", "400", "--hidden", "8"),
+        ("--epochs", "2", "--batch-size", "400", "--hidden", "8"),
     ),
     "mnist1d": Experiment(
         ("--model", "mlp", "--steps", "4", "--batch-size", "32"),
@@ -189,9 +189,12 @@ PLACEMENTS = {  # the first is the reference the others must match
     "sharded4": ("--devices", "4", "--parallel", "sharded"),
 }
 # The second variant also trains with --deterministic-reduction (4 micro-batches: the 4 devices divide them, and
-# they divide every batch of the grid), compared with the same variant on one device to the bit: every experiment
-# meets the flag on every placement without doubling the grid.
-EMAS = {"noema": (), "ema-det": ("--ema-decay", "0.9", "--deterministic-reduction", "--micro-batches", "4")}
+# they divide every batch of the grid) and --grad-accum 2 (each micro-batch in 2 parts), compared with the same
+# variant on one device to the bit: every experiment meets both flags on every placement without doubling the grid.
+EMAS = {
+    "noema": (),
+    "ema-det": ("--ema-decay", "0.9", "--deterministic-reduction", "--micro-batches", "4", "--grad-accum", "2"),
+}
 # Every experiment once more with every tracker and a profile of step 2, fresh and resumed: each tracker must
 # hold metrics.jsonl's records (checked in `tracker_problems`). On one device: trackers run on process 0's host
 # whatever the placement (tests/test_parallel.py tracks a 2-process run), and the 4-device worker is the longer.

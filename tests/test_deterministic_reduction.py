@@ -119,7 +119,7 @@ class _SummingLoss:
 def test_a_loss_that_does_not_say_how_micro_batches_combine_is_refused():
     with pytest.raises(ConfigError, match="does not say how micro-batches combine"):
         check_micro_batch_loss(_SummingLoss())
-    for loss in (classification_loss, NextTokenLoss(2), DPSGDLoss(1.0, 1.0, 32)):
+    for loss in (classification_loss, NextTokenLoss(), DPSGDLoss(1.0, 1.0, 32)):
         check_micro_batch_loss(loss)
 
 

@@ -24,9 +24,18 @@ from research.data import (
     reference_bits_per_byte,
     split_held_out,
 )
+from research.errors import ConfigError
 from research.experiment import load_experiment
 from research.nn import LanguageModel, build_model
-from research.train import NextTokenLoss, TrainState, evaluate_language_model, train_step
+from research.train import (
+    GlobalBatch,
+    NextTokenLoss,
+    SupervisedStep,
+    TrainState,
+    evaluate_language_model,
+    take_step,
+    train_step,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -115,17 +124,17 @@ def test_loss_metrics_and_evaluator_agree(getkey):
     np.testing.assert_allclose(evaluated["accuracy"], metrics["accuracy"], rtol=1e-5)
 
 
-def _one_step(model, loss_fn, batch, key) -> tuple[LanguageModel, dict]:
+def _one_step(model, step: SupervisedStep, batch, key) -> tuple[LanguageModel, dict]:
     # Adam's eps is raised from 1e-8: Adam divides by sqrt(v) + eps, so where a gradient is ~1e-8 a
     # float32 rounding difference (summing micro-batches instead of one batch) becomes a visible update.
     state = TrainState.create(model, optax.adam(1e-2, eps=1e-4), key=key)
-    state, metrics = eqx.filter_jit(train_step)(state, batch, loss_fn)
+    state, metrics = eqx.filter_jit(take_step)(step, state, batch, GlobalBatch())
     return state.model, metrics
 
 
 @eqx.filter_jit
-def value_and_grad(loss: NextTokenLoss, model: LanguageModel, batch: Batch, key, axis_name=None):
-    return loss.value_and_grad(model, None, batch, key, axis_name=axis_name)
+def value_and_grad(model: LanguageModel, batch: Batch, key, grad_accum: int):
+    return GlobalBatch().value_and_grad(NextTokenLoss(), model, None, batch, key, grad_accum=grad_accum)
 
 
 def _assert_same_model(a, b, tolerance: float) -> None:
@@ -137,34 +146,20 @@ def _assert_same_model(a, b, tolerance: float) -> None:
 
 @pytest.mark.slow
 def test_grad_accum_step_equals_one_step_on_the_whole_batch(getkey):
-    """4 micro-batches of 4 give the gradient of the batch of 16, and the same Adam step, to 1e-5."""
+    """4 parts of 4 give the gradient of the batch of 16, and the same Adam step, to 1e-5
+    (tests/test_grad_accum.py checks every kind of loss, device axes and micro-batches)."""
     model, batch, key = tiny_model(getkey()), tiny_batch(16), getkey()
-    (loss, _), grads = value_and_grad(NextTokenLoss(), model, batch, key)
-    (accumulated_loss, _), accumulated_grads = value_and_grad(NextTokenLoss(grad_accum=4), model, batch, key)
+    (loss, _), grads = value_and_grad(model, batch, key, 1)
+    (accumulated_loss, _), accumulated_grads = value_and_grad(model, batch, key, 4)
     np.testing.assert_allclose(accumulated_loss, loss, rtol=1e-6)
     _assert_same_model(accumulated_grads, grads, 1e-5)
-    whole, whole_metrics = _one_step(model, NextTokenLoss(), batch, key)
-    accumulated, metrics = _one_step(model, NextTokenLoss(grad_accum=4), batch, key)
+    whole, whole_metrics = _one_step(model, SupervisedStep(NextTokenLoss()), batch, key)
+    accumulated, metrics = _one_step(model, SupervisedStep(NextTokenLoss(), grad_accum=4), batch, key)
     _assert_same_model(whole, accumulated, 1e-5)
     for name in ("loss", "accuracy", "bits_per_byte", "grad_norm"):
         np.testing.assert_allclose(metrics[name], whole_metrics[name], rtol=1e-5)
-    with pytest.raises(ValueError, match="must divide the batch"):
-        value_and_grad(NextTokenLoss(grad_accum=3), model, batch, key)
-
-
-@pytest.mark.slow
-def test_grad_accum_combines_over_a_device_axis(getkey):
-    """With `axis_name`, each device's accumulated gradient is averaged over the devices (as pmap would)."""
-    model, batch, key = tiny_model(getkey()), tiny_batch(8), getkey()
-    loss = NextTokenLoss(grad_accum=2)
-    (whole, _), whole_grads = value_and_grad(loss, model, batch, key)
-    per_device = jax.tree.map(lambda x: x.reshape(2, 4, *x.shape[1:]), batch)
-    on_devices = eqx.filter_vmap(
-        lambda b: value_and_grad(loss, model, Batch(*b), key, axis_name="devices"), axis_name="devices"
-    )
-    (mapped, _), grads = on_devices(per_device)
-    np.testing.assert_allclose(mapped, jnp.stack([whole, whole]), rtol=1e-6)
-    _assert_same_model(jax.tree.map(lambda g: g[0], grads), whole_grads, 1e-6)
+    with pytest.raises(ConfigError, match="--grad-accum 3 must divide the 16 rows"):
+        value_and_grad(model, batch, key, 3)
 
 
 @pytest.mark.slow
@@ -213,14 +208,14 @@ def test_fsdp_with_grad_accum_splits_micro_batches_where_the_rows_live(tmp_path)
 def test_remat_gives_the_same_loss_and_gradients_with_less_memory(getkey):
     key, batch = getkey(), tiny_batch(8)
     plain, remat = tiny_model(key, depth=4), tiny_model(key, depth=4, remat=True)
-    (loss, _), grads = value_and_grad(NextTokenLoss(), plain, batch, key)
-    (remat_loss, _), remat_grads = value_and_grad(NextTokenLoss(), remat, batch, key)
+    (loss, _), grads = value_and_grad(plain, batch, key, 1)
+    (remat_loss, _), remat_grads = value_and_grad(remat, batch, key, 1)
     np.testing.assert_allclose(remat_loss, loss, rtol=1e-6)
     _assert_same_model(remat_grads, grads, 1e-6)
 
     def temp_bytes(model) -> int:
         params, static = eqx.partition(model, eqx.is_array)
-        step = jax.jit(lambda p: NextTokenLoss().value_and_grad(eqx.combine(p, static), None, batch, key))
+        step = jax.jit(lambda p: value_and_grad(eqx.combine(p, static), batch, key, 1))
         return step.lower(params).compile().memory_analysis().temp_size_in_bytes
 
     assert temp_bytes(remat) < temp_bytes(plain)

@@ -15,6 +15,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 from jaxtyping import Key
 
 from ..typing import Array, Float, PRNGKeyArray, PyTree
@@ -26,22 +27,31 @@ Metrics = dict[str, Float[Array, ""]]
 # across the devices of `axis_name` (see `loss_value_and_grad`).
 LossFn = Callable[[eqx.Module, Any, Any, PRNGKeyArray], tuple[Float[Array, ""], tuple[Metrics, Any]]]
 
-# Where the batch a loss sees sits in the global batch, `(global rows, first row)`, set while tracing
-# a step whose batch is one device's slice (`jax.pmap`) or one micro-batch (`--deterministic-reduction`).
-# `example_keys` then gives every example the key it would get in the whole batch, so dropout masks do
-# not depend on the device count or on the micro-batches.
-_rows_in_batch: contextvars.ContextVar[tuple[int, Any] | None] = contextvars.ContextVar("rows_in_batch", default=None)
+# Where the batch a loss sees sits in the global batch, `(global rows, first row, stride)`: its rows are
+# `first, first + stride, ...` of the global batch. Set while tracing a step whose batch is one device's
+# slice (`jax.pmap`), one micro-batch (`--deterministic-reduction`) or one part of an accumulated
+# gradient (`--grad-accum`); `example_keys` then gives every example the key it would get in the whole
+# batch, so dropout masks do not depend on the device count, the micro-batches or the parts.
+_rows_in_batch: contextvars.ContextVar[tuple[int, Any, Any] | None] = contextvars.ContextVar(
+    "rows_in_batch", default=None
+)
 
 
 @contextlib.contextmanager
-def rows_of_global_batch(total: int, first: Any) -> Iterator[None]:
-    """Inside it, a batch is rows `first, first + 1, ...` (a traced index may do) of a global batch of
+def rows_of_global_batch(total: int, first: Any, stride: Any = 1) -> Iterator[None]:
+    """Inside it, a batch is rows `first, first + stride, ...` (traced values may do) of a global batch of
     `total` rows: `example_keys` gives each example its key in the global batch."""
-    token = _rows_in_batch.set((total, first))
+    token = _rows_in_batch.set((total, first, stride))
     try:
         yield
     finally:
         _rows_in_batch.reset(token)
+
+
+def rows_in_global_batch(rows: int) -> tuple[int, Any, Any]:
+    """`(global rows, first row, stride)` of the batch of `rows` rows being traced: `(rows, 0, 1)` outside
+    `rows_of_global_batch`."""
+    return _rows_in_batch.get() or (rows, 0, 1)
 
 
 @contextlib.contextmanager
@@ -57,14 +67,18 @@ def batch_split_over(axis_name: str | None, rows: int) -> Iterator[None]:
 
 def example_keys(key: PRNGKeyArray, count: int) -> Key[Array, " {count}"]:
     """One key per example of a batch of `count`: `jax.random.split(key, count)`, or, inside a train
-    step whose batch is split over a device axis, this device's slice of the whole batch's keys (so
-    per-example randomness does not depend on the device count)."""
+    step whose batch is part of a global batch (split over devices, micro-batches or accumulated parts),
+    those examples' keys among the whole batch's (so per-example randomness does not depend on the
+    split)."""
     rows = _rows_in_batch.get()
     if rows is None:
         return jax.random.split(key, count)
     # split(key, n)[i] does not depend on n (partitionable threefry), so this is the global batch's keys.
-    total, first = rows
-    return jax.lax.dynamic_slice_in_dim(jax.random.split(key, total), first, count)
+    total, first, stride = rows
+    keys = jax.random.split(key, total)
+    if isinstance(stride, int) and stride == 1:
+        return jax.lax.dynamic_slice_in_dim(keys, first, count)
+    return keys[first + stride * jnp.arange(count)]
 
 
 def batch_rows(batch: PyTree) -> int:
@@ -80,9 +94,11 @@ def loss_value_and_grad(
     key: PRNGKeyArray,
     *,
     axis_name: str | None = None,
+    grad_accum: int = 1,
 ) -> tuple[tuple[Float[Array, ""], tuple[Metrics, Any]], PyTree]:
     """The loss and its gradient on the model for the GLOBAL batch, of which `batch` is this device's
-    equal slice when `axis_name` names a device axis.
+    equal slice when `axis_name` names a device axis; with `grad_accum` above 1, taken in that many parts
+    of the batch one after another (`accumulated_value_and_grad`).
 
     The loss decides how its gradient combines. A plain loss is a mean over its batch, so the mean of
     the devices' means (`lax.pmean`) is the global mean. A loss with its own `value_and_grad` gets
@@ -90,6 +106,12 @@ def loss_value_and_grad(
     and adds its noise once, to the global sum (a mean of per-device noisy means would shrink the
     signal by the device count and not the noise).
     """
+    if grad_accum > 1:
+        from ._micro import accumulated_value_and_grad  # it builds on this module
+
+        return accumulated_value_and_grad(
+            loss_fn, model, model_state, batch, key, grad_accum=grad_accum, axis_name=axis_name
+        )
     with batch_split_over(axis_name, batch_rows(batch)):
         own = getattr(loss_fn, "value_and_grad", None)
         if own is not None:
@@ -116,15 +138,36 @@ class GlobalBatch:
     micro_batches: int | None = None
 
     def value_and_grad(
-        self, loss_fn: LossFn, model: eqx.Module, model_state: Any, batch: PyTree, key: PRNGKeyArray
+        self,
+        loss_fn: LossFn,
+        model: eqx.Module,
+        model_state: Any,
+        batch: PyTree,
+        key: PRNGKeyArray,
+        *,
+        grad_accum: int = 1,
     ) -> tuple[tuple[Float[Array, ""], tuple[Metrics, Any]], PyTree]:
         """`eqx.filter_value_and_grad(loss_fn, has_aux=True)(model, model_state, batch, key)` of the global
         batch: `loss_fn` is a mean over its batch (`(loss, (metrics, new model state))`), and the result is
-        that of the global batch, its metrics included, however the batch is split."""
+        that of the global batch, its metrics included, however the batch is split.
+
+        `grad_accum`: take it in that many parts of the batch this step sees (of each micro-batch, under
+        micro-batches), one after another in a `jax.lax.scan`: the same gradient (to float rounding) with the
+        activation memory of one part. Part `k` holds rows `k, k + grad_accum, ...`, which keeps the rows
+        where a sharded batch has them; each example keeps its key in the global batch."""
         if self.micro_batches is None:
-            return loss_value_and_grad(loss_fn, model, model_state, batch, key, axis_name=self.axis_name)
+            return loss_value_and_grad(
+                loss_fn, model, model_state, batch, key, axis_name=self.axis_name, grad_accum=grad_accum
+            )
         from ._micro import micro_batch_value_and_grad  # it builds on this module
 
         return micro_batch_value_and_grad(
-            loss_fn, model, model_state, batch, key, micro_batches=self.micro_batches, axis_name=self.axis_name
+            loss_fn,
+            model,
+            model_state,
+            batch,
+            key,
+            micro_batches=self.micro_batches,
+            axis_name=self.axis_name,
+            grad_accum=grad_accum,
         )

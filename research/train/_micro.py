@@ -34,7 +34,14 @@ import jax.numpy as jnp
 
 from ..errors import ConfigError
 from ..typing import PRNGKeyArray, PyTree
-from ._global_batch import LossFn, batch_rows, loss_value_and_grad, rows_of_global_batch
+from ._global_batch import (
+    LossFn,
+    batch_rows,
+    batch_split_over,
+    loss_value_and_grad,
+    rows_in_global_batch,
+    rows_of_global_batch,
+)
 
 # What XLA must not choose per program for a micro-batched step to round the same way in every program:
 # its CPU backend hands a dot to a YNNPACK fusion in some programs and to its own dot emitter in others (a
@@ -78,6 +85,66 @@ def _sums(loss_fn: LossFn, model: eqx.Module, model_state: Any, batch: PyTree, k
     return ((loss, metrics), grads), model_state
 
 
+def _accumulated_sums(
+    loss_fn: LossFn, model: eqx.Module, model_state: Any, batch: PyTree, key: PRNGKeyArray, grad_accum: int
+) -> tuple:
+    """What `_sums` gives for `batch`, taken in `grad_accum` parts one after another (`jax.lax.scan`): part
+    `k` holds rows `k, k + grad_accum, ...` (a split that keeps the rows where a sharded batch has them).
+    A mean is the mean of the parts' means (every part has as many rows), a sum the sum of their sums; the
+    new model state is the mean of the parts' (each part starts from `model_state`)."""
+    if grad_accum == 1:
+        return _sums(loss_fn, model, model_state, batch, key)
+    rows = batch_rows(batch)
+    if rows % grad_accum:
+        raise ConfigError(f"--grad-accum {grad_accum} must divide the {rows} rows of the batch it splits")
+    parts = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(rows // grad_accum, grad_accum, *x.shape[1:]), 0, 1), batch)
+    total, first, stride = rows_in_global_batch(rows)
+
+    def part_sums(index: Any, part: PyTree) -> tuple:
+        with rows_of_global_batch(total, first + index * stride, stride * grad_accum):
+            return _sums(loss_fn, model, model_state, part, key)
+
+    def add(carry: tuple, indexed: tuple[Any, PyTree]) -> tuple[tuple, None]:
+        (sums, states), (new_sums, new_state) = carry, part_sums(*indexed)
+        states = jax.tree.map(lambda s, n: s + n if jnp.issubdtype(n.dtype, jnp.floating) else n, states, new_state)
+        return (jax.tree.map(jnp.add, sums, new_sums), states), None
+
+    shapes = jax.eval_shape(part_sums, 0, jax.tree.map(lambda x: x[0], parts))
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    (sums, states), _ = jax.lax.scan(add, zeros, (jnp.arange(grad_accum), parts))
+    if not hasattr(loss_fn, "micro_batch_sums"):
+        sums = jax.tree.map(lambda x: x / grad_accum, sums)
+    states = jax.tree.map(lambda x: x / grad_accum if jnp.issubdtype(x.dtype, jnp.floating) else x, states)
+    return sums, states
+
+
+def accumulated_value_and_grad(
+    loss_fn: LossFn,
+    model: eqx.Module,
+    model_state: Any,
+    batch: PyTree,
+    key: PRNGKeyArray,
+    *,
+    grad_accum: int,
+    axis_name: str | None = None,
+) -> tuple[tuple[Any, tuple[dict, Any]], PyTree]:
+    """`loss_value_and_grad`'s result for the global batch, of which `batch` is this device's equal slice
+    along `axis_name` (all of it without), taken in `grad_accum` parts one after another
+    (`GlobalBatch.value_and_grad`). A loss that sums and then finishes (DP-SGD) finishes once, on the
+    global batch's sums."""
+    check_micro_batch_loss(loss_fn)
+    with batch_split_over(axis_name, batch_rows(batch)):
+        sums, model_state = _accumulated_sums(loss_fn, model, model_state, batch, key, grad_accum)
+    finish = getattr(loss_fn, "from_micro_batch_sums", None)
+    if finish is not None:
+        loss, metrics, grads = finish(sums if axis_name is None else jax.lax.psum(sums, axis_name), key)
+    else:
+        (loss, metrics), grads = sums
+        if axis_name is not None:
+            loss, grads, metrics = jax.lax.pmean((loss, grads, metrics), axis_name)
+    return (loss, (metrics, model_state)), grads
+
+
 def _finish(loss_fn: LossFn, total: PyTree, micro_batches: int, key: PRNGKeyArray) -> tuple:
     own = getattr(loss_fn, "from_micro_batch_sums", None)
     if own is not None:
@@ -103,9 +170,18 @@ def micro_batch_value_and_grad(
     *,
     micro_batches: int,
     axis_name: str | None = None,
+    grad_accum: int = 1,
 ) -> tuple[tuple[Any, tuple[dict, Any]], PyTree]:
     """`loss_value_and_grad`'s result for the global batch, of which `batch` is this device's equal slice
-    along `axis_name` (all of it without), as `micro_batches` micro-batches combined in a fixed order."""
+    along `axis_name` (all of it without), as `micro_batches` micro-batches combined in a fixed order.
+
+    `grad_accum` parts of each micro-batch are `grad_accum` times as many micro-batches: each device takes its
+    micro-batches one after another already, and the layout-invariant sum of them all is the one place that
+    combines (a scan of parts nested in the scan of micro-batches rounds differently in some programs)."""
+    if grad_accum > 1:
+        return micro_batch_value_and_grad(
+            loss_fn, model, model_state, batch, key, micro_batches=micro_batches * grad_accum, axis_name=axis_name
+        )
     check_micro_batch_loss(loss_fn)
     devices = 1 if axis_name is None else jax.lax.axis_size(axis_name)
     local = micro_batches // devices

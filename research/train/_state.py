@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import optax
 
 from ..data import Batch
+from ..errors import ConfigError
 from ..state import EMA
 from ..typing import Array, Bool, Float, Int, Integer, KeyData, PRNGKeyArray, PyTree, typecheck
 from ._global_batch import GlobalBatch, LossFn, Metrics, example_keys
@@ -169,6 +170,9 @@ class SupervisedStep(Step):
     - `loss_fn`: `(model, model_state, batch, key) -> (loss, (metrics, new model state))`, a mean over
       its batch (`classification_loss` by default), or a loss object with its own `value_and_grad` (DP-SGD's,
       which decides how its gradient combines across devices and micro-batches: `GlobalBatch`).
+    - `grad_accum`: take the gradient in this many parts of the batch, one after another
+      (`GlobalBatch.value_and_grad`): the whole batch's step with the activation memory of one part
+      (`--grad-accum`).
 
     The state is a `TrainState`. The step has two halves, `gradient` and `apply`: a population under
     `--deterministic-reduction` takes its members' gradients vmapped and applies each member's update on
@@ -176,7 +180,15 @@ class SupervisedStep(Step):
     """
 
     loss_fn: LossFn = dataclasses.field(default_factory=lambda: classification_loss)
+    grad_accum: int = eqx.field(default=1, static=True)
     finite_metrics: ClassVar[tuple[str, ...]] = ("loss", "grad_norm")
+
+    def __check_init__(self) -> None:
+        if self.grad_accum < 1:
+            raise ConfigError(f"--grad-accum must be at least 1, got {self.grad_accum}")
+
+    def with_grad_accum(self, grad_accum: int) -> "SupervisedStep":
+        return dataclasses.replace(self, grad_accum=grad_accum)
 
     def __call__(
         self, state: "TrainState", batch: PyTree, key: PRNGKeyArray, global_batch: GlobalBatch
@@ -189,7 +201,7 @@ class SupervisedStep(Step):
     ) -> tuple[tuple[PyTree, Any], Metrics]:
         """The first half: `(the gradient, the new model state)` and the loss's metrics."""
         (_, (metrics, model_state)), grads = global_batch.value_and_grad(
-            self.loss_fn, state.model, state.model_state, batch, key
+            self.loss_fn, state.model, state.model_state, batch, key, grad_accum=self.grad_accum
         )
         return (grads, model_state), metrics
 

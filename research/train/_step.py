@@ -19,6 +19,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from ..errors import ConfigError
 from ..state import EMA
 from ..typing import Array, Int, KeyData, PRNGKeyArray, PyTree
 from ._global_batch import GlobalBatch, Metrics
@@ -85,6 +86,16 @@ class Step(eqx.Module):
     """
 
     finite_metrics: eqx.AbstractVar[tuple[str, ...]]
+
+    def with_grad_accum(self, grad_accum: int) -> "Step":
+        """This step with each gradient taken in `grad_accum` parts of the batch, one after another
+        (`--grad-accum`; `GlobalBatch.value_and_grad(..., grad_accum=...)`). A step that does not say how
+        refuses."""
+        if grad_accum == 1:
+            return self
+        raise ConfigError(
+            f"--grad-accum {grad_accum}: the step {type(self).__name__} does not take its gradients in parts"
+        )
 
     @abc.abstractmethod
     def __call__(
