@@ -34,6 +34,8 @@ from research.train import (
     AbstractTrainState,
     GlobalBatch,
     Headline,
+    InPrecision,
+    Precision,
     RunDir,
     Step,
     combined_evaluator,
@@ -150,26 +152,33 @@ class GANStep(Step):
     `i + critic_steps`, ...: on any placement the same images), then one generator update; the EMA of the
     generator follows. Metrics: the last discriminator update's `d_loss`, `d_real`, `d_fake`, the
     generator's `g_loss`, and both gradients' norms. `grad_accum` (`--grad-accum`) takes each gradient in
-    parts."""
+    parts; `precision` (`--precision`) computes each network's loss in it (the other network in float32)."""
 
     latent: int = eqx.field(static=True)
     critic_steps: int = eqx.field(static=True, default=1)
     grad_accum: int = eqx.field(static=True, default=1)
+    precision: Precision = eqx.field(static=True, default="float32")
     finite_metrics: ClassVar[tuple[str, ...]] = ("d_loss", "g_loss", "d_grad_norm", "g_grad_norm")
 
     def with_grad_accum(self, grad_accum: int) -> "GANStep":
         return dataclasses.replace(self, grad_accum=grad_accum)
 
+    def with_precision(self, precision: Precision) -> "GANStep":
+        return dataclasses.replace(self, precision=precision)
+
+    def _in_precision(self, loss: Any) -> Any:
+        return loss if self.precision == "float32" else InPrecision(loss, self.precision)
+
     def __call__(self, state: GANState, batch: Array, key: PRNGKeyArray, global_batch: GlobalBatch):
         keys = jax.random.split(key, self.critic_steps + 1)
         discriminator, d_opt_state = state.discriminator, state.d_opt_state
         for i in range(self.critic_steps):
-            d_loss = DiscriminatorLoss(state.generator, self.latent)
+            d_loss = self._in_precision(DiscriminatorLoss(state.generator, self.latent))
             (_, (metrics, _)), d_grads = global_batch.value_and_grad(
                 d_loss, discriminator, None, batch[i :: self.critic_steps], keys[i], grad_accum=self.grad_accum
             )
             discriminator, d_opt_state = _update(state.d_optimizer, discriminator, d_grads, d_opt_state)
-        g_loss = GeneratorLoss(discriminator, self.latent)
+        g_loss = self._in_precision(GeneratorLoss(discriminator, self.latent))
         (_, (g_metrics, _)), g_grads = global_batch.value_and_grad(
             g_loss, state.generator, None, batch[:: self.critic_steps], keys[-1], grad_accum=self.grad_accum
         )

@@ -8,7 +8,6 @@ the trained model writes after the start of the held-out text (`research.nn.gene
 """
 
 import dataclasses
-from typing import Literal
 
 import jax
 import numpy as np
@@ -65,9 +64,6 @@ class Config(TrainConfig):
         "rematerialise each block in the backward pass: less memory, more compute, "
         "and on a CPU a faster step (less memory traffic; --no-remat: keep activations)",
     )
-    precision: Literal["float32", "bf16"] = option(
-        "float32", "bf16: bfloat16 compute, float32 master weights, optimizer state and logits"
-    )
 
 
 def build_state(config: Config) -> TrainState:
@@ -82,7 +78,8 @@ def build_state(config: Config) -> TrainState:
         heads=config.heads,
         tied=not config.untied,
         remat=config.remat,
-        compute_dtype="bfloat16" if config.precision == "bf16" else "float32",
+        # Its own policy (the parameters cast inside its call) also serves sampling after training.
+        compute_dtype="bfloat16" if config.training.precision == "bf16" else "float32",
     )
     adamw = optax.adamw(learning_rate(config), weight_decay=config.weight_decay)
     return TrainState.create(model, optax.chain(optax.clip_by_global_norm(1.0), adamw), key=train_key)

@@ -208,6 +208,11 @@ def setup(config: Config) -> Setup:
             f"--grad-accum {config.training.grad_accum}: metalearn_lr's step is one unrolled inner run, "
             "which has no rows to take in parts"
         )
+    if config.training.precision != "float32":
+        raise ConfigError(
+            f"--precision {config.training.precision}: metalearn_lr differentiates through its inner SGD run, "
+            "which it does not compute in bf16; train it in float32"
+        )
     train, test = load_mnist1d(config.data_dir, num_samples=config.num_samples)
     runs = inner_batches(train, config.inner_steps, config.training.batch_size)
     train_data = DeviceLoader(runs.inputs, runs.labels, 1, shuffle=False)

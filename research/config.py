@@ -238,6 +238,10 @@ class Training(Options):
         "activation memory of one part (parts of each device's rows, or of each --micro-batches micro-batch)",
         check=positive,
     )
+    precision: Literal["float32", "bf16"] = option(
+        "float32",
+        "bf16: the loss's forward and backward pass in bfloat16, with float32 parameters, optimizer state and outputs",
+    )
     steps_per_call: int = option(1, "training steps per compiled call on device-resident data", check=positive)
     skip_nonfinite: bool = option(
         False, "skip steps with a NaN/Inf loss or gradient instead of stopping the run", resumable=True

@@ -243,6 +243,8 @@ def run_experiment(
     _check_profile_window(tracking_of(config), setup.num_steps)
     if config.training.grad_accum > 1:
         setup = dataclasses.replace(setup, step=setup.step.with_grad_accum(config.training.grad_accum))
+    if config.training.precision != "float32":
+        setup = dataclasses.replace(setup, step=setup.step.with_precision(config.training.precision))
     state = initial_state(setup, ema_of(config))
     placement = _checked_for(placement, setup, state)
     _check_early_stopping(config.training, setup)

@@ -53,6 +53,7 @@ from ._placement import (
     process_rows,
     replicated,
 )
+from ._precision import InPrecision, LowPrecision, Precision
 from ._rundir import Headline, RunDir
 from ._signals import StopSignals
 from ._state import (
@@ -85,6 +86,9 @@ __all__ = [
     "AbstractTrainState",
     "GlobalBatch",
     "Headline",
+    "InPrecision",
+    "LowPrecision",
+    "Precision",
     "Step",
     "SupervisedStep",
     "batch_evaluator",

@@ -15,6 +15,7 @@ from ..errors import ConfigError
 from ..state import EMA
 from ..typing import Array, Bool, Float, Int, Integer, KeyData, PRNGKeyArray, PyTree, typecheck
 from ._global_batch import GlobalBatch, LossFn, Metrics, example_keys
+from ._precision import InPrecision, Precision
 from ._step import AbstractTrainState, Step, take_step
 
 
@@ -173,6 +174,8 @@ class SupervisedStep(Step):
     - `grad_accum`: take the gradient in this many parts of the batch, one after another
       (`GlobalBatch.value_and_grad`): the whole batch's step with the activation memory of one part
       (`--grad-accum`).
+    - `precision`: `"bf16"` computes the loss's forward and backward pass in bfloat16 with float32
+      parameters (`InPrecision`, `--precision`).
 
     The state is a `TrainState`. The step has two halves, `gradient` and `apply`: a population under
     `--deterministic-reduction` takes its members' gradients vmapped and applies each member's update on
@@ -181,14 +184,21 @@ class SupervisedStep(Step):
 
     loss_fn: LossFn = dataclasses.field(default_factory=lambda: classification_loss)
     grad_accum: int = eqx.field(default=1, static=True)
+    precision: Precision = eqx.field(default="float32", static=True)
     finite_metrics: ClassVar[tuple[str, ...]] = ("loss", "grad_norm")
 
     def __check_init__(self) -> None:
         if self.grad_accum < 1:
             raise ConfigError(f"--grad-accum must be at least 1, got {self.grad_accum}")
 
+        if self.precision != "float32":
+            InPrecision(self.loss_fn, self.precision)  # refuses a loss that takes its gradients its own way
+
     def with_grad_accum(self, grad_accum: int) -> "SupervisedStep":
         return dataclasses.replace(self, grad_accum=grad_accum)
+
+    def with_precision(self, precision: Precision) -> "SupervisedStep":
+        return dataclasses.replace(self, precision=precision)
 
     def __call__(
         self, state: "TrainState", batch: PyTree, key: PRNGKeyArray, global_batch: GlobalBatch
@@ -200,8 +210,9 @@ class SupervisedStep(Step):
         self, state: "TrainState", batch: PyTree, key: PRNGKeyArray, global_batch: GlobalBatch
     ) -> tuple[tuple[PyTree, Any], Metrics]:
         """The first half: `(the gradient, the new model state)` and the loss's metrics."""
+        loss_fn = self.loss_fn if self.precision == "float32" else InPrecision(self.loss_fn, self.precision)
         (_, (metrics, model_state)), grads = global_batch.value_and_grad(
-            self.loss_fn, state.model, state.model_state, batch, key, grad_accum=self.grad_accum
+            loss_fn, state.model, state.model_state, batch, key, grad_accum=self.grad_accum
         )
         return (grads, model_state), metrics
 

@@ -97,6 +97,13 @@ class Step(eqx.Module):
             f"--grad-accum {grad_accum}: the step {type(self).__name__} does not take its gradients in parts"
         )
 
+    def with_precision(self, precision: str) -> "Step":
+        """This step computing its losses in `precision` (`--precision`; `research.train.InPrecision`). A step
+        that does not say how refuses."""
+        if precision == "float32":
+            return self
+        raise ConfigError(f"--precision {precision}: the step {type(self).__name__} computes in float32 only")
+
     @abc.abstractmethod
     def __call__(
         self, state: Any, batch: PyTree, key: PRNGKeyArray, global_batch: GlobalBatch
