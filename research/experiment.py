@@ -53,15 +53,13 @@ from .train import (
     FitResult,
     Headline,
     JsonlTracker,
-    NonFiniteGuard,
     Placement,
     Profile,
     RunDir,
     ShowProgress,
     Step,
     SupervisedStep,
-    Track,
-    Tracker,
+    add_standard_hooks,
     bytes_on_first_device,
     check_micro_batch_loss,
     evaluate_state,
@@ -173,6 +171,10 @@ class Setup:
     val_data: DeviceLoader | HostLoader | None = None
     summarize_run: Callable[[RunDir, dict[str, Any]], dict[str, Any] | None] | None = None
     draw: Callable[[Any, Path], None] | None = None
+
+    def evaluated(self) -> list[tuple[DeviceLoader | HostLoader, str]]:
+        """The evaluation sets of a run by the name they are logged under, in the order they are evaluated."""
+        return [(data, name) for data, name in ((self.val_data, "val"), (self.eval_data, "test")) if data is not None]
 
     def evaluate_with(self) -> Evaluator:
         """The evaluator this run uses."""
@@ -407,7 +409,8 @@ def add_default_hooks(
     an earlier one put in the record): the non-finite guard, evaluation (validation, then test), early
     stopping, tracking (metrics.jsonl and the `trackers`), progress, checkpoints (a step and a time
     cadence), the profile. Every process checkpoints its shards; process 0 alone logs, tracks and shows
-    progress. `start` is the step the run starts from, `hook_states` its checkpoint's (`hooks`)."""
+    progress. `start` is the step the run starts from, `hook_states` its checkpoint's (`hooks`). The assembly is
+    `research.train.add_standard_hooks`, which `fit` uses too."""
     writer = jax.process_index() == 0
     training, checkpointing = config.training, config.checkpointing
     header = {"experiment": experiment, "config": config.to_dict()}
@@ -418,30 +421,26 @@ def add_default_hooks(
         if hook_states and name in hook_states:
             hook.load_state_dict(hook_states[name])
     checkpoint = Checkpoint(run, checkpointing.keep_checkpoints, header, 60 * minutes or None, headline, resumable)
-    if not training.skip_nonfinite:  # a NaN state is not saved on preemption
-        engine.add_hook(NonFiniteGuard(run, checkpoint), on_preemption=True)
     progress = training.progress and writer
-    for data, name in ((setup.val_data, "val"), (setup.eval_data, "test")):
-        if data is not None:
-            evaluate = Evaluate(data, progress, setup.evaluate_with(), name)
-            engine.add_hook(evaluate, every=training.eval_every or setup.num_steps)
-    if setup.draw is not None and not setup.population:
-        engine.add_hook(Draw(setup.draw, run.path, writer), every=training.eval_every or setup.num_steps)
-    for hook in resumable.values():
-        engine.add_hook(hook)
-    tracked: list[Tracker] = [JsonlTracker(run)] if writer else []
-    if trackers.trackers:
-        tracked.append(trackers)
-    engine.add_hook(Track(tracked, setup.lr_schedule))
-    shown = shown_metrics(setup.step, headline)
-    engine.add_hook(ShowProgress(Progress(setup.num_steps, initial=start, enabled=progress), start, shown))
-    engine.add_hook(checkpoint, every=checkpointing.checkpoint_every or setup.num_steps, on_preemption=True)
-    if checkpointing.checkpoint_minutes:
-        engine.add_hook(checkpoint.when_due)
-    profile = _profile(tracking_of(config), run, writer)
-    if profile is not None:
-        engine.add_hook(profile, at=(profile.start, profile.stop))
-        profile.begin_if_due(start)
+    add_standard_hooks(
+        engine,
+        num_steps=setup.num_steps,
+        start=start,
+        run=run,
+        checkpoint=checkpoint,
+        checkpoint_every=checkpointing.checkpoint_every,
+        skip_nonfinite=training.skip_nonfinite,
+        evaluations=[Evaluate(data, progress, setup.evaluate_with(), name) for data, name in setup.evaluated()],
+        eval_every=training.eval_every,
+        drawing=Draw(setup.draw, run.path, writer) if setup.draw is not None and not setup.population else None,
+        acting=list(resumable.values()),
+        trackers=[*([JsonlTracker(run)] if writer else []), *([trackers] if trackers.trackers else [])],
+        lr_schedule=setup.lr_schedule,
+        progress=ShowProgress(
+            Progress(setup.num_steps, initial=start, enabled=progress), start, shown_metrics(setup.step, headline)
+        ),
+        profile=_profile(tracking_of(config), run, writer),
+    )
 
 
 def _resumable_hooks(training: Training, setup: Setup, headline: Headline) -> dict[str, EarlyStopping]:

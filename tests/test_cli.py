@@ -270,7 +270,7 @@ def test_a_run_dir_from_before_the_nested_groups_resumes_and_loads(tmp_path, mon
     monkeypatch.chdir(tmp_path)
     run_xor(["--run-dir", "r"])
     record = json.loads((tmp_path / "r/config.json").read_text())
-    since = {"early_stopping": 0, "grad_accum": 1}  # options added since: their defaults
+    since = {"early_stopping": 0, "grad_accum": 1, "precision": "float32"}  # options added since: their defaults
     assert record["config"] == {**FLAT_CONFIG, **since}  # the same flat record, and options added since
     for config in (FLAT_CONFIG, {"training": {"lr": 0.1}, **{k: v for k, v in FLAT_CONFIG.items() if k != "lr"}}):
         (tmp_path / "r/config.json").write_text(json.dumps({**record, "config": config}))  # nested: read too

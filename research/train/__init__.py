@@ -16,7 +16,7 @@ from ._evaluate import (
     model_evaluator,
     padded_batches,
 )
-from ._fit import fit
+from ._fit import add_standard_hooks, fit
 from ._global_batch import (
     GlobalBatch,
     LossFn,
@@ -160,6 +160,7 @@ __all__ = [
     "process_rows",
     "replicated",
     "fit",
+    "add_standard_hooks",
     "forward",
     "load_checkpoint",
     "padded_batches",

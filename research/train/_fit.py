@@ -29,7 +29,7 @@ run adds the same hooks from its config: `research.experiment.add_default_hooks`
 - `profile`: a `Profile` hook tracing its window of steps.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -37,9 +37,18 @@ import numpy as np
 
 from ..data import DeviceLoader, GrainLoader, HostLoader, TorchLoader
 from ..progress import Progress
-from ._engine import Engine, FitResult
+from ._engine import Engine, FitResult, Hook
 from ._evaluate import evaluate_state
-from ._hooks import Checkpoint, EarlyStopping, Evaluate, Evaluator, NonFiniteGuard, Profile, ShowProgress, Track
+from ._hooks import (
+    Checkpoint,
+    EarlyStopping,
+    Evaluate,
+    Evaluator,
+    NonFiniteGuard,
+    Profile,
+    ShowProgress,
+    Track,
+)
 from ._placement import Placement, one_device
 from ._rundir import RunDir
 from ._step import AbstractTrainState, Step
@@ -94,24 +103,69 @@ def fit(
         if run is None
         else Checkpoint(run, keep_checkpoints, checkpoint_header or {}, checkpoint_seconds, resumable=resumable)
     )
+    start = int(np.max(np.asarray(state.step)))  # a population steps its members together
+    add_standard_hooks(
+        engine,
+        num_steps=num_steps,
+        start=start,
+        run=run,
+        checkpoint=checkpoint,
+        checkpoint_every=checkpoint_every,
+        skip_nonfinite=skip_nonfinite,
+        evaluations=[Evaluate(data, progress, evaluator, name) for data, name in _evaluated(val_data, eval_data)],
+        eval_every=eval_every,
+        acting=list(resumable.values()),
+        trackers=_trackers(run, tracker),
+        lr_schedule=lr_schedule,
+        progress=ShowProgress(Progress(num_steps, initial=start, enabled=progress), start),
+        profile=profile,
+    )
+    return engine.fit(state, train_data, num_steps, resume_window=resume_window, resume_data=resume_data)
+
+
+def add_standard_hooks(
+    engine: Engine,
+    *,
+    num_steps: int,
+    start: int,
+    run: RunDir | None,
+    checkpoint: Checkpoint | None,
+    checkpoint_every: int | None,
+    skip_nonfinite: bool,
+    evaluations: Sequence[Evaluate],
+    eval_every: int | None,
+    acting: Sequence[Hook],
+    trackers: list[Tracker],
+    lr_schedule: Callable[[int], Any] | None,
+    progress: ShowProgress,
+    profile: Profile | None,
+    drawing: Hook | None = None,
+) -> None:
+    """The standard hooks in the order they run (a later hook sees what an earlier one put in the record),
+    for `fit` and an experiment's run (`research.experiment.add_default_hooks`): the non-finite guard, the
+    `evaluations` (and `drawing`, at their cadence: every `eval_every` steps, or at the end), the `acting`
+    hooks (early stopping), tracking, progress, the checkpoint (a step cadence, and a time cadence when it
+    has one) and the profile of its window. `start` is the step the run starts from."""
     if not skip_nonfinite:  # a NaN state is not saved on preemption
         engine.add_hook(NonFiniteGuard(run, checkpoint), on_preemption=True)
-    for data, name in ((val_data, "val"), (eval_data, "test")):
-        if data is not None:
-            engine.add_hook(Evaluate(data, progress, evaluator, name), every=eval_every or num_steps)
-    if early_stopping is not None:
-        engine.add_hook(early_stopping)
-    engine.add_hook(Track(_trackers(run, tracker), lr_schedule))
-    start = int(np.max(np.asarray(state.step)))  # a population steps its members together
-    engine.add_hook(ShowProgress(Progress(num_steps, initial=start, enabled=progress), start))
+    for hook in [*evaluations, *([drawing] if drawing is not None else [])]:
+        engine.add_hook(hook, every=eval_every or num_steps)
+    for hook in acting:
+        engine.add_hook(hook)
+    engine.add_hook(Track(trackers, lr_schedule))
+    engine.add_hook(progress)
     if checkpoint is not None:
         engine.add_hook(checkpoint, every=checkpoint_every or num_steps, on_preemption=True)
-        if checkpoint_seconds:
+        if checkpoint.every_seconds:
             engine.add_hook(checkpoint.when_due)
     if profile is not None:
         engine.add_hook(profile, at=(profile.start, profile.stop))
         profile.begin_if_due(start)
-    return engine.fit(state, train_data, num_steps, resume_window=resume_window, resume_data=resume_data)
+
+
+def _evaluated(val_data: Any, eval_data: Any) -> list[tuple[Any, str]]:
+    """The evaluation sets a run has, in the order they are evaluated: validation, then test."""
+    return [(data, name) for data, name in ((val_data, "val"), (eval_data, "test")) if data is not None]
 
 
 def _trackers(run: RunDir | None, tracker: Tracker | None) -> list[Tracker]:
