@@ -38,7 +38,7 @@ def _value_and_grad(loss, model, model_state, batch, key):
     return GlobalBatch().value_and_grad(loss, model, model_state, batch, key)
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", ["mlp", *(pytest.param(n, marks=pytest.mark.slow) for n in ("cnn", "resnet"))])
 def test_bf16_computes_in_bfloat16_and_returns_float32_close_to_float32(name):
     model, state = build_model(name, key=jax.random.key(0), **MODELS[name])
     batch, key = _signals(), jax.random.key(1)
@@ -59,6 +59,7 @@ def test_bf16_computes_in_bfloat16_and_returns_float32_close_to_float32(name):
     assert products and all("bf16" in line for line in products), products
 
 
+@pytest.mark.slow
 def test_the_image_resnet_computes_its_uint8_pixels_in_bf16():
     model, state = build_model("image_resnet", key=jax.random.key(0), height=8, width=8, channels=1, features=4)
     pixels = jnp.asarray(np.random.default_rng(0).integers(0, 256, (4, 8, 8, 1)), jnp.uint8)
