@@ -48,7 +48,6 @@ from .train import (
     EarlyStopping,
     Ending,
     Engine,
-    Evaluate,
     Evaluator,
     FitResult,
     Headline,
@@ -171,10 +170,6 @@ class Setup:
     val_data: DeviceLoader | HostLoader | None = None
     summarize_run: Callable[[RunDir, dict[str, Any]], dict[str, Any] | None] | None = None
     draw: Callable[[Any, Path], None] | None = None
-
-    def evaluated(self) -> list[tuple[DeviceLoader | HostLoader, str]]:
-        """The evaluation sets of a run by the name they are logged under, in the order they are evaluated."""
-        return [(data, name) for data, name in ((self.val_data, "val"), (self.eval_data, "test")) if data is not None]
 
     def evaluate_with(self) -> Evaluator:
         """The evaluator this run uses."""
@@ -430,8 +425,11 @@ def add_default_hooks(
         checkpoint=checkpoint,
         checkpoint_every=checkpointing.checkpoint_every,
         skip_nonfinite=training.skip_nonfinite,
-        evaluations=[Evaluate(data, progress, setup.evaluate_with(), name) for data, name in setup.evaluated()],
+        val_data=setup.val_data,
+        eval_data=setup.eval_data,
+        evaluator=setup.evaluate_with(),
         eval_every=training.eval_every,
+        show_progress=progress,
         drawing=Draw(setup.draw, run.path, writer) if setup.draw is not None and not setup.population else None,
         acting=list(resumable.values()),
         trackers=[*([JsonlTracker(run)] if writer else []), *([trackers] if trackers.trackers else [])],

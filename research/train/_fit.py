@@ -112,8 +112,11 @@ def fit(
         checkpoint=checkpoint,
         checkpoint_every=checkpoint_every,
         skip_nonfinite=skip_nonfinite,
-        evaluations=[Evaluate(data, progress, evaluator, name) for data, name in _evaluated(val_data, eval_data)],
+        val_data=val_data,
+        eval_data=eval_data,
+        evaluator=evaluator,
         eval_every=eval_every,
+        show_progress=progress,
         acting=list(resumable.values()),
         trackers=_trackers(run, tracker),
         lr_schedule=lr_schedule,
@@ -132,8 +135,11 @@ def add_standard_hooks(
     checkpoint: Checkpoint | None,
     checkpoint_every: int | None,
     skip_nonfinite: bool,
-    evaluations: Sequence[Evaluate],
+    val_data: DeviceLoader | HostLoader | None,
+    eval_data: DeviceLoader | HostLoader | None,
+    evaluator: Evaluator,
     eval_every: int | None,
+    show_progress: bool,
     acting: Sequence[Hook],
     trackers: list[Tracker],
     lr_schedule: Callable[[int], Any] | None,
@@ -143,11 +149,17 @@ def add_standard_hooks(
 ) -> None:
     """The standard hooks in the order they run (a later hook sees what an earlier one put in the record),
     for `fit` and an experiment's run (`research.experiment.add_default_hooks`): the non-finite guard, the
-    `evaluations` (and `drawing`, at their cadence: every `eval_every` steps, or at the end), the `acting`
+    evaluation of `val_data` then `eval_data` by `evaluator` (its bar shown with `show_progress`), and
+    `drawing`, at their cadence (every `eval_every` steps, or at the end), the `acting`
     hooks (early stopping), tracking, progress, the checkpoint (a step cadence, and a time cadence when it
     has one) and the profile of its window. `start` is the step the run starts from."""
     if not skip_nonfinite:  # a NaN state is not saved on preemption
         engine.add_hook(NonFiniteGuard(run, checkpoint), on_preemption=True)
+    evaluations = [
+        Evaluate(data, show_progress, evaluator, name)
+        for data, name in ((val_data, "val"), (eval_data, "test"))
+        if data is not None
+    ]
     for hook in [*evaluations, *([drawing] if drawing is not None else [])]:
         engine.add_hook(hook, every=eval_every or num_steps)
     for hook in acting:
@@ -161,11 +173,6 @@ def add_standard_hooks(
     if profile is not None:
         engine.add_hook(profile, at=(profile.start, profile.stop))
         profile.begin_if_due(start)
-
-
-def _evaluated(val_data: Any, eval_data: Any) -> list[tuple[Any, str]]:
-    """The evaluation sets a run has, in the order they are evaluated: validation, then test."""
-    return [(data, name) for data, name in ((val_data, "val"), (eval_data, "test")) if data is not None]
 
 
 def _trackers(run: RunDir | None, tracker: Tracker | None) -> list[Tracker]:
