@@ -25,7 +25,8 @@ import jax
 
 from research.cli import ema_of
 from research.experiment import initial_state, load_experiment
-from research.train import CheckpointWriter, load_checkpoint, one_device
+from research.parallel import one_device
+from research.services import CheckpointWriter, load_checkpoint
 
 
 def lm_state(directory: Path, dim: int, depth: int):

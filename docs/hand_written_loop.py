@@ -16,7 +16,7 @@ from research.data import DeviceLoader, XORDataset
 from research.nn import MLP
 from research.progress import Progress
 from research.provenance import git_state, machine, versions
-from research.train import CheckpointWriter, JsonlTracker, RunDir, StopSignals, load_checkpoint
+from research.services import CheckpointWriter, JsonlTracker, RunDir, StopSignals, load_checkpoint
 
 run, num_steps = RunDir(sys.argv[1]).create(), int(sys.argv[2]) if len(sys.argv) > 2 else 5000
 data = XORDataset(1024, seed=0)

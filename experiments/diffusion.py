@@ -28,15 +28,8 @@ from research.data import FORMATS_HELP, DeviceLoader, read_image_data
 from research.experiment import Setup, run_experiment
 from research.judge import draw_samples, frechet_evaluator, load_judge, real_frechet_distance
 from research.nn import UNet
-from research.train import (
-    Headline,
-    RunDir,
-    SupervisedStep,
-    TrainState,
-    batch_evaluator,
-    combined_evaluator,
-    example_keys,
-)
+from research.services import Headline, RunDir
+from research.train import SupervisedStep, TrainState, batch_evaluator, combined_evaluator, example_keys
 from research.typing import Array, Float, PRNGKeyArray
 
 

@@ -39,8 +39,9 @@ from research.cli import (
 from research.data import MNIST1D_CLASSES, MNIST1D_LENGTH, DeviceLoader, corrupt_labels, load_mnist1d
 from research.experiment import RUNS_ROOT, Setup, run_experiment
 from research.nn import build_model
+from research.services import RunDir
 from research.tools import sweep
-from research.train import FitResult, RunDir, TrainState, evaluate
+from research.train import FitResult, TrainState, evaluate
 
 # The notebook's widths, np.unique(np.geomspace(2, 300, 20, dtype=int)), and its test errors (%) with 15%
 # label noise (greydanus/mnist1d, notebooks/deep-double-descent.ipynb, the run at commit 9129ceb).

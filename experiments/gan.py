@@ -29,20 +29,19 @@ from research.data import FORMATS_HELP, DeviceLoader, read_image_data
 from research.experiment import Setup, run_experiment
 from research.judge import draw_samples, frechet_evaluator, load_judge, real_frechet_distance
 from research.nn import Discriminator, Generator
+from research.services import Headline, RunDir
 from research.state import EMA
 from research.train import (
     AbstractTrainState,
     GlobalBatch,
-    Headline,
     InPrecision,
-    Precision,
-    RunDir,
     Step,
     combined_evaluator,
     evaluate_batches,
     example_keys,
-    mean_of_sums,
 )
+from research.train._evaluate import mean_of_sums
+from research.train._precision import Precision
 from research.typing import Array, Float, Int, KeyData, PRNGKeyArray, PyTree
 
 

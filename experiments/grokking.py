@@ -31,7 +31,8 @@ from research.cli import (
 from research.data import DeviceLoader, modular_addition
 from research.experiment import Setup, run_experiment
 from research.nn import LastTokenClassifier
-from research.train import RunDir, TrainState
+from research.services import RunDir
+from research.train import TrainState
 
 THRESHOLD = 0.99  # "memorized" and "grokked": 99% accuracy on the training and on the test pairs
 

@@ -33,7 +33,8 @@ from research.data import MNIST1D_CLASSES, MNIST1D_LENGTH, load_mnist1d, train_a
 from research.experiment import Setup, run_experiment
 from research.nn import MLP, Masked, build_model
 from research.run_plan import Finished, Fresh, plan_directory
-from research.train import RunDir, TrainState, load_checkpoint
+from research.services import RunDir, load_checkpoint
+from research.train import TrainState
 from research.typing import PRNGKeyArray, PyTree
 
 NAME = "lottery_ticket"

@@ -35,15 +35,8 @@ from research.errors import ConfigError
 from research.experiment import Setup, run_experiment
 from research.nn import MLP, build_model
 from research.population import member, num_members
-from research.train import (
-    FitResult,
-    RunDir,
-    SupervisedStep,
-    TrainState,
-    classification_metrics,
-    evaluate,
-    forward,
-)
+from research.services import RunDir
+from research.train import FitResult, SupervisedStep, TrainState, classification_metrics, evaluate, forward
 from research.typing import Array, Float, Int, typecheck
 
 # The notebook's result: from 1.5 and from 0.15 the learned rate ends at about 0.62 (0.6244 and 0.6218).

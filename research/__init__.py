@@ -5,7 +5,8 @@ from typing import TYPE_CHECKING
 from . import data, errors, nn, state, train, typing
 from .data import DeviceLoader, TorchLoader, XORDataset, make_dataloader, numpy_collate
 from .nn import MLP, LinearSigmoid, build_model
-from .train import RunDir, TrainState, evaluate, fit, load_checkpoint, save_checkpoint, train_step
+from .services import RunDir, load_checkpoint, save_checkpoint
+from .train import TrainState, evaluate, fit, train_step
 from .typing import typecheck
 
 if TYPE_CHECKING:  # what `__getattr__` below loads on first use

@@ -40,7 +40,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal, Protocol, TypeVar
 
 from .errors import ConfigError
-from .train import Headline, tensorboard_problem, trackers_problem
+from .services import Headline, tensorboard_problem, trackers_problem
 
 Resume = Literal["auto", "must"] | None
 

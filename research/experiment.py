@@ -35,34 +35,28 @@ from .config import (
 from .curves import CurvePool
 from .data import DeviceLoader, GrainLoader, HostLoader, TorchLoader
 from .errors import CheckpointError, Preempted
-from .parallel import check_device_count, make_placement, population_placement
+from .parallel import Placement, bytes_on_first_device, check_device_count, make_placement, population_placement
 from .population import evaluate_population
 from .progress import Progress
 from .provenance import git_state, machine, parameter_counts, peak_memory, versions
 from .report import plot_curves, run_summary, start_line, summary_line
 from .run_plan import RUNS_ROOT, EvaluateOnly, Finished, Fresh, Resume, plan_run
+from .services import Ending, Headline, JsonlTracker, RunDir, load_checkpoint
 from .tracking import RunTrackers, open_trackers, run_files
 from .train import (
     AbstractTrainState,
     Checkpoint,
     EarlyStopping,
-    Ending,
     Engine,
     Evaluator,
     FitResult,
-    Headline,
-    JsonlTracker,
-    Placement,
     Profile,
-    RunDir,
     ShowProgress,
     Step,
     SupervisedStep,
     add_standard_hooks,
-    bytes_on_first_device,
     check_micro_batch_loss,
     evaluate_state,
-    load_checkpoint,
 )
 
 logger = logging.getLogger(__name__)  # research.messages: what shows them, and where

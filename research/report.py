@@ -9,7 +9,8 @@ import numpy as np
 
 from .curves import CurvePool, draw_curves
 from .provenance import describe_parameters
-from .train import AbstractTrainState, FitResult, Headline, RunDir
+from .services import Headline, RunDir
+from .train import AbstractTrainState, FitResult
 
 
 def start_line(experiment: str, record: dict[str, Any], state: AbstractTrainState, run: RunDir) -> str:

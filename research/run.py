@@ -17,7 +17,7 @@ from pathlib import Path
 from .errors import ConfigError
 from .experiment import experiment_names, experiment_script
 from .messages import messages_to_stderr
-from .train import RunDir
+from .services import RunDir
 
 USAGE = "usage: python -m research.run NAME [flags] | --from RUN_DIR [flags]   (scripts/run takes the same)"
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from .config import Checkpointing, ConfigError, RunConfig, flat_options, is_group, resumable_options
 from .parallel import process_zero_text
-from .train import RunDir, read_header
+from .services import RunDir, read_header
 
 logger = logging.getLogger(__name__)  # research.messages: what shows them, and where
 

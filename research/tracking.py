@@ -15,7 +15,16 @@ from typing import Any
 
 from .config import RunConfig, Tracking, tracking_of
 from .errors import ConfigError
-from .train import TRACKERS, Ending, MlflowTracker, RunDir, RunTracker, TensorBoardTracker, WandbTracker, parse_trackers
+from .services import (
+    TRACKERS,
+    Ending,
+    MlflowTracker,
+    RunDir,
+    RunTracker,
+    TensorBoardTracker,
+    WandbTracker,
+    parse_trackers,
+)
 
 
 def trackers_of(tracking: Tracking) -> tuple[str, ...]:

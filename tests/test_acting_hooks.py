@@ -15,17 +15,8 @@ from _entry import run_entry
 from research.data import DeviceLoader, XORDataset
 from research.errors import ConfigError
 from research.nn import MLP
-from research.train import (
-    Checkpoint,
-    EarlyStopping,
-    Engine,
-    RunDir,
-    TrainState,
-    checkpoint_digest,
-    fit,
-    load_checkpoint,
-    tree_digest,
-)
+from research.services import RunDir, checkpoint_digest, load_checkpoint, tree_digest
+from research.train import Checkpoint, EarlyStopping, Engine, TrainState, fit
 
 EVAL_EVERY = 8
 

@@ -14,7 +14,7 @@ import pytest
 
 from research.cli import main_entry
 from research.data import XORDataset
-from research.train import RunDir
+from research.services import RunDir
 
 ROOT = Path(__file__).parent.parent
 spec = importlib.util.spec_from_file_location("xor_experiment_bad_input", ROOT / "experiments" / "xor.py")

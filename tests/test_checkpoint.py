@@ -11,19 +11,19 @@ import optax
 import pytest
 
 from research.cli import main_entry
+from research.errors import CheckpointError
 from research.experiment import load_experiment
 from research.nn import MLP
-from research.train import (
-    CheckpointError,
+from research.services import (
     CheckpointWriter,
     RunDir,
-    TrainState,
     checkpoint_digest,
     load_checkpoint,
     read_header,
     save_checkpoint,
     tree_digest,
 )
+from research.train import TrainState
 
 
 def make_state(seed=0, hidden=8):

@@ -33,7 +33,7 @@ import pytest
 from _image_formats import native_digits
 from test_tracking import assert_same_history, jsonl_history, mlflow_history, tensorboard_history, wandb_history
 
-from research.train import RunDir, read_wandb_runs
+from research.services import RunDir, read_wandb_runs
 
 # -- the grid ------------------------------------------------------------------------------------------
 # Flags and spellings change as the CLI evolves: everything the runs pass is in this block.

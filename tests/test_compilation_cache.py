@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from research.cli import compilation_cache_dir
-from research.train import RunDir, checkpoint_digest
+from research.services import RunDir, checkpoint_digest
 
 ROOT = Path(__file__).parent.parent
 ARGS = ["--no-progress", "--epochs", "4", "--log-every", "19", "--eval-every", "38"]

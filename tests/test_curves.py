@@ -9,7 +9,7 @@ import pytest
 
 from research.curves import CurveFigure, CurvePool, draw_curves, panels_of, plot_processes
 from research.experiment import plot_curves
-from research.train import RunDir
+from research.services import RunDir
 
 
 def records(start_loss: float, end_loss: float, *, steps: int = 10, every: int = 100, tested: bool = True):

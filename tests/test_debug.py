@@ -11,8 +11,9 @@ import pytest
 
 from research.data import Batch, DeviceLoader, XORDataset
 from research.debug import RetraceLog, explain_retraces, signature, signature_changes
+from research.errors import NonFiniteError
 from research.nn import MLP
-from research.train import NonFiniteError, SupervisedStep, TrainState, classification_loss, compiled_trainer, fit
+from research.train import SupervisedStep, TrainState, classification_loss, compiled_trainer, fit
 
 
 def make_state(seed=0):

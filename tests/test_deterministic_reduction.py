@@ -27,19 +27,17 @@ from research.errors import ConfigError
 from research.nn import MLP
 from research.per_example import DPSGDLoss
 from research.population import stack_states
+from research.services import checkpoint_digest
 from research.train import (
     NextTokenLoss,
     TrainState,
     check_micro_batch_loss,
-    checkpoint_digest,
     classification_loss,
     example_keys,
-    loss_value_and_grad,
-    micro_batch_value_and_grad,
-    rows_of_global_batch,
     train_step,
-    tree_sum,
 )
+from research.train._global_batch import loss_value_and_grad, rows_of_global_batch
+from research.train._micro import micro_batch_value_and_grad, tree_sum
 
 ROOT = Path(__file__).parent.parent
 STEPS = "50"

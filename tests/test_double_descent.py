@@ -8,7 +8,7 @@ import pytest
 
 from research.data import corrupt_labels, load_mnist1d
 from research.experiment import load_experiment
-from research.train import RunDir
+from research.services import RunDir
 
 double_descent = load_experiment("double_descent")
 

@@ -8,17 +8,8 @@ import optax
 import pytest
 
 from research.data import Batch, DeviceLoader
-from research.train import (
-    RunDir,
-    SupervisedStep,
-    TrainState,
-    checkpoint_digest,
-    compiled_trainer,
-    evaluate,
-    fit,
-    forward,
-    load_checkpoint,
-)
+from research.services import RunDir, checkpoint_digest, load_checkpoint
+from research.train import SupervisedStep, TrainState, compiled_trainer, evaluate, fit, forward
 from research.typing import Array, Float, PRNGKeyArray, typecheck
 
 

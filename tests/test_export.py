@@ -15,9 +15,10 @@ from research import load_run
 from research.cli import main_entry
 from research.experiment import load_experiment
 from research.nn import MLP, array_names, build_model, load_weights, named_arrays, read_weights, save_weights
+from research.services import RunDir, checkpoint_digest, load_checkpoint, save_checkpoint, tree_digest
+from research.services._checkpoint import COMMIT_FILE, _file_digests, write_atomic
 from research.tools import export
-from research.train import RunDir, TrainState, checkpoint_digest, load_checkpoint, save_checkpoint, tree_digest
-from research.train._checkpoint import COMMIT_FILE, _file_digests, write_atomic
+from research.train import TrainState
 
 xor = load_experiment("xor")
 QUICK = ["--epochs", "2", "--train-size", "256", "--test-size", "64", "--batch-size", "32", "--no-progress"]

@@ -12,14 +12,8 @@ import pytest
 from research.data import Batch, DeviceLoader, XORDataset
 from research.nn import MLP
 from research.state import RunningMean
-from research.train import (
-    CompiledTrainer,
-    Engine,
-    SupervisedStep,
-    TrainState,
-    compiled_trainer,
-    train_step,
-)
+from research.train import Engine, SupervisedStep, TrainState, compiled_trainer, train_step
+from research.train._compiled import CompiledTrainer
 from research.train._keys import split_key_data
 from research.train._packing import PACK_LIMIT, Packing
 from research.train._stats import StepStats, layout_of

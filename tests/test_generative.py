@@ -20,8 +20,9 @@ from research.experiment import load_experiment
 from research.judge import load_judge, real_frechet_distance
 from research.nn import Generator, UNet, load_weights
 from research.provenance import parameter_counts
+from research.services import RunDir, checkpoint_digest
 from research.tools import export, sample, sweep
-from research.train import RunDir, Track, checkpoint_digest
+from research.train import Track
 
 gan = load_experiment("gan")
 diffusion = load_experiment("diffusion")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from research.train import RunDir, checkpoint_digest
+from research.services import RunDir, checkpoint_digest
 
 LOOP = Path(__file__).parent.parent / "docs" / "hand_written_loop.py"
 STEPS = "3000"

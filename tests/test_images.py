@@ -12,7 +12,8 @@ from jaxtyping import TypeCheckError
 
 from research.data import random_crop_flip
 from research.nn import ImageResNet, build_model, conv2d_as_matmul
-from research.train import RunDir, forward
+from research.services import RunDir
+from research.train import forward
 
 # Digits need no crops or flips; a small ResNet (8, 16, 32 channels, one block a stage).
 DIGITS = [

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from test_sweep import TINY, run_sweep
 
+from research.services import RunDir
 from research.tools import sweep
 from research.tools._jobs import submit_and_collect
-from research.train import RunDir
 
 submitit = pytest.importorskip("submitit")
 

@@ -11,7 +11,8 @@ import research
 from research.errors import CheckpointError
 from research.experiment import load_experiment, load_run
 from research.population import evaluate_population
-from research.train import checkpoint_digest, evaluate, tree_digest
+from research.services import checkpoint_digest, tree_digest
+from research.train import evaluate
 
 xor = load_experiment("xor")
 

@@ -7,7 +7,8 @@ import pytest
 
 from research.experiment import load_experiment
 from research.nn import Masked
-from research.train import RunDir, fit, load_checkpoint
+from research.services import RunDir, load_checkpoint
+from research.train import fit
 
 lottery = load_experiment("lottery_ticket")
 TINY = {"hidden": 8, "steps": 4, "steps_per_call": 4}  # one compiled train step shared by the tests that train

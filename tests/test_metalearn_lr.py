@@ -12,7 +12,8 @@ import pytest
 from research.data import Batch
 from research.experiment import load_experiment
 from research.nn import build_model
-from research.train import RunDir, TrainState, load_checkpoint, train_step
+from research.services import RunDir, load_checkpoint
+from research.train import TrainState, train_step
 
 metalearn = load_experiment("metalearn_lr")
 

@@ -35,8 +35,9 @@ from research.parallel import (
     sharded,
     simulate_cpu_devices,
 )
+from research.services import RunDir, checkpoint_digest, load_checkpoint, read_wandb_runs
 from research.tools.launch import launch
-from research.train import RunDir, checkpoint_digest, fit, load_checkpoint, read_wandb_runs
+from research.train import fit
 
 ROOT = Path(__file__).parent.parent
 WORKER = Path(__file__).parent / "_parallel_worker.py"

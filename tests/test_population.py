@@ -19,7 +19,8 @@ from research.errors import ConfigError, DeviceError
 from research.nn import MLP
 from research.parallel import Pmap, fsdp, one_device, population_mesh, population_placement, sharded
 from research.population import evaluate_ensemble, evaluate_population, member, num_members, stack_states, with_ema
-from research.train import RunDir, TrainState, evaluate, evaluate_state, fit, load_checkpoint, read_header
+from research.services import RunDir, load_checkpoint, read_header
+from research.train import TrainState, evaluate, evaluate_state, fit
 
 ROOT = Path(__file__).parent.parent
 OPTIMIZER = optax.adam(1e-2)  # one object: members and single runs share the compiled code

@@ -17,19 +17,10 @@ import pytest
 
 from research.cli import main_entry
 from research.data import DeviceLoader, XORDataset
-from research.errors import Preempted
+from research.errors import NonFiniteError, Preempted
 from research.nn import MLP
-from research.train import (
-    CheckpointWriter,
-    NonFiniteError,
-    RunDir,
-    TrainState,
-    checkpoint_digest,
-    evaluate_state,
-    fit,
-    load_checkpoint,
-    tree_digest,
-)
+from research.services import CheckpointWriter, RunDir, checkpoint_digest, load_checkpoint, tree_digest
+from research.train import TrainState, evaluate_state, fit
 
 ROOT = Path(__file__).parent.parent
 spec = importlib.util.spec_from_file_location("xor_experiment", ROOT / "experiments" / "xor.py")
@@ -402,7 +393,7 @@ def kill_once_writing(*args):  # Orbax makes the save's directory in the backgro
 if sys.argv[2] == "writing":  # once the save has returned and Orbax writes in the background
     CheckpointWriter._commit = kill_once_writing
 else:  # after Orbax renamed its directory, before checkpoint.json
-    import research.train._checkpoint as checkpoint
+    import research.services._checkpoint as checkpoint
     checkpoint._file_digests = kill
 writer = CheckpointWriter()
 writer.save(run.checkpoint_path(16), eqx.tree_at(lambda s: s.step, state, jnp.int32(16)), {"step": 16})

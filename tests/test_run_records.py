@@ -16,7 +16,8 @@ from research.nn import MLP
 from research.population import stack_states
 from research.provenance import git_state, parameter_counts
 from research.run import command
-from research.train import RunDir, TrainState
+from research.services import RunDir
+from research.train import TrainState
 
 ROOT = Path(__file__).parent.parent
 QUICK = [

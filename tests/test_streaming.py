@@ -12,7 +12,7 @@ import pytest
 from research.cli import main_entry
 from research.data import ArrayDataset, BatchOrder, DeviceLoader, GrainLoader, TorchLoader, read_array
 from research.experiment import load_experiment
-from research.train import RunDir, read_header
+from research.services import RunDir, read_header
 
 
 class CountingDataset(ArrayDataset):

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from research.services import RunDir
 from research.tools import sweep
-from research.train import RunDir
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--", "--epochs", "1", "--train-size", "256", "--test-size", "64", "--batch-size", "32"]

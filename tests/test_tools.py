@@ -7,8 +7,8 @@ import pytest
 from PIL import Image
 
 from research.progress import Progress, format_duration, progress_iter
+from research.services import RunDir
 from research.tools import compare_runs, plot_runs, show_jaxpr
-from research.train import RunDir
 
 
 def make_run(path, lr, losses, *, hidden=8, finished=True, experiment="xor"):

@@ -14,18 +14,17 @@ import pytest
 from research.cli import TrainConfig, parse_config
 from research.data import DeviceLoader, XORDataset
 from research.nn import MLP
-from research.train import (
+from research.services import (
     JsonlTracker,
     MultiTracker,
     RunDir,
     TensorBoardTracker,
-    TrainState,
-    fit,
     parse_trackers,
     read_tensorboard_scalars,
     read_wandb_runs,
     scalars,
 )
+from research.train import TrainState, fit
 
 
 def test_fit_logs_the_same_records_to_jsonl_and_tensorboard_with_lr_from_the_schedule(tmp_path):

@@ -163,7 +163,7 @@ def test_evaluate_weights_batches_by_size(xor):
 def test_fit_evaluates_and_checkpoints_at_its_cadences_and_at_the_end_only(tmp_path):
     """Without `eval_every` / `checkpoint_every` the engine's hooks run once, at the end; with them, on
     their multiples (and at the end), never at the other stops (`log_every` makes a stop every 10 steps)."""
-    from research.train import RunDir
+    from research.services import RunDir
 
     train = DeviceLoader.from_dataset(XORDataset(256, seed=0), 32, seed=0)
     test = DeviceLoader.from_dataset(XORDataset(64, seed=1), 32, shuffle=False)

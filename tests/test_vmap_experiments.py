@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from research.per_example import default_max_batch_size, dp_sgd_epsilon
-from research.train import RunDir
+from research.services import RunDir
 
 ROOT = Path(__file__).parent.parent
 

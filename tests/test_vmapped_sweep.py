@@ -24,9 +24,10 @@ from research.errors import ConfigError
 from research.experiment import load_experiment, plot_curves
 from research.nn import build_model
 from research.population import member, stack_members
+from research.services import RunDir, read_wandb_runs
 from research.tools import sweep
 from research.tools._vmapped import member_values
-from research.train import RunDir, TrainState, read_wandb_runs
+from research.train import TrainState
 
 ROOT = Path(__file__).parent.parent
 # 8 steps an epoch: 56 steps, evaluated at the end.

@@ -8,7 +8,8 @@ import pytest
 from _entry import run_entry
 
 from research.data import DeviceLoader, XORDataset
-from research.train import checkpoint_digest, evaluate, load_checkpoint
+from research.services import checkpoint_digest, load_checkpoint
+from research.train import evaluate
 
 ROOT = Path(__file__).parent.parent
 spec = importlib.util.spec_from_file_location("xor_experiment", ROOT / "experiments" / "xor.py")

@@ -25,8 +25,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from ..errors import ConfigError
-from ..train import check_device_count
 from ._devices import simulate_cpu_devices
+from ._mesh import check_device_count
 
 logger = logging.getLogger(__name__)  # research.messages: what shows them, and where
 

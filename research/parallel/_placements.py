@@ -1,5 +1,5 @@
 """The placements that `--parallel` names: `none` (one device), `sharded` and `fsdp` (`jax.jit` over a
-device mesh, `research.train.MeshPlacement`) and `pmap`, the one special case (`jax.pmap`).
+device mesh, `research.parallel.MeshPlacement`) and `pmap`, the one special case (`jax.pmap`).
 
 All keep the single-device fast path (partition once, a flat list of array leaves, donated
 buffers, metrics summed on the device, many steps per call on device-resident data) and change only
@@ -8,11 +8,11 @@ where things live:
 - `sharded`: a mesh whose one axis, `"data"`, splits each batch's rows; the state replicated; the
   step sees the global batch and XLA inserts the reductions.
 - `fsdp`: the same mesh, every large array of the state split along its largest axis the devices
-  divide (`research.train.LargestAxis`, big_vision's rule); XLA inserts the all-gathers before use
+  divide (`research.parallel.LargestAxis`, big_vision's rule); XLA inserts the all-gathers before use
   and the reduce-scatters of the gradients. Each device holds about 1/N of the state.
 - `Pmap`: leaves stacked along a leading device axis (one copy per local device); each device gets
   `[per_device_batch, ...]` and its traced step sees the device axis `"devices"`, over which the
-  loss combines its gradient (`research.train.loss_value_and_grad`).
+  loss combines its gradient (`GlobalBatch.value_and_grad`).
 
 With several processes each process feeds only its rows of every global batch (devices are ordered
 process by process, so process `p` owns rows `[p * B / P, (p + 1) * B / P)`).
@@ -29,7 +29,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..errors import ConfigError, DeviceError
-from ..train import (
+from ..typing import PyTree
+from ._mesh import (
     EXACT_COMPILER_OPTIONS,
     LargestAxis,
     Leaves,
@@ -46,7 +47,6 @@ from ..train import (
     one_device,
     process_rows,
 )
-from ..typing import PyTree
 
 DEVICE_AXIS = "devices"  # pmap's axis name; BatchNorm reduces over (DEVICE_AXIS, "batch") under pmap
 ParallelName = Literal["auto", "none", "pmap", "sharded", "fsdp"]

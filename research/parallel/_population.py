@@ -1,5 +1,5 @@
 """A population (`research.population`: a leading member axis on every array of the train state) on
-several devices of one process: `jax.jit` over a one-axis mesh (`research.train.MeshPlacement`) that
+several devices of one process: `jax.jit` over a one-axis mesh (`research.parallel.MeshPlacement`) that
 splits either the members or each batch's rows.
 
 - `split="members"` (the devices divide the members): every array of the state, and each member's
@@ -17,7 +17,7 @@ from typing import Literal
 import jax
 
 from ..errors import ConfigError, DeviceError
-from ..train import MeshPlacement, Placement, leading, replicated
+from ._mesh import MeshPlacement, Placement, leading, replicated
 
 
 def population_mesh(

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ..train import RunDir
+from ..services import RunDir
 from .launch import stop
 
 # What `run_experiment` prints when `--resume auto` finds the run finished (it then exits 0, touching nothing).

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from ..train import RunDir
+from ..services import RunDir
 
 
 class UsageError(ValueError):

@@ -32,8 +32,8 @@ from ..data import DeviceLoader
 from ..errors import CheckpointError
 from ..experiment import RUNS_ROOT, Setup, config_record, initial_state, run_experiment
 from ..population import evaluate_members, member, stack_members
+from ..services import CheckpointWriter, RunDir, load_checkpoint
 from ..tracking import track_finished_run, trackers_of
-from ..train import CheckpointWriter, RunDir, load_checkpoint
 from ._pool import Run
 from ._runs import UsageError
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..messages import messages_to_stderr
-from ..train import RunDir
+from ..services import RunDir
 from ._runs import Parser, UsageError, fail, open_runs, run_labels
 
 NOT_COMPARED = {

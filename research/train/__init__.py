@@ -1,9 +1,12 @@
 """The engine: the step as a value (`Step`, `SupervisedStep`), train states, the compiled fast path,
-evaluation, fit, checkpoints (Orbax), run dirs, trackers."""
+hooks, evaluation and `fit`.
 
-from ..errors import CheckpointError, DataError, NonFiniteError
-from ._checkpoint import CheckpointWriter, checkpoint_digest, load_checkpoint, read_header, save_checkpoint, tree_digest
-from ._compiled import CompiledTrainer, compiled_trainer
+Around it: `research.parallel` (where the arrays live: one device, pmap, a sharded mesh, FSDP,
+several processes) and `research.services` (checkpoints, the run directory, signals, trackers),
+both usable without the engine.
+"""
+
+from ._compiled import compiled_trainer
 from ._engine import Engine, FitResult, StepInfo
 from ._evaluate import (
     Evaluator,
@@ -12,50 +15,16 @@ from ._evaluate import (
     evaluate,
     evaluate_batches,
     evaluate_state,
-    mean_of_sums,
     model_evaluator,
     padded_batches,
 )
 from ._fit import add_standard_hooks, fit
-from ._global_batch import (
-    GlobalBatch,
-    LossFn,
-    Metrics,
-    batch_rows,
-    example_keys,
-    loss_value_and_grad,
-    rows_of_global_batch,
-)
+from ._global_batch import GlobalBatch, Metrics, example_keys
 from ._hooks import Checkpoint, EarlyStopping, Evaluate, NonFiniteGuard, Profile, ShowProgress, Track
 from ._keys import random_normal
-from ._language import NextTokenLoss, evaluate_language_model, next_token_sums
-from ._micro import EXACT_COMPILER_OPTIONS, check_micro_batch_loss, micro_batch_value_and_grad, tree_sum
-from ._mlflow import MlflowTracker
-from ._placement import (
-    DATA_AXIS,
-    MEMBER_AXIS,
-    LargestAxis,
-    Leaves,
-    MeshPlacement,
-    Placement,
-    batch_norm_layers,
-    bytes_on_first_device,
-    check_batch_norm_axis,
-    check_device_count,
-    check_micro_batches,
-    check_split,
-    copy_leaves,
-    devices_of_every_process,
-    first_device,
-    leading,
-    local_copy,
-    one_device,
-    process_rows,
-    replicated,
-)
-from ._precision import InPrecision, LowPrecision, Precision
-from ._rundir import Headline, RunDir
-from ._signals import StopSignals
+from ._language import NextTokenLoss, evaluate_language_model
+from ._micro import check_micro_batch_loss
+from ._precision import InPrecision, LowPrecision
 from ._state import (
     SupervisedStep,
     TrainState,
@@ -65,120 +34,45 @@ from ._state import (
     train_step,
 )
 from ._step import AbstractTrainState, Step, take_step
-from ._tracking import (
-    TRACKERS,
-    Ending,
-    JsonlTracker,
-    MultiTracker,
-    RunTracker,
-    TensorBoardTracker,
-    Tracker,
-    parse_trackers,
-    read_tensorboard_scalars,
-    scalars,
-    tensorboard_problem,
-    tracker_problem,
-    trackers_problem,
-)
-from ._wandb import WandbTracker, read_wandb_runs
 
 __all__ = [
     "AbstractTrainState",
-    "GlobalBatch",
-    "Headline",
-    "InPrecision",
-    "LowPrecision",
-    "Precision",
-    "Step",
-    "SupervisedStep",
-    "batch_evaluator",
-    "batch_rows",
-    "combined_evaluator",
-    "evaluate_batches",
-    "mean_of_sums",
-    "model_evaluator",
-    "take_step",
-    "EXACT_COMPILER_OPTIONS",
-    "TRACKERS",
     "Checkpoint",
-    "CheckpointError",
-    "CheckpointWriter",
-    "CompiledTrainer",
-    "DataError",
-    "Ending",
-    "Engine",
     "EarlyStopping",
+    "Engine",
     "Evaluate",
     "Evaluator",
     "FitResult",
-    "JsonlTracker",
-    "DATA_AXIS",
-    "LargestAxis",
-    "Leaves",
-    "MEMBER_AXIS",
-    "LossFn",
+    "GlobalBatch",
+    "InPrecision",
+    "LowPrecision",
     "Metrics",
-    "MlflowTracker",
-    "MultiTracker",
     "NextTokenLoss",
-    "NonFiniteError",
     "NonFiniteGuard",
-    "MeshPlacement",
-    "Placement",
     "Profile",
-    "RunDir",
-    "RunTracker",
     "ShowProgress",
+    "Step",
     "StepInfo",
-    "StopSignals",
-    "TensorBoardTracker",
+    "SupervisedStep",
     "Track",
-    "Tracker",
     "TrainState",
-    "WandbTracker",
-    "batch_norm_layers",
-    "bytes_on_first_device",
-    "check_batch_norm_axis",
-    "check_device_count",
+    "add_standard_hooks",
+    "batch_evaluator",
     "check_micro_batch_loss",
-    "check_micro_batches",
-    "check_split",
     "classification_loss",
-    "checkpoint_digest",
     "classification_metrics",
-    "copy_leaves",
-    "devices_of_every_process",
+    "combined_evaluator",
     "compiled_trainer",
     "evaluate",
+    "evaluate_batches",
     "evaluate_language_model",
     "evaluate_state",
     "example_keys",
-    "first_device",
-    "leading",
-    "local_copy",
-    "one_device",
-    "process_rows",
-    "replicated",
     "fit",
-    "add_standard_hooks",
     "forward",
-    "load_checkpoint",
+    "model_evaluator",
     "padded_batches",
     "random_normal",
-    "loss_value_and_grad",
-    "micro_batch_value_and_grad",
-    "rows_of_global_batch",
-    "next_token_sums",
-    "read_header",
-    "parse_trackers",
-    "read_tensorboard_scalars",
-    "read_wandb_runs",
-    "save_checkpoint",
-    "scalars",
-    "tensorboard_problem",
-    "tracker_problem",
-    "trackers_problem",
+    "take_step",
     "train_step",
-    "tree_sum",
-    "tree_digest",
 ]

@@ -19,10 +19,10 @@ from jax.core import Tracer
 
 from ..data import take_rows
 from ..debug import RetraceLog
+from ..parallel import Leaves, Placement, one_device
 from ..typing import Array, PyTree
 from ._global_batch import GlobalBatch
 from ._packing import Packing, describe_spec
-from ._placement import Leaves, Placement, one_device
 from ._state import SupervisedStep
 from ._stats import Layout, StepMetrics, StepStats, layout_of
 from ._step import AbstractTrainState, Step, all_finite, counted, split_key, take_step

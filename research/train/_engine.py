@@ -25,10 +25,10 @@ from jaxtyping import TypeCheckError
 from ..data import DeviceLoader, GrainLoader, TorchLoader, take_rows
 from ..debug import describe_nan_error
 from ..errors import DataError, NonFiniteError, Preempted
+from ..parallel import Leaves, Placement, bytes_on_first_device, one_device
 from ..provenance import CompileTimer
+from ..services import StopSignals
 from ._compiled import CompiledTrainer, compiled_trainer
-from ._placement import Leaves, Placement, bytes_on_first_device, one_device
-from ._signals import StopSignals
 from ._state import SupervisedStep
 from ._stats import HostStats, Layout, StepStats
 from ._step import AbstractTrainState, Step

@@ -36,7 +36,9 @@ import jax
 import numpy as np
 
 from ..data import DeviceLoader, GrainLoader, HostLoader, TorchLoader
+from ..parallel import Placement, one_device
 from ..progress import Progress
+from ..services import JsonlTracker, RunDir, Tracker
 from ._engine import Engine, FitResult, Hook
 from ._evaluate import evaluate_state
 from ._hooks import (
@@ -49,10 +51,7 @@ from ._hooks import (
     ShowProgress,
     Track,
 )
-from ._placement import Placement, one_device
-from ._rundir import RunDir
 from ._step import AbstractTrainState, Step
-from ._tracking import JsonlTracker, Tracker
 
 
 def fit(

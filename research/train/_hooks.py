@@ -19,11 +19,9 @@ from jax.experimental import multihost_utils
 from ..data import DeviceLoader, HostLoader
 from ..errors import ConfigError, NonFiniteError
 from ..progress import Progress
-from ._checkpoint import CheckpointWriter
+from ..services import CheckpointWriter, Headline, RunDir, Tracker
 from ._engine import StepInfo
 from ._evaluate import Evaluator, evaluate_state
-from ._rundir import Headline, RunDir
-from ._tracking import Tracker
 
 
 @dataclasses.dataclass

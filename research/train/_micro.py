@@ -20,8 +20,8 @@ norm over `B / M` rows).
 
 The micro-batch step must also round the same way in every program XLA compiles it into (one device,
 each of several devices), which it does not do on its own: XLA's CPU backend picks another dot kernel
-for some dots (`EXACT_COMPILER_OPTIONS` pins it) and turns a divide by a broadcast value into a multiply
-by its reciprocal in some programs only, so the step uses JAX's custom-JVP softmax (no divide in its
+for some dots (`research.parallel.EXACT_COMPILER_OPTIONS` pins it) and turns a divide by a broadcast value
+into a multiply by its reciprocal in some programs only, so the step uses JAX's custom-JVP softmax (no divide in its
 gradient) and `research.nn.BatchNorm` multiplies by `rsqrt(var + eps)`; and it fuses a multiply and an add
 into an FMA wherever both land in one kernel, so BatchNorm's running averages have one product, not two.
 """
@@ -42,12 +42,6 @@ from ._global_batch import (
     rows_in_global_batch,
     rows_of_global_batch,
 )
-
-# What XLA must not choose per program for a micro-batched step to round the same way in every program:
-# its CPU backend hands a dot to a YNNPACK fusion in some programs and to its own dot emitter in others (a
-# one-device step and the same step on each of several devices), and the two add the products in different
-# orders. Placements compile a step with micro-batches with these options (`jax.jit(compiler_options=...)`).
-EXACT_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
 def tree_sum(stacked: PyTree) -> PyTree:

@@ -5,10 +5,10 @@ it is given one, never subclassed.
 There are two. `MeshPlacement` (here) is `jax.jit` over a one-axis device mesh with a state rule
 saying where each array of the state lives (`replicated`: data parallelism; `LargestAxis`: FSDP;
 `leading`: a population's members) and a batch split along the rows (or a population's members);
-one device is a mesh of one (`one_device()`). `research.parallel.Pmap` is the one special case:
-`jax.pmap`, whose arrays carry a stacked device axis. `research.parallel` builds the placements that
-`--parallel` names (`make_placement`, `population_placement`). A placement is a small frozen
-(hashable) object: trainers are cached per placement.
+one device is a mesh of one (`one_device()`). `Pmap` (`_placements.py`) is the one special case:
+`jax.pmap`, whose arrays carry a stacked device axis. `make_placement` and `population_placement`
+build the placements that `--parallel` names. A placement is a small frozen (hashable) object:
+trainers are cached per placement.
 """
 
 import abc
@@ -25,7 +25,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..errors import ConfigError, DeviceError
 from ..typing import PyTree
-from ._micro import EXACT_COMPILER_OPTIONS
+
+# What XLA must not choose per program for a micro-batched step to round the same way in every program:
+# its CPU backend hands a dot to a YNNPACK fusion in some programs and to its own dot emitter in others (a
+# one-device step and the same step on each of several devices), and the two add the products in different
+# orders. Placements compile a step with micro-batches with these options (`jax.jit(compiler_options=...)`).
+EXACT_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 Leaves = list[jax.Array]
 DATA_AXIS = "data"  # the mesh axis that splits the batch's rows (and FSDP's state)
