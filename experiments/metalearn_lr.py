@@ -8,8 +8,9 @@ differentiating through the unrolled run (`jax.lax.scan` over the inner steps, `
 loss with respect to the learning rate). The outer optimisation is the engine training a "model" that
 holds the learning rate (`LearnedLearningRate`) with SGD at `--lr`, one outer step per unrolled
 run; the starting learning rates of `--start-lrs` are the members of one population (a leading
-vmapped axis), so both converge in the same compiled program. Evaluation trains the inner MLP with
-each member's current learning rate and reports its test accuracy. Run `./scripts/run metalearn_lr --help`.
+vmapped axis), so both converge in the same compiled program, and `--devices` spreads the members over
+a mesh. Evaluation trains the inner MLP with each member's current learning rate (with `--ema-decay`,
+its average) and reports its test accuracy. Run `./scripts/run metalearn_lr --help`.
 """
 
 import dataclasses
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from research.cli import Training, WithTracking, group, main_entry, non_negative, option, positive
+from research.cli import TrainConfig, Training, group, main_entry, non_negative, option, positive
 from research.data import (
     MNIST1D_CLASSES,
     MNIST1D_LENGTH,
@@ -36,7 +37,15 @@ from research.experiment import Setup, run_experiment
 from research.nn import MLP, build_model
 from research.population import member, num_members
 from research.services import RunDir
-from research.train import FitResult, SupervisedStep, TrainState, classification_metrics, evaluate, forward
+from research.train import (
+    FitResult,
+    SupervisedStep,
+    TrainState,
+    classification_metrics,
+    evaluate,
+    forward,
+    model_evaluator,
+)
 from research.typing import Array, Float, Int, typecheck
 
 # The notebook's result: from 1.5 and from 0.15 the learned rate ends at about 0.62 (0.6244 and 0.6218).
@@ -61,10 +70,11 @@ class MetalearnTraining(Training):
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(WithTracking):
+class Config(TrainConfig):
     """Learn the SGD learning rate of an MNIST-1D MLP by gradient descent through an unrolled training run,
     from each of --start-lrs; print the learned rates beside the published ~0.62."""
 
+    batch_splits_over_devices = False  # --batch-size is the inner runs'; the members go on the devices
     training: MetalearnTraining = group(MetalearnTraining)
     start_lrs: tuple[float, ...] = option(
         (1.5, 0.15), "initial inner learning rates, one population member each", check=_all_positive
@@ -91,6 +101,10 @@ class Config(WithTracking):
         check=positive,
     )
     data_dir: str = option("data", "where MNIST-1D is generated and cached")
+
+    def __post_init__(self) -> None:
+        check_devices(self)  # first: the shared checks would read --batch-size, the inner run's, as the rows
+        super().__post_init__()
 
 
 class LearnedLearningRate(eqx.Module):
@@ -145,18 +159,25 @@ def _trained_inner_model(model: LearnedLearningRate, inputs: Array, labels: Arra
 class InnerRunEvaluator:
     """Evaluate each member by training the inner MLP with its learning rate (the first inner run of
     `runs`) and measuring that MLP on the test set: `loss`, `accuracy` (the members' means),
-    `member_loss`, `member_accuracy`."""
+    `member_loss`, `member_accuracy`; with `--ema-decay`, of the averaged rate, and of the trained one as
+    the raw metrics."""
 
     runs: Batch
 
     def __call__(self, states: TrainState, data: DeviceLoader | HostLoader, *, progress: bool = False) -> tuple:
-        scores = []
-        for k in range(num_members(states)):
-            mlp = _trained_inner_model(member(states, k).model, self.runs.inputs[0], self.runs.labels[0])
-            scores.append(evaluate(mlp, None, data))
-        metrics = {name: float(np.mean([s[name] for s in scores])) for name in ("loss", "accuracy")}
-        metrics.update({f"member_{name}": [s[name] for s in scores] for name in ("loss", "accuracy")})
-        return metrics, None
+        def trained_inner_model(model: LearnedLearningRate, model_state: None, data, *, progress: bool) -> dict:
+            return evaluate(_trained_inner_model(model, self.runs.inputs[0], self.runs.labels[0]), None, data)
+
+        per_member = model_evaluator(trained_inner_model)
+        scores = [per_member(member(states, k), data) for k in range(num_members(states))]
+        metrics = _of_members([averaged for averaged, _ in scores])
+        return metrics, None if states.ema is None else _of_members([raw for _, raw in scores])
+
+
+def _of_members(scores: list[dict]) -> dict:
+    metrics = {name: float(np.mean([s[name] for s in scores])) for name in ("loss", "accuracy")}
+    metrics.update({f"member_{name}": [s[name] for s in scores] for name in ("loss", "accuracy")})
+    return metrics
 
 
 def torch_initialised(mlp: MLP, seed: int) -> MLP:
@@ -192,6 +213,29 @@ def build_state(config: Config) -> TrainState:
     # under vmap, which compiles), with the starts put in.
     members = jax.tree.map(lambda x: jnp.stack([x] * len(config.start_lrs)), one)
     return eqx.tree_at(lambda s: s.model.lr, members, jnp.asarray(config.start_lrs, jnp.float32))
+
+
+def check_devices(config: "Config") -> None:
+    """Refuse device options this run cannot honour: its members (the --start-lrs) spread over the devices
+    of a mesh, each member's step being one unrolled run, with no rows to split or reduce."""
+    devices, members = config.devices, len(config.start_lrs)
+    if devices.num_processes not in (None, 1):
+        raise ConfigError(f"--num-processes {devices.num_processes}: metalearn_lr runs in one process")
+    if devices.deterministic_reduction:
+        raise ConfigError(
+            "--deterministic-reduction: metalearn_lr has no batch to split into micro-batches (a member's step is "
+            "one unrolled run); on several devices it matches one device to float rounding"
+        )
+    if devices.devices > 1 and devices.parallel not in ("auto", "sharded"):
+        raise ConfigError(
+            f"--parallel {devices.parallel}: metalearn_lr spreads its members over the devices of a mesh; "
+            "pass --parallel sharded (or auto)"
+        )
+    if members % devices.devices:
+        raise ConfigError(
+            f"--devices {devices.devices}: metalearn_lr puts its {members} --start-lrs members on the devices, "
+            f"one unrolled run each; pick a device count that divides {members}"
+        )
 
 
 def setup(config: Config) -> Setup:

@@ -416,6 +416,9 @@ class RunConfig(Options):
     highest, by default."""
 
     headline: typing.ClassVar[Headline] = Headline()
+    # False for an experiment whose `--batch-size` is not the rows the devices split (metalearn_lr's is its
+    # inner runs' batch; its population's members are what its devices take): the batch checks then skip it.
+    batch_splits_over_devices: typing.ClassVar[bool] = True
     training: Training = group(Training)
     checkpointing: Checkpointing = group(Checkpointing)
 
@@ -501,7 +504,7 @@ def check_combination(config: RunConfig, processes: int | None = None) -> None:
     training, checkpointing, devices = config.training, config.checkpointing, devices_of(config)
     processes = processes or devices.num_processes or 1
     count = devices.devices * processes
-    batch_size = training.batch_size
+    batch_size = training.batch_size if config.batch_splits_over_devices else None
     if devices.parallel == "none" and count > 1:
         raise ConfigError(f"--parallel none trains on one device, not {count}; pass --parallel sharded or pmap")
     if batch_size is not None and batch_size % count:  # None: an experiment's default, checked later

@@ -56,6 +56,7 @@ class Experiment:
 
 
 GENERATIVE = ("--features", "4", "--batch-size", "16", "--steps-per-call", "2", "--log-every", "2", "--eval-every", "2")
+METALEARN_MEMBERS = ("--start-lrs", "1.5", "0.15", "0.5", "1.0")
 EXPERIMENTS = {  # state_passing is no training run
     "xor": Experiment(
         ("--epochs", "1", "--train-size", "256", "--test-size", "64", "--batch-size", "32"),
@@ -169,10 +170,11 @@ EXPERIMENTS = {  # state_passing is no training run
         tracked=False,
         timeout=120,
     ),
-    # no --devices or --ema-decay (one unrolled run a step: nothing to split, no weights to average): refused
+    # four members (one unrolled run each) spread over sharded4's mesh; pmap and --deterministic-reduction (no rows
+    # to split) refused
     "metalearn_lr": Experiment(
-        ("--steps", "2", "--inner-steps", "3", "--hidden", "4", "--num-samples", "5000"),
-        ("--steps", "3", "--inner-steps", "3", "--hidden", "4", "--num-samples", "5000"),
+        ("--steps", "2", "--inner-steps", "3", "--hidden", "4", "--num-samples", "5000", *METALEARN_MEMBERS),
+        ("--steps", "3", "--inner-steps", "3", "--hidden", "4", "--num-samples", "5000", *METALEARN_MEMBERS),
         data_dir=True,
     ),  # 5,000 signals: the data set tests/conftest.py generated
     # one engine run a pruning round, in its own directory; resuming with more --rounds continues the schedule.

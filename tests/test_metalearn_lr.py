@@ -2,6 +2,10 @@
 of the outer objective, and the outer optimisation moves the learning rate without touching the inner
 initialisation."""
 
+import os
+import subprocess
+import sys
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -10,6 +14,7 @@ import optax
 import pytest
 
 from research.data import Batch
+from research.errors import ConfigError
 from research.experiment import load_experiment
 from research.nn import build_model
 from research.services import RunDir, load_checkpoint
@@ -101,3 +106,38 @@ def test_show_jaxpr_traces_one_outer_step_of_the_population(mnist1d_dir):
 
     text = show_jaxpr("metalearn_lr", ["--inner-steps", "3", "--hidden", "4", "--data-dir", str(mnist1d_dir)])
     assert "state.model.lr float32[2]" in text  # one rate per starting point, a leading member axis
+
+
+def test_device_options_it_cannot_honour_are_refused_before_any_work():
+    refusals = [
+        ({"devices": 4}, "pick a device count that divides 2"),
+        ({"devices": 2, "parallel": "pmap"}, "pass --parallel sharded"),
+        ({"devices": 2, "deterministic_reduction": True}, "no batch to split into micro-batches"),
+        ({"num_processes": 2}, "runs in one process"),
+    ]
+    for options, message in refusals:
+        with pytest.raises(ConfigError, match=message):
+            metalearn.Config.from_options(**options)
+
+
+@pytest.mark.slow
+def test_members_on_two_devices_learn_the_rates_of_one_device(mnist1d_dir, tmp_path):
+    """The --start-lrs members spread over a 2-device mesh: the same metrics as on one device, to float rounding."""
+    histories = []
+    for devices in (1, 2):
+        run = tmp_path / f"devices{devices}"
+        subprocess.run(
+            [sys.executable, str(metalearn.__file__), "--steps", "3", "--inner-steps", "20", "--hidden", "8",
+             "--num-samples", "5000", "--data-dir", str(mnist1d_dir), "--run-dir", str(run), "--no-progress",
+             "--devices", str(devices), "--ema-decay", "0.5"],
+            check=True,
+            env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
+            capture_output=True,
+        )  # fmt: skip
+        histories.append([r for r in RunDir(run).read_metrics() if "train/member_learned_lr" in r])
+        summary = RunDir(run).read_summary()
+        assert {"test_accuracy", "test_raw_accuracy"} <= summary.keys()  # the EMA's learned rate and the raw one
+    assert len(histories[0]) == len(histories[1]) == 3
+    for one, two in zip(*histories, strict=True):
+        for name in ("train/member_learned_lr", "train/member_loss"):
+            np.testing.assert_allclose(two[name], one[name], rtol=1e-5)
