@@ -6,7 +6,8 @@ checkpoint written); never a traceback, never a hang. Resuming a finished run (`
 requeued job does) prints its summary and touches none of its files. A run that finishes with `--ema-decay` must
 report the model without the EMA too (test_raw_*); one that finishes on 4 devices must have compiled
 its computations for 4 devices and give the final train loss and test metrics of the same run on 1
-device: to float rounding, and to the bit with `--deterministic-reduction`.
+device: to float rounding, and to the bit with `--deterministic-reduction`. Where the product of
+placements, EMAs and loaders grows, the 4-device placements run a pairwise cover of it (`pairwise`).
 
 The runs happen in subprocesses of `tests/_combination_worker.py`, which runs many of them in one
 process (imports and compilations are shared): one worker with 1 device, one with 4 simulated devices
@@ -274,6 +275,16 @@ class Combination:
         ]
 
 
+def pairwise(experiment: Experiment, placement: str, ema: str, loader: str) -> bool:
+    """Whether a series belongs to the grid's pairwise cover of placement x EMA x loader: every series on the
+    first placement (each later placement's reference), and on the others each placement meets each EMA and
+    each loader, and each EMA each loader, in half the series of their full product."""
+    emas, first = experiment.emas or EMAS, next(iter(PLACEMENTS))
+    if placement == first or not experiment.has_loader or len(emas) < 2 or not experiment.ema_everywhere:
+        return True
+    return (list(PLACEMENTS).index(placement) + list(emas).index(ema)) % len(LOADERS) == list(LOADERS).index(loader)
+
+
 COMBINATIONS = [
     Combination(name, placement, ema, loader, phase)
     for name, experiment in EXPERIMENTS.items()
@@ -283,7 +294,8 @@ COMBINATIONS = [
         LOADERS if experiment.has_loader else list(LOADERS)[:1],
         experiment.phases or PHASES,
     )
-    if experiment.ema_everywhere or ema == "noema" or placement == next(iter(PLACEMENTS))
+    if (experiment.ema_everywhere or ema == "noema" or placement == next(iter(PLACEMENTS)))
+    and pairwise(experiment, placement, ema, loader)
 ] + [
     Combination(name, "1dev", "noema", "device", phase, "tracked")
     for name, experiment in EXPERIMENTS.items()
