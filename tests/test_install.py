@@ -86,3 +86,19 @@ assert metadata("research")["License-Expression"] == "Apache-2.0"
         timeout=300,
     )
     assert swept.returncode == 0 and len(swept.stdout.splitlines()) == 2, swept.stderr
+    assert_typed_downstream(python, elsewhere)
+
+
+def assert_typed_downstream(python: str, where: Path) -> None:
+    """The installed package is typed (PEP 561: it ships py.typed), and pyright, checking a downstream file
+    against that install, reads research's annotations: a wrong use is an error naming the types."""
+    marker = "import pathlib, research; assert (pathlib.Path(research.__file__).parent / 'py.typed').is_file()"
+    subprocess.run([python, "-c", marker], cwd=where, check=True)
+    pyright = [str(ROOT / ".venv" / "bin" / "pyright"), "--pythonpath", python]
+    downstream = where / "downstream.py"
+    downstream.write_text(
+        "from research.services import RunDir\n\nsummary: int = RunDir('r').read_summary()\n", encoding="utf-8"
+    )
+    checked = subprocess.run([*pyright, str(downstream)], cwd=where, capture_output=True, text=True, timeout=300)
+    assert checked.returncode == 1 and "1 error" in checked.stdout, checked.stdout
+    assert '"dict[str, Any] | None" is not assignable to declared type "int"' in checked.stdout, checked.stdout
