@@ -8,7 +8,7 @@ import sys
 import time
 import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -151,6 +151,12 @@ class Setup:
     - `draw`: `(state, run_dir) -> None`: the experiment's pictures of a trained state (say a grid of
       samples, `samples.png`) drawn into the run directory at every evaluation and when training ends
       (process 0). A population's members are drawn by `scripts/sweep --vmapped` into their own runs.
+    - `eval_at`: the steps to evaluate (and draw) at, instead of every `--eval-every` steps (say each
+      phase's own multiples of it, and its last step); the last step is always one. `()`: the cadence.
+    - `hooks`: hooks that act on the run (`StepInfo.replace_state`, `StepInfo.finish`): called at every
+      stop after the evaluations (they see their numbers) and before tracking and the checkpoint (which
+      saves the state they leave). Not resumable: what they do must follow from the train state (its
+      step, its arrays), as a resumed run calls them only from its checkpoint's step on.
     """
 
     build_state: Callable[[], AbstractTrainState]
@@ -164,6 +170,8 @@ class Setup:
     val_data: DeviceLoader | HostLoader | None = None
     summarize_run: Callable[[RunDir, dict[str, Any]], dict[str, Any] | None] | None = None
     draw: Callable[[Any, Path], None] | None = None
+    eval_at: tuple[int, ...] = ()
+    hooks: Sequence[Callable[[Any], None]] = ()
 
     def evaluate_with(self) -> Evaluator:
         """The evaluator this run uses."""
@@ -423,9 +431,10 @@ def add_default_hooks(
         eval_data=setup.eval_data,
         evaluator=setup.evaluate_with(),
         eval_every=training.eval_every,
+        eval_at=setup.eval_at,
         show_progress=progress,
         drawing=Draw(setup.draw, run.path, writer) if setup.draw is not None and not setup.population else None,
-        acting=list(resumable.values()),
+        acting=[*resumable.values(), *setup.hooks],
         trackers=[*([JsonlTracker(run)] if writer else []), *([trackers] if trackers.trackers else [])],
         lr_schedule=setup.lr_schedule,
         progress=ShowProgress(

@@ -3,15 +3,13 @@ refusals: start afresh (`Fresh`), continue from a checkpoint (`Resume`), only ev
 checkpointed at its last step but stopped before its summary (`EvaluateOnly`), or report a run that
 finished and touch nothing (`Finished`).
 
-`research.experiment.run_experiment` carries the plan out; an experiment made of several runs
-(`lottery_ticket`) plans its own directory with `plan_directory`; the sweep skips the runs whose plan
-is `Finished` without starting a process for them.
+`research.experiment.run_experiment` carries the plan out; the sweep skips the runs whose plan is
+`Finished` without starting a process for them.
 """
 
 import dataclasses
 import json
 import logging
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,13 +63,6 @@ class Finished:
         return f"{self.run.path} finished at step {self.step}: nothing to train"
 
 
-@dataclasses.dataclass(frozen=True)
-class Continue:
-    """Continue the experiment of several runs in `run`: each of its runs resumes on its own."""
-
-    run: RunDir
-
-
 Plan = Fresh | Resume | EvaluateOnly | Finished
 
 
@@ -110,31 +101,6 @@ def plan_run(experiment: str, config: RunConfig, *, num_steps: int, writer: bool
         return Resume(run, checkpoint, step)
     summary = run.read_summary()
     return EvaluateOnly(run, checkpoint, step) if summary is None else Finished(run, summary, step)
-
-
-def plan_directory(
-    experiment: str, config: RunConfig, *, finished: Callable[[dict[str, Any]], bool] = lambda summary: True
-) -> Fresh | Continue | Finished:
-    """`--resume` for an experiment made of several runs, each in a directory inside its own with its own
-    checkpoints: continue `--run-dir` or its latest directory (`Continue`; `Finished` when its summary
-    says `finished`), or start one (`Fresh`). Refuses as `plan_run` does."""
-    run_dir, resume = config.checkpointing.run_dir, config.checkpointing.resume
-    path = Path(run_dir) if run_dir else (RunDir.latest(RUNS_ROOT, experiment) if resume else None)
-    if resume and path is not None and (path / "config.json").exists():
-        run = RunDir(path)
-        check_same_config(run, config)
-        summary = run.read_summary()
-        return (
-            Finished(run, summary, summary.get("step", 0))
-            if summary is not None and finished(summary)
-            else Continue(run)
-        )
-    if resume == "must":
-        raise ConfigError(no_run_to_resume(path or RUNS_ROOT / experiment))
-    path = path or RunDir.new_path(RUNS_ROOT, experiment)
-    if (path / "config.json").exists():
-        raise ConfigError(holds_a_run(path))
-    return Fresh(RunDir(path))
 
 
 def _new_run(experiment: str, checkpointing: Checkpointing, writer: bool) -> RunDir:

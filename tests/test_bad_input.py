@@ -5,6 +5,7 @@ Set-ups prepare a run directory or swap the data set before the command runs; th
 `xor` unless named (`mnist1d`, for options only it has).
 """
 
+import dataclasses
 import importlib.util
 import json
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from research.cli import main_entry
+from research.cli import RunConfig, main_entry
 from research.data import XORDataset
 from research.services import RunDir
 
@@ -177,18 +178,20 @@ def test_the_table_covers_the_kinds_of_bad_input():
     assert len(CASES) >= 25
 
 
-def test_an_experiment_without_process_options_refuses_several_processes(tmp_path, monkeypatch, capsys):
-    """lottery_ticket and metalearn_lr take no device or process options: started by scripts/launch
-    (which sets $JAX_NUM_PROCESSES), each process would name its own run directory."""
-    from research.experiment import load_experiment
+@dataclasses.dataclass(frozen=True)
+class OneProcess(RunConfig):
+    """An experiment that takes no device or process options (every experiment script takes them now)."""
 
-    lottery_ticket = load_experiment("lottery_ticket")
+
+def test_an_experiment_without_process_options_refuses_several_processes(tmp_path, monkeypatch, capsys):
+    """An experiment without device or process options, started by scripts/launch (which sets
+    $JAX_NUM_PROCESSES): each process would name its own run directory."""
     monkeypatch.chdir(tmp_path)
     launched = {"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0", "JAX_COORDINATOR_ADDRESS": "127.0.0.1:1"}
     for name, value in launched.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(SystemExit) as info:
-        main_entry(lottery_ticket.main, lottery_ticket.Config, ["--rounds", "1", "--steps", "10"])
+        main_entry(lambda config: RunDir(tmp_path / "run").create(), OneProcess, [])
     assert info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "takes no device or process options and runs in one process" in err[0]

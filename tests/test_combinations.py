@@ -58,6 +58,7 @@ class Experiment:
 
 GENERATIVE = ("--features", "4", "--batch-size", "16", "--steps-per-call", "2", "--log-every", "2", "--eval-every", "2")
 METALEARN_MEMBERS = ("--start-lrs", "1.5", "0.15", "0.5", "1.0")
+LOTTERY = tuple("--rounds 1 --schedule-length 2 --hidden 4 --steps 2 --steps-per-call 2 --log-every 2".split())
 EXPERIMENTS = {  # state_passing is no training run
     "xor": Experiment(
         ("--epochs", "1", "--train-size", "256", "--test-size", "64", "--batch-size", "32"),
@@ -178,12 +179,14 @@ EXPERIMENTS = {  # state_passing is no training run
         ("--steps", "3", "--inner-steps", "3", "--hidden", "4", "--num-samples", "5000", *METALEARN_MEMBERS),
         data_dir=True,
     ),  # 5,000 signals: the data set tests/conftest.py generated
-    # one engine run a pruning round, in its own directory; resuming with more --rounds continues the schedule.
-    # No --devices or --ema-decay (which weights would prune?): refused
+    # one engine run of 4 phases (the dense round, a pruning round, the two controls), 2 steps each, logged and
+    # evaluated at each phase's end; its length is fixed by --rounds and --steps (no longer run to resume it to).
+    # No --ema-decay (an average across rewinds means nothing): refused
     "lottery_ticket": Experiment(
-        ("--rounds", "1", "--schedule-length", "2", "--hidden", "4", "--steps", "2", "--steps-per-call", "2"),
-        ("--rounds", "2", "--schedule-length", "2", "--hidden", "4", "--steps", "2", "--steps-per-call", "2"),
+        LOTTERY,
+        LOTTERY,
         data_dir=True,
+        phases=("fresh", "resumed-finished"),
     ),
 }
 PLACEMENTS = {  # the first is the reference the others must match

@@ -88,6 +88,10 @@ def _population_setup(experiment: str, configs: Sequence[RunConfig], setups: Seq
         raise UsageError(f"--vmapped: {experiment} does not train from a DeviceLoader with these options")
     if any(setup.population for setup in setups):
         raise UsageError(f"--vmapped: {experiment} is a population already; sweep it without --vmapped")
+    if any(setup.hooks for setup in setups):
+        raise UsageError(
+            f"--vmapped: {experiment}'s own hooks act on one state, not a population; sweep it without --vmapped"
+        )
     if len({setup.num_steps for setup in setups}) > 1 or any(s.step != first.step for s in setups):
         raise UsageError("--vmapped: the members train for different numbers of steps or with different losses")
     return Setup(
@@ -99,6 +103,7 @@ def _population_setup(experiment: str, configs: Sequence[RunConfig], setups: Seq
         eval_data=first.eval_data,
         val_data=first.val_data,
         num_steps=first.num_steps,
+        eval_at=first.eval_at,
         step=first.step,
         population=True,
         evaluator=None if first.evaluator is None else evaluate_members(first.evaluator),

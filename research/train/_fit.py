@@ -145,11 +145,13 @@ def add_standard_hooks(
     progress: ShowProgress,
     profile: Profile | None,
     drawing: Hook | None = None,
+    eval_at: tuple[int, ...] = (),
 ) -> None:
     """The standard hooks in the order they run (a later hook sees what an earlier one put in the record),
     for `fit` and an experiment's run (`research.experiment.add_default_hooks`): the non-finite guard, the
     evaluation of `val_data` then `eval_data` by `evaluator` (its bar shown with `show_progress`), and
-    `drawing`, at their cadence (every `eval_every` steps, or at the end), the `acting`
+    `drawing`, at their cadence (every `eval_every` steps, or at the end; at the steps `eval_at` and the
+    end instead, when it names any), the `acting`
     hooks (early stopping), tracking, progress, the checkpoint (a step cadence, and a time cadence when it
     has one) and the profile of its window. `start` is the step the run starts from."""
     if not skip_nonfinite:  # a NaN state is not saved on preemption
@@ -159,8 +161,9 @@ def add_standard_hooks(
         for data, name in ((val_data, "val"), (eval_data, "test"))
         if data is not None
     ]
+    at = (*eval_at, num_steps) if eval_at else ()
     for hook in [*evaluations, *([drawing] if drawing is not None else [])]:
-        engine.add_hook(hook, every=eval_every or num_steps)
+        engine.add_hook(hook, every=eval_every or num_steps, at=at)
     for hook in acting:
         engine.add_hook(hook)
     engine.add_hook(Track(trackers, lr_schedule))
