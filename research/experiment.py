@@ -255,23 +255,43 @@ def run_experiment(
             print(summary_line(experiment, plan.summary, plan.run, type(config).headline))
         return plan.summary
     state, header = _starting_state(plan, state, placement, writer)
-    run = plan.run
-    trackers = _open_trackers(experiment, config, run, header.get("step", 0)) if writer else RunTrackers({})
+    trackers = _open_trackers(experiment, config, plan.run, header.get("step", 0)) if writer else RunTrackers({})
+    run = Run(experiment, config, setup, placement, plan, writer, trackers, header)
     ending: Ending = "failed"
     summary = None
     try:
         if writer:
-            _start_run(experiment, config, setup, state, run, trackers)
-        summary = _run_and_summarize(
-            experiment, config, setup, state, placement, plan, writer, header, trackers, summary_extra, curves=curves
-        )
+            _start_run(run, state)
+        summary = _run_and_summarize(run, state, summary_extra, curves=curves)
         ending = "finished"
         return summary
     except Preempted:
         ending = "killed"
         raise
     finally:
-        trackers.close(ending, summary, run_files(run))
+        trackers.close(ending, summary, run_files(plan.run))
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One run as `run_experiment` carries it out, built once and read by each of its stages: the
+    experiment's name, its config, what it trains (`setup`, its step with the config's precision and
+    gradient parts), where (`placement`, checked for the state), the plan (`plan.run`: the run directory),
+    whether this process writes the directory (process 0), its open trackers, and the header of the
+    checkpoint it starts from (`{}` when it starts afresh)."""
+
+    experiment: str
+    config: RunConfig
+    setup: Setup
+    placement: Placement
+    plan: Fresh | Resume | EvaluateOnly
+    writer: bool
+    trackers: RunTrackers
+    header: dict[str, Any]
+
+    @property
+    def dir(self) -> RunDir:
+        return self.plan.run
 
 
 def _open_trackers(experiment: str, config: RunConfig, run: RunDir, start_step: int) -> RunTrackers:
@@ -304,39 +324,23 @@ def _population_placement(setup: Setup, state: AbstractTrainState, placement: Pl
     return population_placement(placement, members=members, rows=rows, member_batches=member_batches)
 
 
-def _start_run(
-    experiment: str, config: RunConfig, setup: Setup, state: AbstractTrainState, run: RunDir, trackers: RunTrackers
-) -> None:
+def _start_run(run: Run, state: AbstractTrainState) -> None:
     """Process 0's start: the run directory cleared of interrupted saves, config.json, the start line."""
-    run.create()
-    run.remove_uncommitted()  # an interrupted save's files; the saves of this run replace them
-    record = config_record(experiment, config, setup, state)
-    run.write_config({**record, "trackers": trackers.identities()})
-    print(start_line(experiment, record, state, run), flush=True)
+    run.dir.create()
+    run.dir.remove_uncommitted()  # an interrupted save's files; the saves of this run replace them
+    record = config_record(run.experiment, run.config, run.setup, state)
+    run.dir.write_config({**record, "trackers": run.trackers.identities()})
+    print(start_line(run.experiment, record, state, run.dir), flush=True)
 
 
 def _run_and_summarize(
-    experiment: str,
-    config: RunConfig,
-    setup: Setup,
-    state: AbstractTrainState,
-    placement: Placement,
-    plan: Fresh | Resume | EvaluateOnly,
-    writer: bool,
-    header: dict[str, Any],
-    trackers: RunTrackers,
-    summary_extra: Any,
-    *,
-    curves: CurvePool | None = None,
+    run: Run, state: AbstractTrainState, summary_extra: Any, *, curves: CurvePool | None = None
 ) -> dict[str, Any]:
     """Train (or, checkpointed at its last step, only evaluate) and write the summary and curves.png."""
-    start, run = time.perf_counter(), plan.run
-    if isinstance(plan, EvaluateOnly):
-        result = _evaluate_finished(setup, state, run, placement, header.get("finished"))
-    else:
-        result = _train(experiment, config, setup, state, placement, run, header, trackers)
+    start, setup, placement = time.perf_counter(), run.setup, run.placement
+    result = _evaluate_finished(run, state) if isinstance(run.plan, EvaluateOnly) else _train(run, state)
     losses = tuple(name for name in setup.step.finite_metrics if not name.endswith("grad_norm"))
-    summary = {"experiment": experiment, **run_summary(result, losses), "wall_seconds": time.perf_counter() - start}
+    summary = {"experiment": run.experiment, **run_summary(result, losses), "wall_seconds": time.perf_counter() - start}
     if result.finished_early is not None:
         summary["finished_early"] = result.finished_early
     if result.compile_seconds is not None:
@@ -346,11 +350,11 @@ def _run_and_summarize(
         summary["state_bytes_per_device"] = result.state_bytes_per_device
     extra: Any = summary_extra(result) if callable(summary_extra) else summary_extra
     summary.update(extra or {})
-    if writer:
-        summary.update((setup.summarize_run(run, summary) if setup.summarize_run is not None else None) or {})
-        run.write_summary(summary)
-        plot_curves([run], [run.path.resolve().name], run.path / "curves.png", pool=curves)
-        print(summary_line(experiment, summary, run, type(config).headline))
+    if run.writer:
+        summary.update((setup.summarize_run(run.dir, summary) if setup.summarize_run is not None else None) or {})
+        run.dir.write_summary(summary)
+        plot_curves([run.dir], [run.dir.path.resolve().name], run.dir.path / "curves.png", pool=curves)
+        print(summary_line(run.experiment, summary, run.dir, type(run.config).headline))
     return summary
 
 
@@ -361,22 +365,13 @@ def _check_profile_window(tracking: Tracking, num_steps: int) -> None:
             raise ConfigError(f"--profile-steps {tracking.profile_steps} ends past the run's {num_steps} steps")
 
 
-def _train(
-    experiment: str,
-    config: RunConfig,
-    setup: Setup,
-    state: AbstractTrainState,
-    placement: Placement,
-    run: RunDir,
-    header: dict[str, Any],
-    trackers: RunTrackers,
-) -> FitResult:
-    """Train `state` (step 0, or restored with the checkpoint `header`) to `setup.num_steps` with the
+def _train(run: Run, state: AbstractTrainState) -> FitResult:
+    """Train `state` (step 0, or restored with the checkpoint `run.header`) to `setup.num_steps` with the
     engine and the standard hooks of the config."""
-    training = config.training
+    training, setup = run.config.training, run.setup
     engine = Engine(
         setup.step,
-        placement=placement,
+        placement=run.placement,
         log_every=training.log_every,
         steps_per_call=training.steps_per_call,
         skip_nonfinite=training.skip_nonfinite,
@@ -385,45 +380,37 @@ def _train(
         stop_signals=True,
     )
     start = int(np.max(np.asarray(state.step)))  # a population steps its members together
-    add_default_hooks(engine, experiment, config, setup, run, trackers, start=start, hook_states=header.get("hooks"))
+    add_default_hooks(engine, run, start=start)
+    header = run.header
     return engine.fit(
         state, setup.train_data, setup.num_steps, resume_window=header.get("window"), resume_data=header.get("data")
     )
 
 
-def add_default_hooks(
-    engine: Engine,
-    experiment: str,
-    config: RunConfig,
-    setup: Setup,
-    run: RunDir,
-    trackers: RunTrackers,
-    *,
-    start: int,
-    hook_states: dict[str, Any] | None = None,
-) -> None:
+def add_default_hooks(engine: Engine, run: Run, *, start: int) -> None:
     """Add a run's standard hooks, chosen from its config, in the order they run (a later hook sees what
     an earlier one put in the record): the non-finite guard, evaluation (validation, then test), early
     stopping, tracking (metrics.jsonl and the `trackers`), progress, checkpoints (a step and a time
     cadence), the profile. Every process checkpoints its shards; process 0 alone logs, tracks and shows
-    progress. `start` is the step the run starts from, `hook_states` its checkpoint's (`hooks`). The assembly is
-    `research.train.add_standard_hooks`, which `fit` uses too."""
-    writer = jax.process_index() == 0
+    progress. `start` is the step the run starts from; its checkpoint's header gives the hooks' states. The
+    assembly is `research.train.add_standard_hooks`, which `fit` uses too."""
+    config, setup, writer, trackers = run.config, run.setup, run.writer, run.trackers
     training, checkpointing = config.training, config.checkpointing
-    header = {"experiment": experiment, "config": config.to_dict()}
+    hook_states = run.header.get("hooks")
+    header = {"experiment": run.experiment, "config": config.to_dict()}
     headline = type(config).headline
     minutes = checkpointing.checkpoint_minutes
     resumable = _resumable_hooks(training, setup, headline)
     for name, hook in resumable.items():
         if hook_states and name in hook_states:
             hook.load_state_dict(hook_states[name])
-    checkpoint = Checkpoint(run, checkpointing.keep_checkpoints, header, 60 * minutes or None, headline, resumable)
+    checkpoint = Checkpoint(run.dir, checkpointing.keep_checkpoints, header, 60 * minutes or None, headline, resumable)
     progress = training.progress and writer
     add_standard_hooks(
         engine,
         num_steps=setup.num_steps,
         start=start,
-        run=run,
+        run=run.dir,
         checkpoint=checkpoint,
         checkpoint_every=checkpointing.checkpoint_every,
         skip_nonfinite=training.skip_nonfinite,
@@ -433,14 +420,14 @@ def add_default_hooks(
         eval_every=training.eval_every,
         eval_at=setup.eval_at,
         show_progress=progress,
-        drawing=Draw(setup.draw, run.path, writer) if setup.draw is not None and not setup.population else None,
+        drawing=Draw(setup.draw, run.dir.path, writer) if setup.draw is not None and not setup.population else None,
         acting=[*resumable.values(), *setup.hooks],
-        trackers=[*([JsonlTracker(run)] if writer else []), *([trackers] if trackers.trackers else [])],
+        trackers=[*([JsonlTracker(run.dir)] if writer else []), *([trackers] if trackers.trackers else [])],
         lr_schedule=setup.lr_schedule,
         progress=ShowProgress(
             Progress(setup.num_steps, initial=start, enabled=progress), start, shown_metrics(setup.step, headline)
         ),
-        profile=_profile(tracking_of(config), run, writer),
+        profile=_profile(tracking_of(config), run.dir, writer),
     )
 
 
@@ -511,19 +498,18 @@ def _profile_hint(start: int, stop: int) -> Callable[[Path], None]:
     return hint
 
 
-def _evaluate_finished(
-    setup: Setup, state: AbstractTrainState, run: RunDir, placement: Placement, finished_early: str | None
-) -> FitResult:
+def _evaluate_finished(run: Run, state: AbstractTrainState) -> FitResult:
     """The result of a run whose training ended (its last checkpoint is at its last step, or marked
     `finished_early`) but that was stopped before it wrote its summary: its final model evaluated again,
     its last logged train metrics."""
+    setup, placement = run.setup, run.placement
     arrays, rest = eqx.partition(state, eqx.is_array)
     leaves, treedef = jax.tree.flatten(arrays)
     placed = placement.place(leaves)
     state = eqx.combine(jax.tree.unflatten(treedef, placement.gather(placed)), rest)  # restored FSDP shards: whole
     metrics, raw = (None, None) if setup.eval_data is None else setup.evaluate_with()(state, setup.eval_data)
     val = None if setup.val_data is None else setup.evaluate_with()(state, setup.val_data)[0]
-    records = run.read_metrics()
+    records = run.dir.read_metrics()
     last = records[-1] if records else {}
     train = {k[len("train/") :]: v for k, v in last.items() if k.startswith("train/")}
     return FitResult(
@@ -535,7 +521,7 @@ def _evaluate_finished(
         bytes_on_first_device(placed),
         steps_per_s=last.get("steps_per_s"),
         val_metrics=val,
-        finished_early=finished_early,
+        finished_early=run.header.get("finished"),
     )
 
 
