@@ -20,8 +20,8 @@ simulate_cpu_devices(8)
 import equinox as eqx, jax, numpy as np, optax
 from research.data import DeviceLoader, TorchLoader, XORDataset
 from research.nn import MLP
-from research.parallel import DATA_AXIS, fsdp, make_placement
-from research.train import TrainState, bytes_on_first_device, fit
+from research.parallel import DATA_AXIS, bytes_on_first_device, fsdp, make_placement
+from research.train import TrainState, fit
 
 train = XORDataset(512, seed=42)
 state = TrainState.create(MLP(2, 2, hidden=(256, 256), key=jax.random.key(0)), optax.adam(1e-3),

@@ -377,7 +377,8 @@ KILLED_DURING_A_SAVE = """
 import os, signal, sys, time
 import jax, jax.numpy as jnp, equinox as eqx, optax
 from research.nn import MLP
-from research.train import CheckpointWriter, RunDir, TrainState, save_checkpoint
+from research.services import CheckpointWriter, RunDir, save_checkpoint
+from research.train import TrainState
 model_key, train_key = jax.random.split(jax.random.key(0))  # this file's make_state()
 state = TrainState.create(MLP(2, 1, hidden=(8,), key=model_key), optax.sgd(0.1), key=train_key)
 run = RunDir(sys.argv[1]).create()
