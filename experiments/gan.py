@@ -35,13 +35,13 @@ from research.train import (
     AbstractTrainState,
     GlobalBatch,
     InPrecision,
+    Precision,
     Step,
     combined_evaluator,
     evaluate_batches,
     example_keys,
+    mean_of_sums,
 )
-from research.train._evaluate import mean_of_sums
-from research.train._precision import Precision
 from research.typing import Array, Float, Int, KeyData, PRNGKeyArray, PyTree
 
 

@@ -15,6 +15,7 @@ from ._evaluate import (
     evaluate,
     evaluate_batches,
     evaluate_state,
+    mean_of_sums,
     model_evaluator,
     padded_batches,
 )
@@ -24,7 +25,7 @@ from ._hooks import Checkpoint, EarlyStopping, Evaluate, NonFiniteGuard, Profile
 from ._keys import random_normal
 from ._language import NextTokenLoss, evaluate_language_model
 from ._micro import check_micro_batch_loss
-from ._precision import InPrecision, LowPrecision
+from ._precision import InPrecision, LowPrecision, Precision
 from ._state import (
     SupervisedStep,
     TrainState,
@@ -49,6 +50,7 @@ __all__ = [
     "Metrics",
     "NextTokenLoss",
     "NonFiniteGuard",
+    "Precision",
     "Profile",
     "ShowProgress",
     "Step",
@@ -70,6 +72,7 @@ __all__ = [
     "example_keys",
     "fit",
     "forward",
+    "mean_of_sums",
     "model_evaluator",
     "padded_batches",
     "random_normal",
