@@ -41,7 +41,15 @@ from .progress import Progress
 from .provenance import git_state, machine, parameter_counts, peak_memory, versions
 from .report import plot_curves, run_summary, start_line, summary_line
 from .run_plan import RUNS_ROOT, EvaluateOnly, Finished, Fresh, Resume, plan_run
-from .services import Ending, Headline, JsonlTracker, RunDir, load_checkpoint
+from .services import (
+    Ending,
+    Headline,
+    JsonlTracker,
+    RunDir,
+    load_checkpoint,
+    tensorboard_problem,
+    trackers_problem,
+)
 from .tracking import RunTrackers, open_trackers, run_files
 from .train import (
     AbstractTrainState,
@@ -329,8 +337,9 @@ def _start_run(run: Run, state: AbstractTrainState) -> None:
     run.dir.create()
     run.dir.remove_uncommitted()  # an interrupted save's files; the saves of this run replace them
     record = config_record(run.experiment, run.config, run.setup, state)
-    run.dir.write_config({**record, "trackers": run.trackers.identities()})
-    print(start_line(run.experiment, record, state, run.dir), flush=True)
+    trackers = run.trackers.identities()
+    run.dir.write_config({**record, "trackers": trackers})
+    print(start_line(run.experiment, record, state, run.dir, trackers), flush=True)
 
 
 def _run_and_summarize(
@@ -586,6 +595,18 @@ def _rebuild_config(
     return config_class.from_dict(values)
 
 
+def _untracked(config_class: type[RunConfig], saved: dict[str, Any]) -> dict[str, Any]:
+    """The options that turn off a saved run's trackers whose libraries this machine lacks: a loaded run
+    tracks nothing, so a run trained with `--tracker wandb` on a cluster loads on a laptop without wandb."""
+    values = flat_options(config_class, saved)
+    off: dict[str, Any] = {}
+    if values.get("tracker") and trackers_problem(values["tracker"]):
+        off["tracker"] = "jsonl"
+    if values.get("tensorboard") and tensorboard_problem():
+        off["tensorboard"] = False
+    return off
+
+
 def load_run(run_dir: str | Path, **overrides: Any) -> LoadedRun:
     """The trained model of a run directory, rebuilt in one call without training.
 
@@ -593,7 +614,8 @@ def load_run(run_dir: str | Path, **overrides: Any) -> LoadedRun:
     its `setup(config)` and `initial_state` (with the EMA of `--ema-decay`); the arrays from the newest
     valid checkpoint (a damaged newer one is skipped with a warning). `setup` builds the run's data
     too (MNIST-1D from its cache in `--data-dir`, relative to the current directory: generated again
-    where it is missing).
+    where it is missing). A tracker whose library is not installed here (`--tracker wandb` trained on a
+    cluster, loaded on a laptop) is left out of the loaded config: loading tracks nothing.
 
     **Arguments:**
 
@@ -617,7 +639,8 @@ def load_run(run_dir: str | Path, **overrides: Any) -> LoadedRun:
             f"no checkpoint to load in {run.checkpoints}: the run has {found} (it stopped before its first one?)"
         )
     module = load_experiment(saved["experiment"])
-    config = _rebuild_config(module.Config, saved["config"], run.config_file, overrides)
+    untracked = _untracked(module.Config, saved["config"])
+    config = _rebuild_config(module.Config, saved["config"], run.config_file, {**untracked, **overrides})
     setup = module.setup(config)
     state, header = load_checkpoint(checkpoint, initial_state(setup, ema_of(config)))
     summary = run.read_summary()

@@ -13,8 +13,11 @@ from .services import Headline, RunDir
 from .train import AbstractTrainState, FitResult
 
 
-def start_line(experiment: str, record: dict[str, Any], state: AbstractTrainState, run: RunDir) -> str:
-    """What a run prints when it starts: the model and its size, the steps, the devices, where it writes."""
+def start_line(
+    experiment: str, record: dict[str, Any], state: AbstractTrainState, run: RunDir, trackers: dict[str, Any]
+) -> str:
+    """What a run prints when it starts: the model and its size, the steps, the devices, where it writes
+    (and whether W&B syncs: offline unless $WANDB_MODE says otherwise). `trackers`: their identities."""
     counts, place = record["parameters"], record["machine"]
     members = f"{counts['members']} members of " if "members" in counts else ""
     devices = f"{place['devices']} {place['device_kind']} device" + ("s" if place["devices"] > 1 else "")
@@ -23,7 +26,16 @@ def start_line(experiment: str, record: dict[str, Any], state: AbstractTrainStat
     return (
         f"{experiment}: {models}, {members}{describe_parameters(counts)}; "
         f"{record['resolved']['num_steps']:,} steps on {devices}{processes}; run directory {run.path}"
+        + _wandb_mode(trackers.get("wandb"))
     )
+
+
+def _wandb_mode(identity: dict[str, Any] | None) -> str:
+    if identity is None:
+        return ""
+    if identity.get("mode") == "offline":
+        return "; W&B offline, in the run directory (`wandb sync` it, or set WANDB_MODE=online)"
+    return f"; W&B {identity.get('mode', 'online')}, project {identity['project']}"
 
 
 def run_summary(result: FitResult, losses: tuple[str, ...] = ("loss",)) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """`research.load_run`: a run directory's trained model rebuilt from config.json and its newest valid
 checkpoint, bit for bit, for every experiment; evaluated, it gives the numbers of summary.json."""
 
+import importlib.util
 import json
 import shutil
 import warnings
@@ -90,6 +91,21 @@ def test_a_config_json_the_script_no_longer_fits_is_refused(tmp_path, monkeypatc
     (path / "config.json").write_text(json.dumps(saved))
     with pytest.raises(research.errors.ConfigError, match="has options that .* does not: width"):
         load_run(path)
+
+
+def test_a_run_tracked_by_a_library_this_machine_lacks_loads_without_its_trackers(tmp_path, monkeypatch):
+    """Trained with W&B and TensorBoard (say on a cluster), loaded where neither is installed: the same model,
+    the trackers left out of the loaded config."""
+    config, summary, path = train_xor(tmp_path, monkeypatch, tracker="wandb", tensorboard=True)
+    missing = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name in ("wandb", "tensorboardX") else missing(name, *a)
+    )
+    with pytest.raises(research.errors.ConfigError, match="--tracker wandb needs the wandb package"):
+        xor.Config.from_options(tracker="wandb")  # what load_run used to raise
+    loaded = load_run(path)
+    assert loaded.step == summary["step"] and serialised(loaded.state) == payload(loaded.checkpoint)
+    assert loaded.config.to_dict() == config.replace(tracker="jsonl", tensorboard=False).to_dict()
 
 
 @pytest.mark.slow

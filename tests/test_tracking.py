@@ -220,7 +220,7 @@ def assert_same_history(got, expected):
 
 @pytest.mark.slow
 def test_wandb_mlflow_and_tensorboard_hold_every_record_the_summary_and_files_through_sigterm_and_resume(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, capsys
 ):
     """A run stopped by SIGTERM after step 12's record and resumed with --resume auto: one W&B run (two
     offline files of one id), one MLflow run and the TensorBoard events hold exactly metrics.jsonl's
@@ -239,9 +239,12 @@ def test_wandb_mlflow_and_tensorboard_hold_every_record_the_summary_and_files_th
     args = [*XOR, "--epochs", "4", "--run-dir", "r", "--tracker", "wandb,mlflow", "--tensorboard"]
     assert run_xor([*args, "--resume", "auto"]) == 143
     assert run_xor([*args, "--resume", "auto"]) == 0
+    start = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("xor: MLP"))
+    assert start.endswith("; W&B offline, in the run directory (`wandb sync` it, or set WANDB_MODE=online)")
 
     run = RunDir(tmp_path / "r")
     expected, summary, saved = jsonl_history(run), run.read_summary(), run.read_config()
+    assert saved["trackers"]["wandb"]["mode"] == "offline"
     assert sorted(expected) == list(range(4, 33, 4)) and "test/accuracy" in expected[16]
     wandb_runs = read_wandb_runs(run.path)
     assert [w["run_id"] for w in wandb_runs] == [saved["trackers"]["wandb"]["run_id"]] * 2

@@ -64,8 +64,8 @@ class WandbTracker:
 
     @property
     def identity(self) -> dict[str, Any]:
-        """What config.json keeps to continue this W&B run on resume."""
-        return {"run_id": self.run_id, "project": self._run.project}
+        """What config.json keeps to continue this W&B run on resume, and whether it syncs (`mode`)."""
+        return {"run_id": self.run_id, "project": self._run.project, "mode": self._run.settings.mode}
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         self._run.log(scalars(metrics), step=step)
