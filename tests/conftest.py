@@ -12,15 +12,6 @@ import pytest
 # the user's cache; RESEARCH_COMPILATION_CACHE=0 in the environment runs the suite without it.
 _COMPILATION_CACHE = tempfile.mkdtemp(prefix="research-tests-jax-cache-")
 os.environ.setdefault("RESEARCH_COMPILATION_CACHE_DIR", _COMPILATION_CACHE)
-# The suite compiles thousands of small programs that then run for milliseconds: LLVM's optimisation of them
-# is most of its time. JAX_DISABLE_MOST_OPTIMIZATIONS (inherited by every process a test starts) compiles without
-# it, the suite taking about a quarter less time. The numbers a test compares all come from programs compiled
-# alike, but they can differ in the last bits from a default compilation (the LM's losses do): the tests of the
-# bits users get on every layout (tests/test_deterministic_reduction.py, `default_compiler`) compile as users do.
-# JAX_DISABLE_MOST_OPTIMIZATIONS=0 in the environment runs the whole suite so.
-os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
-_FEW_OPTIMIZATIONS = os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] != "0"
-jax.config.update("jax_disable_most_optimizations", _FEW_OPTIMIZATIONS)
 # Trackers stay on this machine whatever the developer's environment says: W&B offline, MLflow in each run's folder.
 os.environ["WANDB_MODE"] = "offline"
 os.environ.pop("MLFLOW_TRACKING_URI", None)
@@ -69,15 +60,3 @@ def digits_formats(tmp_path_factory):
     from _image_formats import digits, write_formats
 
     return write_formats(tmp_path_factory.mktemp("digits"), *digits())
-
-
-@pytest.fixture(scope="module")
-def default_compiler():
-    """The module's programs, in this process and in those it starts, compiled with XLA's default optimisation."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "0")
-        jax.config.update("jax_disable_most_optimizations", False)
-        try:
-            yield
-        finally:
-            jax.config.update("jax_disable_most_optimizations", _FEW_OPTIMIZATIONS)

@@ -39,8 +39,6 @@ from research.train import (
 from research.train._global_batch import loss_value_and_grad, rows_of_global_batch
 from research.train._micro import micro_batch_value_and_grad, tree_sum
 
-# The bits users get: compiled with XLA's default optimisation, not the rest of the suite's (tests/conftest.py)
-pytestmark = pytest.mark.usefixtures("default_compiler")
 ROOT = Path(__file__).parent.parent
 STEPS = "50"
 LAYOUTS = [("none", 1), ("pmap", 2), ("sharded", 4), ("fsdp", 4), ("pmap", 8), ("sharded", 8)]
@@ -144,7 +142,7 @@ def _digest(run: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def layout_runs(default_compiler, tmp_path_factory):
+def layout_runs(tmp_path_factory):
     """In one process with 8 simulated devices, 50 steps of each worker model on every layout, and runs
     moved between device counts through their checkpoints: FSDP on 8 devices to step 20, on 4 to step 35,
     on 1 to the end; BatchNorm on 4 devices to step 20, then on 2."""
