@@ -314,6 +314,10 @@ def run_worker(runs: list[dict], devices: int, root: Path) -> dict[str, dict]:
     carries on with the runs after it."""
     timeouts = {run["id"]: run["timeout"] for run in runs}
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # A few steps a run: compiling is most of the grid's time, and LLVM's optimisation most of that. Every
+    # number compared here comes from programs compiled alike (tests/test_deterministic_reduction.py checks the
+    # bits of a default compilation).
+    env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
     if devices > 1:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     results: dict[str, dict] = {}
