@@ -192,3 +192,17 @@ def test_run_dir_metrics_are_truncated_past_a_step(tmp_path):
     assert run.read_metrics()[-1]["train/loss"] == "nan"
     run.truncate_metrics(after_step=10)
     assert [r["step"] for r in run.read_metrics()] == [5, 10]
+
+
+def test_run_dir_metrics_as_columns_align_every_record_and_keep_non_finite_numbers(tmp_path):
+    run = RunDir(tmp_path / "run").create()
+    run.log({"step": 5, "train/loss": 2.5, "train/member_loss": [2.0, 3.0]})
+    run.log({"step": 10, "train/loss": float("inf"), "train/member_loss": [float("nan"), 1.0], "test/accuracy": 0.5})
+    run.log({"step": 15, "train/loss": float("nan")})
+    columns = run.metric_columns()
+    assert list(columns) == ["step", "train/loss", "train/member_loss", "test/accuracy"]
+    assert columns["step"].dtype == np.int64 and columns["step"].tolist() == [5, 10, 15]
+    np.testing.assert_array_equal(columns["train/loss"], [2.5, np.inf, np.nan])
+    np.testing.assert_array_equal(columns["train/member_loss"], [[2.0, 3.0], [np.nan, 1.0], [np.nan, np.nan]])
+    np.testing.assert_array_equal(columns["test/accuracy"], [np.nan, 0.5, np.nan])
+    assert RunDir(tmp_path / "none").metric_columns() == {}

@@ -6,6 +6,8 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
+
 from ..errors import CheckpointError
 from ._checkpoint import is_committed, read_header, remove_checkpoint, write_atomic
 from ._single_file import SUFFIX
@@ -109,6 +111,26 @@ class RunDir:
         text = self.metrics_file.read_text()
         complete = text if text.endswith("\n") else text[: text.rfind("\n") + 1]
         return [json.loads(line) for line in complete.splitlines() if line.strip()]
+
+    def metric_columns(self) -> dict[str, np.ndarray]:
+        """metrics.jsonl as columns, one entry a record (a notebook's plot: `plt.plot(c["step"], c["train/loss"])`,
+        or `pandas.DataFrame` of the 1-D ones): float64 with NaN where a record lacks the metric (training and
+        evaluation records alternate), a population's per-member values as a 2-D column (records x members),
+        `step` as int64. The strings metrics.jsonl keeps non-finite numbers as ("nan", "inf") are numbers again."""
+        records = self.read_metrics()
+        names = list(dict.fromkeys(name for record in records for name in record))
+        columns = {}
+        for name in names:
+            present = [record[name] for record in records if name in record]
+            members = max((len(v) for v in present if isinstance(v, list)), default=None)
+            column = np.full((len(records),) if members is None else (len(records), members), np.nan)
+            for row, record in enumerate(records):
+                if name in record:
+                    column[row] = np.asarray(record[name], dtype=np.float64)  # "nan", "inf": floats again
+            if name == "step" and len(present) == len(records):
+                column = column.astype(np.int64)
+            columns[name] = column
+        return columns
 
     def truncate_metrics(self, after_step: int) -> None:
         """Drop records logged after `after_step` (they belong to work a resume will redo)."""
