@@ -10,6 +10,7 @@ from .train import TrainState, evaluate, fit, train_step
 from .typing import typecheck
 
 if TYPE_CHECKING:  # what `__getattr__` below loads on first use
+    from .calls import sweep_experiment, train_experiment
     from .experiment import LoadedRun, load_run
 
 
@@ -20,6 +21,10 @@ def __getattr__(name: str):
         from . import experiment
 
         return getattr(experiment, name)
+    if name in ("train_experiment", "sweep_experiment"):
+        from . import calls
+
+        return getattr(calls, name)
     raise AttributeError(f"module 'research' has no attribute {name!r}")
 
 
@@ -44,7 +49,9 @@ __all__ = [
     "numpy_collate",
     "save_checkpoint",
     "state",
+    "sweep_experiment",
     "train",
+    "train_experiment",
     "train_step",
     "typecheck",
     "typing",

@@ -59,8 +59,9 @@ def simulate_cpu_devices(count: int, threads: int | None = None) -> None:
         if jax.local_device_count() < count and jax.default_backend() == "cpu":
             raise DeviceError(
                 f"--devices {count}: JAX already started with {jax.local_device_count()} CPU device(s), so no "
-                "more can be simulated; pass --devices on the command line of an experiment script (it is "
-                "applied before any array exists), or set XLA_FLAGS=--xla_force_host_platform_device_count="
+                "more can be simulated; pass --devices on the command line of an experiment script, or to "
+                "research.train_experiment as the first thing a fresh Python (a restarted kernel) does (both "
+                "apply it before any array exists), or set XLA_FLAGS=--xla_force_host_platform_device_count="
                 f"{count} before starting Python"
             )
         return
