@@ -1,11 +1,12 @@
 """Progress reporting for every long loop (training, evaluation, data generation).
 
-On a terminal: a tqdm bar with the rate and the time left. Elsewhere (`CI=true`, output piped to a
-file): no bar, but one plain line per `report` call with the same facts, so a log shows how fast a
-run goes and when it will end. This module sits below everything else, so `research.data` may use
-it as well as `research.train`.
+On a terminal: a tqdm bar with the rate and the time left; in a Jupyter notebook, tqdm's notebook bar.
+Elsewhere (`CI=true`, output piped to a file): no bar, but one plain line per `report` call with the
+same facts, so a log shows how fast a run goes and when it will end. This module sits below everything
+else, so `research.data` may use it as well as `research.train`.
 """
 
+import importlib.util
 import math
 import os
 import sys
@@ -19,8 +20,20 @@ T = TypeVar("T")
 
 
 def interactive() -> bool:
-    """Progress bars only on a terminal; `CI=true` or piped output gets plain log lines instead."""
-    return sys.stderr.isatty() and os.environ.get("CI", "").lower() not in ("1", "true", "yes")
+    """Progress bars on a terminal and in a Jupyter notebook (tqdm's widget, with ipywidgets installed);
+    `CI=true` or piped output gets plain log lines instead."""
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        return False
+    return sys.stderr.isatty() or in_notebook()
+
+
+def in_notebook() -> bool:
+    """Whether this process is a Jupyter kernel that can draw tqdm's notebook bar (an ipywidgets widget)."""
+    shell = sys.modules.get("IPython")
+    if shell is None or importlib.util.find_spec("ipywidgets") is None:
+        return False
+    ipython = shell.get_ipython()
+    return ipython is not None and "IPKernelApp" in ipython.config
 
 
 def format_metrics(metrics: dict[str, float]) -> str:

@@ -3,7 +3,8 @@
 - ```bash blocks: each line is a `./scripts/...` command that must exit 0.
 - ```console blocks: `$ command` lines; the lines after one must appear in its output, where `...`
   stands for any text.
-- ```python blocks run as they are; ```python file=PATH blocks, put together, must be that file.
+- ```python blocks run as they are (a notebook's, a doc with a Jupytext header, run on a kernel in
+  tests/test_notebooks.py); ```python file=PATH blocks, put together, must be that file.
 - ```shell blocks are long reproductions (docs/results.md: hours of training) that are not run; each
   `./scripts/run` command in them must still parse (its experiment and flags exist), with a loop
   variable read as its first value (`for seed in 0 1 2` -> `$seed` is 0); each `./scripts/sweep`
@@ -125,6 +126,7 @@ def test_every_command_and_code_block_runs_as_shown(doc, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("CI", "true")
     files: dict[str, list[str]] = {}
+    notebook = "\n  jupytext:\n" in doc.read_text()
     for lang, info, body in blocks(doc):
         if lang == "bash":
             for line in body.splitlines():
@@ -137,7 +139,7 @@ def test_every_command_and_code_block_runs_as_shown(doc, tmp_path, monkeypatch):
             check_parses(body)
         elif lang == "python" and info.startswith("file="):
             files.setdefault(info.removeprefix("file="), []).append(body)
-        elif lang == "python":
+        elif lang == "python" and not notebook:  # a notebook's cells run on a kernel: tests/test_notebooks.py
             with contextlib.redirect_stdout(io.StringIO()):
                 exec(compile(body, f"{doc.name} python block", "exec"), {"__name__": "__doc_block__"})
     for path, parts in files.items():
