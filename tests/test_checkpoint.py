@@ -2,6 +2,7 @@ import hashlib
 import io
 import json
 import shutil
+import sys
 
 import equinox as eqx
 import jax
@@ -206,3 +207,14 @@ def test_run_dir_metrics_as_columns_align_every_record_and_keep_non_finite_numbe
     np.testing.assert_array_equal(columns["train/member_loss"], [[2.0, 3.0], [np.nan, 1.0], [np.nan, np.nan]])
     np.testing.assert_array_equal(columns["test/accuracy"], [np.nan, 0.5, np.nan])
     assert RunDir(tmp_path / "none").metric_columns() == {}
+    frame = run.metric_frame()  # the same columns in pandas, one a member
+    assert list(frame.columns) == ["train/loss", "train/member_loss/0", "train/member_loss/1", "test/accuracy"]
+    assert frame.index.tolist() == [5, 10, 15] and frame.index.name == "step"
+    np.testing.assert_array_equal(frame["train/member_loss/0"], [2.0, np.nan, np.nan])
+    np.testing.assert_array_equal(frame["test/accuracy"], columns["test/accuracy"])
+
+
+def test_metric_frame_without_pandas_says_what_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "pandas", None)  # import pandas raises ImportError
+    with pytest.raises(ImportError, match=r"needs pandas \(pip install pandas\); metric_columns does not"):
+        RunDir(tmp_path).metric_frame()

@@ -132,6 +132,24 @@ class RunDir:
             columns[name] = column
         return columns
 
+    def metric_frame(self) -> Any:
+        """`metric_columns` as a `pandas.DataFrame` indexed by step (pandas is not a dependency: it must be
+        installed), a population's per-member column spread into one column a member (`test/member_loss/0`,
+        ..., as the trackers name them)."""
+        try:
+            import pandas
+        except ImportError:
+            raise ImportError(
+                "RunDir.metric_frame needs pandas (pip install pandas); metric_columns does not"
+            ) from None
+        flat = {}
+        for name, column in self.metric_columns().items():
+            if column.ndim == 1:
+                flat[name] = column
+            else:
+                flat.update({f"{name}/{member}": column[:, member] for member in range(column.shape[1])})
+        return pandas.DataFrame(flat).set_index("step") if flat else pandas.DataFrame()
+
     def truncate_metrics(self, after_step: int) -> None:
         """Drop records logged after `after_step` (they belong to work a resume will redo)."""
         kept = [r for r in self.read_metrics() if r.get("step", 0) <= after_step]
