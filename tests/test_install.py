@@ -1,5 +1,6 @@
 """The package installs beside other packages: compatible ranges, the experiments inside it, a licence; and
-a non-editable `pip install .` into a fresh virtual environment runs an experiment and loads it back."""
+a non-editable `pip install .` into a fresh virtual environment runs an experiment and loads it back, and
+loads, compares and exports a run trained with trackers it lacks."""
 
 import re
 import shutil
@@ -66,9 +67,25 @@ def test_pip_install_into_a_fresh_venv_runs_an_experiment_and_loads_it_back(tmp_
     )
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.startswith("xor: MLP, 33 parameters")
+    # A run tracked with W&B and MLflow (this suite's venv has them), looked at where neither is installed.
+    tracked = subprocess.run(
+        [sys.executable, "-m", "research.run", "xor", "--epochs", "1", "--run-dir", "tracked", "--no-progress"]
+        + ["--tracker", "wandb,mlflow"],
+        cwd=elsewhere,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert tracked.returncode == 0, tracked.stderr
     check = """
-import json, research, research.experiment
+import importlib.util, json, pathlib, research, research.experiment
 from research import load_run
+from research.tools import compare_runs, export
+assert importlib.util.find_spec("wandb") is None and importlib.util.find_spec("mlflow") is None
+assert load_run("tracked").config.tracking.tracker == "jsonl"  # its trackers left out: loading tracks nothing
+compare_runs.main(["r", "tracked"])
+export.main(["tracked"])
+assert pathlib.Path("tracked/model.safetensors").exists()
 run = load_run("r")
 assert run.step == 19 and run.summary is not None and type(run.model).__name__ == "MLP"
 assert "site-packages" in research.__file__ and research.experiment.EXPERIMENTS_DIR.name == "experiments"
@@ -78,6 +95,7 @@ assert metadata("research")["License-Expression"] == "Apache-2.0"
 """
     loaded = subprocess.run([python, "-c", check], cwd=elsewhere, capture_output=True, text=True, timeout=300)
     assert loaded.returncode == 0, loaded.stderr
+    assert "| tracked |" in loaded.stdout  # compare_runs' table
     swept = subprocess.run(
         [python, "-m", "research.tools.sweep", "xor", "lr=0.1,0.3", "--dry-run"],
         cwd=elsewhere,
