@@ -7,7 +7,8 @@ requeued job does) prints its summary and touches none of its files. A run that 
 report the model without the EMA too (test_raw_*); one that finishes on 4 devices must have compiled
 its computations for 4 devices and give the final train loss and test metrics of the same run on 1
 device: to float rounding, and to the bit with `--deterministic-reduction`. Where the product of
-placements, EMAs and loaders grows, the 4-device placements run a pairwise cover of it (`pairwise`).
+placements, EMAs and loaders grows, the 4-device placements run a pairwise cover of it across the
+experiments (`pairwise`).
 
 The runs happen in subprocesses of `tests/_combination_worker.py`, which runs many of them in one
 process (imports and compilations are shared): one worker with 1 device, one with 4 simulated devices
@@ -53,6 +54,7 @@ class Experiment:
     tracked: bool = True  # runs once more with every tracker (the trackers do not depend on the step)
     script: str | None = None  # experiments/<script>.py; None: the name in EXPERIMENTS
     phases: tuple[str, ...] | None = None  # the PHASES it runs; None: all
+    pairwise: bool = True  # False: every EMA on every placement (one variant is refused: a second a run)
     timeout: float = 45  # seconds for one run (a short run takes a few); then it counts as a hang
 
 
@@ -178,6 +180,7 @@ EXPERIMENTS = {  # state_passing is no training run
         ("--steps", "2", "--inner-steps", "3", "--hidden", "4", "--num-samples", "5000", *METALEARN_MEMBERS),
         ("--steps", "3", "--inner-steps", "3", "--hidden", "4", "--num-samples", "5000", *METALEARN_MEMBERS),
         data_dir=True,
+        pairwise=False,
     ),  # 5,000 signals: the data set tests/conftest.py generated
     # one engine run of 4 phases (the dense round, a pruning round, the two controls), 2 steps each, logged and
     # evaluated at each phase's end; its length is fixed by --rounds and --steps (no longer run to resume it to).
@@ -187,6 +190,7 @@ EXPERIMENTS = {  # state_passing is no training run
         LOTTERY,
         data_dir=True,
         phases=("fresh", "resumed-finished"),
+        pairwise=False,
     ),
 }
 PLACEMENTS = {  # the first is the reference the others must match
@@ -278,14 +282,21 @@ class Combination:
         ]
 
 
-def pairwise(experiment: Experiment, placement: str, ema: str, loader: str) -> bool:
+def pairwise(name: str, placement: str, ema: str, loader: str) -> bool:
     """Whether a series belongs to the grid's pairwise cover of placement x EMA x loader: every series on the
-    first placement (each later placement's reference), and on the others each placement meets each EMA and
-    each loader, and each EMA each loader, in half the series of their full product."""
-    emas, first = experiment.emas or EMAS, next(iter(PLACEMENTS))
-    if placement == first or not experiment.has_loader or len(emas) < 2 or not experiment.ema_everywhere:
+    first placement (each later placement's reference); on each later one, one EMA variant and one loader an
+    experiment, the pairing turned from one experiment to the next (the EMA with its index's parity, the
+    loader with its half's), so that across the grid each placement meets each EMA and each loader, and each
+    EMA each loader."""
+    experiment, first = EXPERIMENTS[name], next(iter(PLACEMENTS))
+    emas, later, turn = list(experiment.emas or EMAS), list(PLACEMENTS)[1:], list(EXPERIMENTS).index(name)
+    if placement == first or len(emas) < 2 or not experiment.ema_everywhere or not experiment.pairwise:
         return True
-    return (list(PLACEMENTS).index(placement) + list(emas).index(ema)) % len(LOADERS) == list(LOADERS).index(loader)
+    if (later.index(placement) + emas.index(ema) + turn) % len(emas):
+        return False
+    return not experiment.has_loader or (later.index(placement) + turn // 2) % len(LOADERS) == list(LOADERS).index(
+        loader
+    )
 
 
 COMBINATIONS = [
@@ -298,7 +309,7 @@ COMBINATIONS = [
         experiment.phases or PHASES,
     )
     if (experiment.ema_everywhere or ema == "noema" or placement == next(iter(PLACEMENTS)))
-    and pairwise(experiment, placement, ema, loader)
+    and pairwise(name, placement, ema, loader)
 ] + [
     Combination(name, "1dev", "noema", "device", phase, "tracked")
     for name, experiment in EXPERIMENTS.items()

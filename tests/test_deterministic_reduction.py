@@ -41,7 +41,9 @@ from research.train._micro import micro_batch_value_and_grad, tree_sum
 
 ROOT = Path(__file__).parent.parent
 STEPS = "50"
-LAYOUTS = [("none", 1), ("pmap", 2), ("sharded", 4), ("fsdp", 4), ("pmap", 8), ("sharded", 8)]
+# Each placement once, and 1, 2, 4 and 8 devices (8: one micro-batch a device). The CNN's test below adds
+# (sharded, 4) and (pmap, 8) for another model.
+LAYOUTS = [("none", 1), ("pmap", 2), ("fsdp", 4), ("sharded", 8)]
 MODELS = ("mlp", "wide", "dpsgd", "batchnorm")
 
 
@@ -176,7 +178,7 @@ def test_every_layout_gives_the_same_bits(layout_runs, model):
 
 @pytest.mark.slow
 def test_a_run_resumed_on_other_device_counts_continues_to_the_same_bits(layout_runs):
-    for chain, reference in (("wide-8-4-1", "wide-none-1"), ("batchnorm-4-2", "batchnorm-sharded-4")):
+    for chain, reference in (("wide-8-4-1", "wide-none-1"), ("batchnorm-4-2", "batchnorm-none-1")):
         assert losses(layout_runs / chain) == losses(layout_runs / reference), chain
         assert _digest(layout_runs / chain) == _digest(layout_runs / reference), chain
 
