@@ -20,6 +20,7 @@ in the config's fields, or nested by group: `training: {lr: 0.3}`) or from a run
 import contextlib
 import dataclasses
 import difflib
+import functools
 import importlib.util
 import inspect
 import io
@@ -143,27 +144,36 @@ _RESUME = PrimitiveConstructorSpec(
 )
 
 
+# The rules' parsers are module-level functions bound with functools.partial, not closures: tyro asks a rule
+# hundreds of times a command line, and a closure is a new function each time (which the test suite's jaxtyping
+# import hook would wrap and type-check anew: 0.4 s a command line).
+def _parse_number(kind: type, args: list[str]) -> Any:
+    try:
+        return kind(args[0])
+    except ValueError:
+        return _BadValue(f"invalid {kind.__name__} value: {args[0]!r}")
+
+
 @_registry.primitive_rule
 def _number_rule(info: PrimitiveTypeInfo) -> PrimitiveConstructorSpec | None:
     """int and float as argparse said it: `invalid int value: 'many'`."""
     if info.type not in (int, float):
         return None
     kind = info.type
-
-    def parse(args: list[str]) -> Any:
-        try:
-            return kind(args[0])
-        except ValueError:
-            return _BadValue(f"invalid {kind.__name__} value: {args[0]!r}")
-
     numbers = (int,) if kind is int else (int, float)
     return PrimitiveConstructorSpec(
         nargs=1,
         metavar=kind.__name__.upper(),
-        instance_from_str=parse,
+        instance_from_str=functools.partial(_parse_number, kind),
         is_instance=lambda value: isinstance(value, numbers) and not isinstance(value, bool),
         str_from_instance=lambda value: [str(value)],
     )
+
+
+def _parse_choice(by_text: dict[str, Any], args: list[str]) -> Any:
+    if args[0] in by_text:
+        return by_text[args[0]]
+    return _BadValue(f"invalid choice: {args[0]!r} (choose from {', '.join(map(repr, by_text))})")
 
 
 @_registry.primitive_rule
@@ -173,16 +183,10 @@ def _choice_rule(info: PrimitiveTypeInfo) -> PrimitiveConstructorSpec | None:
         return None
     choices = typing.get_args(info.type)
     by_text = {str(choice): choice for choice in choices}
-
-    def parse(args: list[str]) -> Any:
-        if args[0] in by_text:
-            return by_text[args[0]]
-        return _BadValue(f"invalid choice: {args[0]!r} (choose from {', '.join(map(repr, by_text))})")
-
     return PrimitiveConstructorSpec(
         nargs=1,
         metavar="{" + ",".join(by_text) + "}",
-        instance_from_str=parse,
+        instance_from_str=functools.partial(_parse_choice, by_text),
         is_instance=lambda value: value in choices,
         str_from_instance=lambda value: [str(value)],
     )

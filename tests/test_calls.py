@@ -66,6 +66,7 @@ def test_more_devices_after_jax_started_are_refused_with_what_to_do(tmp_path, mo
         research.train_experiment("xor", devices=64, batch_size=64, **SHORT)
 
 
+@pytest.mark.slow
 def test_the_stop_button_checkpoints_and_says_which_call_continues_the_run(tmp_path, monkeypatch):
     """A notebook's stop button is SIGINT in the kernel: the run stops after a checkpoint, the error names the
     call that continues it, and that call ends where an uninterrupted run ends."""
@@ -94,6 +95,7 @@ def test_the_stop_button_checkpoints_and_says_which_call_continues_the_run(tmp_p
     assert tree_digest(resumed.state) == tree_digest(whole.state)
 
 
+@pytest.mark.slow
 def test_a_vmapped_sweep_returns_each_run_equal_to_its_call_alone(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     runs = research.sweep_experiment("xor", {"lr": [0.1, 0.3], "seed": [1]}, vmapped=True, epochs=2)
