@@ -7,10 +7,13 @@ call that continues it."""
 import itertools
 import os
 import re
+import shutil
+import subprocess
 import threading
 import time
 from pathlib import Path
 
+import nbformat
 import pytest
 from jupyter_client.manager import start_new_kernel
 from test_docs import matches
@@ -72,6 +75,22 @@ def test_the_first_training_cell_draws_the_notebook_bar_and_prints_what_it_shows
     assert any(WIDGET in output.get("data", {}) for output in outputs), "no tqdm notebook bar"
     assert not any(output.get("name") == "stderr" and "[train] step" in output.text for output in outputs)
     assert len(list((tmp_path / "runs/xor").iterdir())) == 1
+
+
+@pytest.mark.slow
+def test_scripts_notebooks_writes_the_ipynb_of_a_notebook_and_refuses_a_missing_one(tmp_path):
+    source = tmp_path / "first_hour.md"
+    shutil.copy(ROOT / "docs/first_hour.md", source)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    written = subprocess.run(
+        [ROOT / "scripts/notebooks", "../first_hour.md"], cwd=elsewhere, capture_output=True, text=True, timeout=120
+    )
+    assert written.returncode == 0, written.stderr
+    notebook = nbformat.read(str(tmp_path / "first_hour.ipynb"), as_version=4)
+    assert [cell.source for cell in notebook.cells] == [cell.source for cell in read_notebook(source).cells]
+    missing = subprocess.run([ROOT / "scripts/notebooks", "nope.md"], cwd=tmp_path, capture_output=True, text=True)
+    assert (missing.returncode, missing.stderr) == (2, f"notebooks: error: {tmp_path / 'nope.md'}: no such notebook\n")
 
 
 @pytest.mark.slow
