@@ -14,15 +14,14 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from .cli import RunConfig, devices_of, use_compilation_cache
-from .config import flag_name, option_fields
+from .cli import RunConfig, prepare_process
+from .config import flag_name
 from .errors import ConfigError, Preempted
 from .experiment import LoadedRun, experiment_script, load_experiment, load_run
-from .parallel import setup_devices
-from .run_plan import RUNS_ROOT
+from .run_plan import RUNS_ROOT, no_run_to_resume
 from .services import RunDir
 from .tools import sweep
-from .tools.sweep import SET_BY_SWEEP, run_name
+from .tools.sweep import SET_BY_SWEEP, default_sweep_dir, run_name
 
 
 def train_experiment(name: str, /, **options: Any) -> LoadedRun:
@@ -48,8 +47,7 @@ def train_experiment(name: str, /, **options: Any) -> LoadedRun:
     experiment = Path(module.__file__ or name).stem
     options = _with_run_dir(experiment, options)
     config: RunConfig = module.Config.from_dict(options)
-    use_compilation_cache(devices_of(config).compilation_cache)
-    setup_devices(devices_of(config), config.training.batch_size)
+    prepare_process(config, f"research.train_experiment({name!r})")
     try:
         module.main(config)
     except Preempted as e:
@@ -67,7 +65,7 @@ def _with_run_dir(experiment: str, options: dict[str, Any]) -> dict[str, Any]:
     if options.get("resume") and options["resume"] != "never":
         latest = RunDir.latest(RUNS_ROOT, experiment)
         if latest is None:
-            raise ConfigError(f"resume={options['resume']!r}: no run of {experiment} in {RUNS_ROOT / experiment}")
+            raise ConfigError(no_run_to_resume(RUNS_ROOT / experiment))
         return {**options, "run_dir": str(latest)}
     return {**options, "run_dir": str(RunDir.new_path(RUNS_ROOT, experiment))}
 
@@ -107,21 +105,18 @@ def sweep_experiment(
             raise ConfigError(f"axis {key}: give its values as a non-empty list, say {{{key!r}: [0.1, 0.3]}}")
     for key in set(options) & set(SET_BY_SWEEP):
         raise ConfigError(f"{key}: set by the sweep for each run (sweep_dir= says where the runs go)")
-    config_class.from_dict({**options, **{key: values[0] for key, values in axes.items()}})
+    config_class.from_dict({**options, **{key: values[0] for key, values in axes.items()}})  # refuses a bad one
+    where = Path(sweep_dir or default_sweep_dir(name, "grid", list(axes)))
     argv = [
         name,
         *(f"{key}={','.join(str(v) for v in values)}" for key, values in axes.items()),
         *(["--vmapped"] if vmapped else []),
-        *(["--jobs", str(jobs)]),
-        *(["--sweep-dir", str(sweep_dir)] if sweep_dir is not None else []),
-        "--",
-        *option_flags(config_class, options),
+        *(["--jobs", str(jobs), "--sweep-dir", str(where), "--"]),
+        *_option_flags(options),
     ]
     with _errors_raised("sweep"):
         sweep.main(argv)
-    where = Path(sweep_dir) if sweep_dir is not None else RUNS_ROOT / Path(name).stem / f"grid-{'-'.join(axes)}"
-    names = _grid_names(axes)
-    return {run: load_run(where.absolute() / run) for run in names}
+    return {run: load_run(where.absolute() / run) for run in _grid_names(axes)}
 
 
 def _grid_names(axes: Mapping[str, Sequence[Any]]) -> list[str]:
@@ -130,13 +125,11 @@ def _grid_names(axes: Mapping[str, Sequence[Any]]) -> list[str]:
     return [run_name(list(zip(axes, point, strict=True))) for point in grid]
 
 
-def option_flags(config_class: type, options: Mapping[str, Any]) -> list[str]:
-    """The command-line flags that give `options` (`{"lr": 0.3, "progress": False}` -> `--lr 0.3 --no-progress`)."""
-    fields = option_fields(config_class)
+def _option_flags(options: Mapping[str, Any]) -> list[str]:
+    """The command-line flags that give `options` (`{"lr": 0.3, "progress": False}` -> `--lr 0.3 --no-progress`),
+    options that `Config.from_dict` has accepted."""
     flags: list[str] = []
     for key, value in options.items():
-        if key not in fields:
-            raise ConfigError(f"{key}: not an option of {config_class.__module__}.{config_class.__qualname__}")
         if value is True:
             flags.append(flag_name(key))
         elif value is False:

@@ -110,6 +110,7 @@ __all__ = [
     "option",
     "parse_config",
     "positive",
+    "prepare_process",
     "unit_interval",
     "use_compilation_cache",
 ]
@@ -475,6 +476,21 @@ def use_compilation_cache(enabled: bool = True) -> Path | None:
     return Path(path)
 
 
+def prepare_process(config: RunConfig, prog: str) -> None:
+    """What a run needs of this process before its first array: JAX's persistent compilation cache (unless
+    `--no-compilation-cache`), `--devices` (simulated CPU devices) and the other processes of a multi-process
+    run (`jax.distributed.initialize`); `ConfigError` for a run without device options under scripts/launch."""
+    from .parallel import process_group, setup_devices
+
+    use_compilation_cache(devices_of(config).compilation_cache)
+    if not isinstance(config, WithDevices) and process_group() is not None:
+        raise ConfigError(
+            f"{prog} takes no device or process options and runs in one process; unset "
+            "$JAX_NUM_PROCESSES (or start it without scripts/launch)"
+        )
+    setup_devices(devices_of(config), config.training.batch_size)
+
+
 @messages_to_stderr()  # the library's messages (research.messages) as lines on stderr
 def main_entry(main: Callable[[C], Any], config_class: type[C], argv: Sequence[str] | None = None) -> None:
     """Run `main(parse_config(...))` as a script. Bad input found inside `main` (`--resume` with no
@@ -482,24 +498,18 @@ def main_entry(main: Callable[[C], Any], config_class: type[C], argv: Sequence[s
     a non-finite loss with status 1, SIGTERM or SIGINT (after checkpointing) with 128 + the signal
     number (143, 130), each with one line on stderr.
 
-    Before `main`, `use_compilation_cache` turns on JAX's persistent compilation cache (unless
-    `--no-compilation-cache`), and `research.parallel.setup_devices` applies `--devices` (simulated
-    CPU devices must be requested before JAX creates its first array) and joins the other processes
-    of a multi-process run (`jax.distributed.initialize`). While it runs, the library's messages (its
+    Before `main`, `prepare_process` turns on JAX's persistent compilation cache (unless
+    `--no-compilation-cache`), applies `--devices` (simulated CPU devices must be requested before JAX
+    creates its first array) and joins the other processes of a multi-process run
+    (`jax.distributed.initialize`). While it runs, the library's messages (its
     `logging` records of level INFO and above, `research.messages`) are lines on stderr."""
-    from .parallel import exit_together, process_group, setup_devices  # imports jax; backends start after setup_devices
+    from .parallel import exit_together  # imports jax; backends start after prepare_process
 
     config = parse_config(config_class, argv)
     prog = Path(sys.argv[0]).name
     with exit_together(prog):
         try:
-            use_compilation_cache(devices_of(config).compilation_cache)
-            if not isinstance(config, WithDevices) and process_group() is not None:
-                raise ConfigError(
-                    f"{prog} takes no device or process options and runs in one process; unset "
-                    "$JAX_NUM_PROCESSES (or start it without scripts/launch)"
-                )
-            setup_devices(devices_of(config), config.training.batch_size)
+            prepare_process(config, prog)
             main(config)
         except ResearchInputError as e:
             print(f"{prog}: error: {e}", file=sys.stderr)

@@ -356,6 +356,11 @@ def _sigterm_interrupts() -> Iterator[None]:
             signal.signal(number, handler)
 
 
+def default_sweep_dir(experiment: str, search: str, keys: Sequence[str]) -> Path:
+    """Where a sweep's runs go without --sweep-dir: `runs/EXPERIMENT/SEARCH-KEY-KEY`."""
+    return RUNS_ROOT / experiment / f"{search}-{'-'.join(keys)}"
+
+
 def sweep(args: Any) -> int:
     """Check every run, then run the sweep `args` (see `main`); returns the exit status."""
     module, script = _experiment(args.experiment)
@@ -364,8 +369,7 @@ def sweep(args: Any) -> int:
     if len({axis.key for axis in axes}) < len(axes):
         raise UsageError("a key is given twice")
     check_passed_flags(args.flags, axes)
-    default_dir = RUNS_ROOT / args.experiment / f"{args.search}-{'-'.join(a.key for a in axes)}"
-    args.sweep_dir = Path(args.sweep_dir or default_dir)
+    args.sweep_dir = Path(args.sweep_dir or default_sweep_dir(args.experiment, args.search, [a.key for a in axes]))
     headline = module.Config.headline  # the experiment's own number, unless --metric names another
     args.metric = args.metric or headline.summary_key
     if args.direction is None:
