@@ -415,8 +415,10 @@ def test_the_launcher_stops_every_process_when_one_fails(tmp_path, capfd):
     script = tmp_path / "job.py"
     script.write_text(
         "import os, sys, time\n"
-        "print('started', os.environ['JAX_PROCESS_ID'], os.environ['JAX_NUM_PROCESSES'],"
-        " os.environ['JAX_COORDINATOR_ADDRESS'].split(':')[0], flush=True)\n"
+        # one write per line: under PYTHONUNBUFFERED, print writes each word apart and the processes'
+        # words interleave
+        "os.write(1, ' '.join(['started', os.environ['JAX_PROCESS_ID'], os.environ['JAX_NUM_PROCESSES'],"
+        " os.environ['JAX_COORDINATOR_ADDRESS'].split(':')[0]]).encode() + b'\\n')\n"
         "if os.environ['JAX_PROCESS_ID'] == '2': sys.exit(3)\n"
         "time.sleep(120)\n"
     )
