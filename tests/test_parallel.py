@@ -428,3 +428,38 @@ def test_the_launcher_stops_every_process_when_one_fails(tmp_path, capfd):
     out, err = capfd.readouterr()
     assert sorted(out.splitlines()) == [f"started {i} 3 127.0.0.1" for i in range(3)]
     assert "launch: process 2 exited with status 3; stopping process(es) 0, 1" in err
+
+
+def test_backends_started_probes_without_changing_the_device_count():
+    script = (
+        "import jax\n"
+        "from research.parallel._devices import backends_started\n"
+        "jax.config.update('jax_num_cpu_devices', 3)\n"
+        "before = backends_started(), jax.config.jax_num_cpu_devices\n"
+        "count = jax.local_device_count()\n"
+        "print(before, count, backends_started(), jax.config.jax_num_cpu_devices)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.split("\n")[0] == "(False, 3) 3 True 3"
+
+
+def test_gloo_binds_to_loopback_or_warns_and_keeps_jaxs_default(monkeypatch, caplog):
+    from jax._src.lib import _jax
+
+    from research.parallel import _distributed
+
+    registered = []
+    monkeypatch.setattr(
+        "jax.extend.backend.register_backend_factory", lambda *args, **kwargs: registered.append((args, kwargs))
+    )
+    monkeypatch.setattr(_jax, "make_gloo_tcp_collectives", lambda **kwargs: ("gloo", kwargs))
+    _distributed._gloo_on_loopback()
+    [((platform, factory), options)] = registered
+    assert (platform, options) == ("cpu", {"priority": 0, "fail_quietly": False})
+    assert factory.keywords["collectives"][1]["hostname"] == "127.0.0.1"
+
+    monkeypatch.delattr(_jax, "make_gloo_tcp_collectives")  # a JAX whose internals moved
+    with caplog.at_level("WARNING", logger="research.parallel._distributed"):
+        _distributed._gloo_on_loopback()
+    assert len(registered) == 1
+    assert f"gloo stays on the host name's address: JAX {jax.__version__} has no" in caplog.text

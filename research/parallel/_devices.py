@@ -41,9 +41,15 @@ def _client_threads() -> int:
 
 
 def backends_started() -> bool:
-    from jax._src import xla_bridge  # no public equivalent; the check is only a guard
-
-    return xla_bridge.backends_are_initialized()
+    """Whether JAX's backends exist yet. JAX has no public query; its public `jax_num_cpu_devices` option
+    refuses a new value once they do, so the probe sets it to another value and back."""
+    count = jax.config.jax_num_cpu_devices  # pyright: ignore[reportAttributeAccessIssue]
+    try:
+        jax.config.update("jax_num_cpu_devices", count + 1 if count > 0 else 1)
+    except RuntimeError:
+        return True
+    jax.config.update("jax_num_cpu_devices", count)
+    return False
 
 
 def simulate_cpu_devices(count: int, threads: int | None = None) -> None:

@@ -122,19 +122,27 @@ def join(group: ProcessGroup, timeout_seconds: int) -> None:
 
 
 def _gloo_on_loopback() -> None:
-    # JAX builds gloo without a host name (so gloo resolves the machine's); no public option sets it,
-    # so register the CPU backend with gloo collectives bound to 127.0.0.1 before the backend starts.
+    # JAX builds gloo without a host name (so gloo resolves the machine's) and no public option sets it:
+    # register the CPU backend with gloo bound to 127.0.0.1 through JAX's internals. A JAX whose internals
+    # moved gets its default gloo (enough wherever the host name resolves), with a warning.
     import functools
 
-    from jax._src import distributed, xla_bridge
-    from jax._src.lib import _jax  # pyright: ignore[reportPrivateImportUsage]
+    from jax.extend.backend import register_backend_factory
 
-    collectives = _jax.make_gloo_tcp_collectives(
-        distributed_client=distributed.global_state.client, hostname="127.0.0.1"
-    )
-    xla_bridge.register_backend_factory(
-        "cpu", functools.partial(xla_bridge.make_cpu_client, collectives=collectives), priority=0, fail_quietly=False
-    )
+    try:
+        from jax._src import distributed, xla_bridge
+        from jax._src.lib import _jax  # pyright: ignore[reportPrivateImportUsage]
+
+        collectives = _jax.make_gloo_tcp_collectives(
+            distributed_client=distributed.global_state.client, hostname="127.0.0.1"
+        )
+        make_cpu_client = functools.partial(xla_bridge.make_cpu_client, collectives=collectives)
+    except (ImportError, AttributeError, TypeError) as e:
+        logger.warning(
+            "gloo stays on the host name's address: JAX %s has no %s to bind it to 127.0.0.1", jax.__version__, e
+        )
+        return
+    register_backend_factory("cpu", make_cpu_client, priority=0, fail_quietly=False)
 
 
 def setup_devices(devices: Any, batch_size: int | None = None) -> None:
