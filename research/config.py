@@ -302,7 +302,7 @@ class Devices(Options):
         "layout-invariant training: split each global batch into --micro-batches micro-batches whose gradients "
         "are summed in one fixed order, so the run gives the same bits on any device count and placement, "
         "and a run resumed on other devices continues it exactly (BatchNorm then normalises each "
-        "micro-batch on its own)",
+        "micro-batch on its own); on a GPU it also sets XLA's --xla_gpu_deterministic_ops",
     )
     micro_batches: int = option(
         8,

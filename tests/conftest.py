@@ -1,10 +1,19 @@
+import importlib.util
 import itertools
 import os
 import shutil
 import tempfile
 
-import jax
-import pytest
+# On a GPU machine (a CUDA plugin installed): the pytest workers and the runs they start share the GPUs, so none
+# takes JAX's default 75% of the memory up front, and float32 matmuls run in float32, not TF32, so that the
+# tolerances this suite compares with (1e-5 across layouts) hold on a GPU as on the CPU. Set before JAX starts,
+# in the environment, so that the subprocesses get them too.
+if any(importlib.util.find_spec(f"jax_cuda{v}_plugin") for v in (12, 13)):
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 # The experiments this suite runs (in subprocesses, and in this process through main_entry) share one
 # persistent compilation cache (research.cli.use_compilation_cache) for the session: a program one test

@@ -463,3 +463,28 @@ def test_gloo_binds_to_loopback_or_warns_and_keeps_jaxs_default(monkeypatch, cap
         _distributed._gloo_on_loopback()
     assert len(registered) == 1
     assert f"gloo stays on the host name's address: JAX {jax.__version__} has no" in caplog.text
+
+
+def test_a_lost_peer_is_told_from_gloos_or_nccls_error_and_nothing_else():
+    from research.parallel._distributed import _collective_failure
+
+    nested = "Error dispatching computation: " * 2
+    gloo = f"INTERNAL: {nested}Gloo all-reduce failed: [../gloo/transport/tcp/pair.cc:534] Connection closed by peer\nx"
+    nccl = f"INTERNAL: {nested}NCCL operation ncclAllReduce(...) failed: remote process exited. Last NCCL warning\nx"
+    assert _collective_failure(jax.errors.JaxRuntimeError(gloo)).startswith("Gloo all-reduce failed: [../gloo")
+    assert _collective_failure(jax.errors.JaxRuntimeError(nccl)).startswith("NCCL operation ncclAllReduce(...)")
+    assert _collective_failure(jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory")) is None
+    assert _collective_failure(RuntimeError("Gloo")) is None  # not JAX's
+
+
+def test_deterministic_reduction_asks_a_gpu_for_deterministic_ops_too(monkeypatch):
+    from research.config import Devices
+    from research.parallel import setup_devices
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false")
+    setup_devices(Devices())
+    assert "--xla_gpu_deterministic_ops" not in os.environ["XLA_FLAGS"]
+    setup_devices(Devices(deterministic_reduction=True))
+    setup_devices(Devices(deterministic_reduction=True))
+    flags = os.environ["XLA_FLAGS"].split()
+    assert flags.count("--xla_gpu_deterministic_ops=true") == 1 and "--xla_cpu_enable_fast_math=false" in flags

@@ -52,6 +52,16 @@ def backends_started() -> bool:
     return False
 
 
+def deterministic_gpu_ops() -> None:
+    """Ask XLA:GPU for reductions in a fixed order (`--xla_gpu_deterministic_ops` in `XLA_FLAGS`): scatter-adds
+    such as an embedding's gradient without atomics, and cuDNN convolution algorithms that give the same
+    bits every run. The CPU's reductions already are; there the flag changes nothing. Before the backends
+    start, like `simulate_cpu_devices`."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "--xla_gpu_deterministic_ops" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_deterministic_ops=true".strip()
+
+
 def simulate_cpu_devices(count: int, threads: int | None = None) -> None:
     """Give the CPU backend `count` devices (`XLA_FLAGS=--xla_force_host_platform_device_count=N`).
 

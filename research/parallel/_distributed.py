@@ -25,7 +25,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from ..errors import ConfigError
-from ._devices import simulate_cpu_devices
+from ._devices import deterministic_gpu_ops, simulate_cpu_devices
 from ._mesh import check_device_count
 
 logger = logging.getLogger(__name__)  # research.messages: what shows them, and where
@@ -153,6 +153,8 @@ def setup_devices(devices: Any, batch_size: int | None = None) -> None:
     group = process_group(devices.coordinator_address, devices.num_processes, devices.process_id)
     # --deterministic-reduction: the CPU client's threads by the micro-batches, not the devices (_devices.py)
     threads = 2 * devices.micro_batches if devices.deterministic_reduction else None
+    if devices.deterministic_reduction:
+        deterministic_gpu_ops()
     simulate_cpu_devices(devices.devices, threads)
     if group is not None:
         global_devices = devices.devices * group.num_processes
@@ -181,9 +183,12 @@ def process_zero_text(text: str) -> str:
 
 
 def _collective_failure(error: BaseException) -> str | None:
-    """The cause of a failed cross-process collective, or `None` for any other error."""
+    """The cause of a failed cross-process collective (gloo's on CPUs, NCCL's on GPUs), or `None` for any other
+    error."""
     text = str(error)
-    if not isinstance(error, jax.errors.JaxRuntimeError) or ("Gloo" not in text and "collective" not in text.lower()):
+    if not isinstance(error, jax.errors.JaxRuntimeError) or not any(
+        word in text for word in ("Gloo", "NCCL", "collective", "Collective")
+    ):
         return None
     # Asynchronously dispatched steps nest "Error dispatching computation: " once per pending step.
     return text.rsplit("Error dispatching computation: ", 1)[-1].splitlines()[0]
