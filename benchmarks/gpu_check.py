@@ -102,42 +102,15 @@ def lm_step(shape: dict, steps: int) -> dict:
     """Compile and time one train step of the LM at `shape` with bf16 compute."""
     import equinox as eqx
     import jax
-    import optax
 
-    from research.data import Batch
-    from research.nn import build_model
-    from research.train import NextTokenLoss, TrainState, train_step
+    from .lm_scale import compiled_step, steps_per_s
 
-    model, _ = build_model(
-        "lm",
-        key=jax.random.key(0),
-        context=shape["context"],
-        dim=shape["dim"],
-        depth=shape["depth"],
-        heads=shape["heads"],
-        compute_dtype="bfloat16",
+    compiled, leaves, batch, compile_seconds = compiled_step(
+        shape["depth"], shape["dim"], shape["context"], shape["batch"], shape["heads"], compute_dtype="bfloat16"
     )
-    parameters = sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
-    state = TrainState.create(model, optax.adamw(1e-4), key=jax.random.key(1))
-    leaves, static = eqx.partition(state, eqx.is_array)
-    tokens = np.random.default_rng(0).integers(0, 256, (shape["batch"], shape["context"] + 1)).astype(np.int32)
-    batch = Batch(jax.numpy.asarray(tokens[:, :-1]), jax.numpy.asarray(tokens[:, 1:]))
-
-    def step(leaves, batch):
-        new_state, metrics = train_step(eqx.combine(leaves, static), batch, NextTokenLoss())
-        return eqx.filter(new_state, eqx.is_array), metrics["loss"]
-
-    start = time.perf_counter()
-    compiled = jax.jit(step, donate_argnums=0).lower(leaves, batch).compile()
-    compile_seconds = time.perf_counter() - start
-    leaves, loss = compiled(leaves, batch)
-    jax.block_until_ready(loss)
-    start = time.perf_counter()
-    for _ in range(steps):
-        leaves, loss = compiled(leaves, batch)
-    jax.block_until_ready(loss)
-    seconds = (time.perf_counter() - start) / steps
-    tokens_per_s = shape["batch"] * shape["context"] / seconds
+    parameters = sum(x.size for x in jax.tree.leaves(eqx.filter(leaves.model, eqx.is_inexact_array)))
+    rate, loss = steps_per_s(compiled, leaves, batch, steps)
+    tokens_per_s = rate * shape["batch"] * shape["context"]
     flops_per_token = 6 * parameters + 12 * shape["depth"] * shape["context"] * shape["dim"]
     device = jax.devices()[0]
     stats = device.memory_stats() or {}
@@ -146,13 +119,13 @@ def lm_step(shape: dict, steps: int) -> dict:
         "shape": shape,
         "parameters": parameters,
         "compile_s": round(compile_seconds, 2),
-        "step_s": round(seconds, 5),
+        "step_s": round(1 / rate, 5),
         "tokens_per_s": round(tokens_per_s),
         "peak_memory_gib": round(stats["peak_bytes_in_use"] / 2**30, 2) if "peak_bytes_in_use" in stats else None,
         "xla_temp_gib": round(compiled.memory_analysis().temp_size_in_bytes / 2**30, 3),
         "model_tflops": round(tokens_per_s * flops_per_token / 1e12, 2),
         "mfu": round(tokens_per_s * flops_per_token / peak, 3) if peak else None,
-        "final_loss": float(loss),
+        "final_loss": loss,
     }
 
 

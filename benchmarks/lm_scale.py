@@ -22,31 +22,35 @@ from research.train import NextTokenLoss, TrainState, train_step
 DIM, CONTEXT, BATCH, HEADS = 128, 128, 32, 4
 
 
-def _compiled_step(depth: int, **hparams):
-    """`(compiled, leaves, batch, seconds to compile)` of one train step of the default model."""
-    model, _ = build_model("lm", key=jax.random.key(0), context=CONTEXT, dim=DIM, depth=depth, heads=HEADS, **hparams)
+def compiled_step(
+    depth: int, dim: int = DIM, context: int = CONTEXT, batch: int = BATCH, heads: int = HEADS, **hparams
+):
+    """`(compiled, leaves, batch, seconds to compile)` of one train step of the LM (the default model's shape unless
+    given)."""
+    model, _ = build_model("lm", key=jax.random.key(0), context=context, dim=dim, depth=depth, heads=heads, **hparams)
     state = TrainState.create(model, optax.adamw(1e-3), key=jax.random.key(1))
     leaves, static = eqx.partition(state, eqx.is_array)
-    tokens = np.random.default_rng(0).integers(0, 256, (BATCH, CONTEXT + 1)).astype(np.int32)
-    batch = Batch(jax.numpy.asarray(tokens[:, :-1]), jax.numpy.asarray(tokens[:, 1:]))
+    tokens = np.random.default_rng(0).integers(0, 256, (batch, context + 1)).astype(np.int32)
+    batch_arrays = Batch(jax.numpy.asarray(tokens[:, :-1]), jax.numpy.asarray(tokens[:, 1:]))
 
     def step(leaves, batch):
         new_state, metrics = train_step(eqx.combine(leaves, static), batch, NextTokenLoss())
         return eqx.filter(new_state, eqx.is_array), metrics["loss"]
 
     start = time.perf_counter()
-    compiled = jax.jit(step).lower(leaves, batch).compile()
-    return compiled, leaves, batch, time.perf_counter() - start
+    compiled = jax.jit(step).lower(leaves, batch_arrays).compile()
+    return compiled, leaves, batch_arrays, time.perf_counter() - start
 
 
-def _steps_per_s(compiled, leaves, batch, steps: int) -> float:
+def steps_per_s(compiled, leaves, batch, steps: int) -> tuple[float, float]:
+    """Steps a second of `compiled` over `steps` steps after one to warm up, and the last loss."""
     leaves, loss = compiled(leaves, batch)  # warm up
     jax.block_until_ready(loss)
     start = time.perf_counter()
     for _ in range(steps):
         leaves, loss = compiled(leaves, batch)
     jax.block_until_ready(loss)
-    return steps / (time.perf_counter() - start)
+    return steps / (time.perf_counter() - start), float(loss)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -62,9 +66,9 @@ def main(argv: list[str] | None = None) -> None:
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for depth in [int(d) for d in args.depths.split(",")]:
         for dtype, remat in (("float32", False), ("float32", True), ("bfloat16", False)):
-            compiled, leaves, batch, seconds = _compiled_step(depth, remat=remat, compute_dtype=dtype)
+            compiled, leaves, batch, seconds = compiled_step(depth, remat=remat, compute_dtype=dtype)
             temp = compiled.memory_analysis().temp_size_in_bytes / 2**20
-            rate = _steps_per_s(compiled, leaves, batch, args.steps)
+            rate, _ = steps_per_s(compiled, leaves, batch, args.steps)
             print(
                 f"| {depth} | {dtype} | {remat} | {seconds:.2f} | {temp:.1f} | {rate:.2f} | "
                 f"{rate * BATCH * CONTEXT:,.0f} |",
