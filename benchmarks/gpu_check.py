@@ -78,15 +78,15 @@ EXPERIMENTS = {
 
 
 def environment() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
     import jax
 
     versions = {}
     for name in ("jax", "jaxlib", "equinox", "optax", "orbax-checkpoint", "jaxtyping", "numpy", "torch"):
         try:
-            from importlib.metadata import version
-
             versions[name] = version(name)
-        except Exception:
+        except PackageNotFoundError:
             versions[name] = "not installed"
     devices = jax.devices()
     return {
