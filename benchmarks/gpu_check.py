@@ -8,6 +8,9 @@ the repository on `PYTHONPATH`); it installs nothing. Its parts, each written to
   12 blocks, 12 heads, context 1024, bf16 compute): compile seconds, step seconds, tokens/s, peak device memory,
   and model-FLOPs utilisation against the chip's dense bf16 peak (`PEAK_BF16`; 6 x parameters + 12 x depth x
   context x width FLOPs a token, PaLM's count).
+- `attention`: causal attention's forward and backward pass at the LM's shape in bf16, through XLA and through
+  cuDNN's fused kernel (on a GPU), and which one the LM's `causal_attention` takes there (vmapped over examples,
+  as the LM runs it): milliseconds each.
 - `bitwise`: the same LM run twice in fresh processes with no compilation cache (a cached program would hide a
   difference), with and without `--deterministic-reduction`: do their checkpoints hold the same bits? (xor under
   `--tiny`.)
@@ -33,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-PARTS = ("env", "lm", "bitwise", "experiments", "tests", "bench")
+PARTS = ("env", "lm", "attention", "bitwise", "experiments", "tests", "bench")
 SHAPES = {
     "gpt2-small": {"dim": 768, "depth": 12, "heads": 12, "context": 1024, "batch": 16},
     "tiny": {"dim": 32, "depth": 2, "heads": 2, "context": 64, "batch": 4},
@@ -188,6 +191,40 @@ def digits_npz(path: Path) -> Path:
     return path
 
 
+def attention_timings(shape: dict, repeats: int) -> dict:
+    """Milliseconds of one forward and backward pass of causal attention over a batch at `shape` in bf16, by
+    implementation; `lm`: `research.nn.causal_attention` vmapped over the examples, and the kernel it took."""
+    import jax
+    import jax.numpy as jnp
+
+    from research.nn import causal_attention
+
+    size = (shape["batch"], shape["context"], shape["heads"], shape["dim"] // shape["heads"])
+    query, keys, values = (jax.random.normal(k, size, jnp.bfloat16) for k in jax.random.split(jax.random.key(0), 3))
+    candidates = {
+        "xla": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla"),
+        "cudnn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"),
+        "lm": jax.vmap(causal_attention),
+    }
+    timings: dict = {"shape": "x".join(map(str, size)) + " (batch x tokens x heads x head width)"}
+    for name, attend in candidates.items():
+        loss = lambda q, k, v, attend=attend: attend(q, k, v).astype(jnp.float32).sum()  # noqa: E731
+        try:
+            compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(query, keys, values).compile()
+        except Exception as error:  # noqa: BLE001 (cuDNN's refusals: no GPU, no cuDNN, a shape it lacks)
+            timings[f"{name}_ms"] = f"unavailable: {type(error).__name__}: {str(error).splitlines()[0][:120]}"
+            continue
+        jax.block_until_ready(compiled(query, keys, values))
+        start = time.perf_counter()
+        for _ in range(repeats):
+            out = compiled(query, keys, values)
+        jax.block_until_ready(out)
+        timings[f"{name}_ms"] = round(1e3 * (time.perf_counter() - start) / repeats, 3)
+        if name == "lm":
+            timings["lm_kernel"] = "cudnn" if "cudnn" in compiled.as_text() else "xla"
+    return timings
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="scripts/gpu-check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="every part at a size of seconds on a CPU (CI)")
@@ -210,8 +247,11 @@ def main(argv: list[str] | None = None) -> None:
         work = Path(tmp)
         if "env" in parts:
             report["env"] = environment()
+        shape = SHAPES["tiny" if args.tiny else "gpt2-small"]
         if "lm" in parts:
-            report["lm"] = lm_step(SHAPES["tiny" if args.tiny else "gpt2-small"], 2 if args.tiny else args.lm_steps)
+            report["lm"] = lm_step(shape, 2 if args.tiny else args.lm_steps)
+        if "attention" in parts:
+            report["attention"] = attention_timings(shape, 2 if args.tiny else 20)
         if "bitwise" in parts:
             report["bitwise"] = bitwise_pairs(work, env, args.tiny)
         if "experiments" in parts:
@@ -256,6 +296,9 @@ def markdown(report: dict) -> str:
             f"- shape: {lm['shape']}, {lm['parameters']:,} parameters",
         ]
         lines += [f"- {k}: {v}" for k, v in lm.items() if k not in ("shape", "parameters")]
+    if "attention" in report:
+        lines += ["", "## Causal attention, forward and backward (bf16)", ""]
+        lines += [f"- {k}: {v}" for k, v in report["attention"].items()]
     if "bitwise" in report:
         lines += ["", "## Bitwise pairs (two fresh processes, no compilation cache)", ""]
         lines += [

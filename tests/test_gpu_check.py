@@ -12,10 +12,13 @@ from benchmarks.gpu_check import PARTS, main
 
 
 @pytest.mark.slow
-def test_the_tiny_check_times_the_lm_pairs_fresh_processes_and_runs_an_experiment(tmp_path):
+def test_the_tiny_check_times_the_lm_and_attention_pairs_fresh_processes_and_runs_an_experiment(tmp_path):
     out = tmp_path / "check"
     result = subprocess.run(
-        ["scripts/gpu-check", "--tiny", "--parts", "env,lm,bitwise,experiments", "--experiments", "xor", "--out", out],
+        [
+            *("scripts/gpu-check", "--tiny", "--parts", "env,lm,attention,bitwise,experiments"),
+            *("--experiments", "xor", "--out", out),
+        ],
         cwd=Path(__file__).parent.parent,
         env={**os.environ, "PYTHON": sys.executable},  # the GPU machine's Python; here this venv's
         capture_output=True,
@@ -28,6 +31,9 @@ def test_the_tiny_check_times_the_lm_pairs_fresh_processes_and_runs_an_experimen
     lm = report["lm"]
     assert lm["parameters"] > 0 and lm["tokens_per_s"] > 0 and lm["mfu"] is None  # no bf16 peak for a CPU
     assert lm["tokens_per_s"] == pytest.approx(lm["shape"]["batch"] * lm["shape"]["context"] / lm["step_s"], rel=1e-3)
+    attention = report["attention"]  # no cuDNN on a CPU: XLA's kernel, which the LM takes
+    assert attention["xla_ms"] > 0 and attention["lm_ms"] > 0 and attention["lm_kernel"] == "xla"
+    assert attention["cudnn_ms"].startswith("unavailable: ")
     assert [(p["deterministic_reduction"], p["statuses"], p["same_bits"]) for p in report["bitwise"]] == [
         (False, [0, 0], True),
         (True, [0, 0], True),
@@ -43,4 +49,4 @@ def test_unknown_parts_and_experiments_are_refused_in_one_line(capsys):
         with pytest.raises(SystemExit) as exit:
             main(["--tiny", *flags])
         assert exit.value.code == 2 and message in capsys.readouterr().err
-    assert PARTS == ("env", "lm", "bitwise", "experiments", "tests", "bench")
+    assert PARTS == ("env", "lm", "attention", "bitwise", "experiments", "tests", "bench")

@@ -5,6 +5,7 @@ import json
 import shutil
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import equinox as eqx
@@ -26,9 +27,10 @@ from research.data import (
 )
 from research.errors import ConfigError
 from research.experiment import load_experiment
-from research.nn import LanguageModel, build_model
+from research.nn import DecoderBlock, LanguageModel, build_model, causal_attention
 from research.train import (
     GlobalBatch,
+    LowPrecision,
     NextTokenLoss,
     SupervisedStep,
     TrainState,
@@ -85,6 +87,43 @@ def test_untied_head_and_depth_do_not_grow_the_program(getkey):
         return len(eqx.filter_make_jaxpr(eqx.filter_grad(loss))(model)[0].jaxpr.eqns)
 
     assert equations(2) == equations(16)  # lax.scan: the traced step is the same size at any depth
+
+
+def test_attention_is_equinox_multihead_attention_and_cudnns_to_float_rounding(getkey):
+    """Off cuDNN the block computes what `eqx.nn.MultiheadAttention` under a causal mask does, to the bit;
+    `jax.nn.dot_product_attention` (the function cuDNN's kernel runs behind on a GPU) agrees to float32
+    rounding."""
+    block = DecoderBlock(16, 4, 32, key=getkey())
+    x = jax.random.normal(getkey(), (12, 16))
+    h = jax.vmap(block.attention_norm)(x)
+    after_attention = x + eqx.filter_jit(block.attention)(h, h, h, mask=jnp.tril(jnp.ones((12, 12), bool)))
+    expected = after_attention + eqx.filter_jit(block.mlp)(after_attention)
+    np.testing.assert_array_equal(eqx.filter_jit(block)(x), expected)
+    query, keys, values = jax.random.normal(getkey(), (3, 12, 4, 8))
+    fused = partial(jax.nn.dot_product_attention, is_causal=True, implementation="xla")
+    ours = jax.jit(causal_attention)(query, keys, values)
+    np.testing.assert_allclose(ours, jax.jit(fused)(query, keys, values), atol=1e-6, rtol=0)
+
+
+@pytest.mark.slow
+def test_bf16_computes_the_matrix_products_in_bf16_and_the_rest_in_float32(getkey):
+    """Under bf16 the residual stream, embeddings, positions, norms and logits stay float32; the blocks'
+    matrix products run in bf16. `--precision bf16` (`LowPrecision`) asks the model for that policy rather
+    than casting every parameter, so it computes what a model built with `compute_dtype="bfloat16"` does."""
+    model = tiny_model(getkey(), tied=False)
+    low = model.with_compute_dtype("bfloat16").computing()
+    assert low.blocks.mlp_in.weight.dtype == low.head.weight.dtype == jnp.bfloat16
+    assert low.blocks.attention.query_proj.weight.dtype == jnp.bfloat16
+    for kept in (low.token_embedding.weight, low.positions, low.norm.weight, low.blocks.mlp_norm.weight):
+        assert kept.dtype == jnp.float32
+    x = jax.random.normal(getkey(), (8, 16))
+    block = jax.tree.map(lambda a: a[0] if eqx.is_array(a) else a, low.blocks)
+    assert eqx.filter_jit(block)(x).dtype == jnp.float32  # the residual stream
+    tokens = jnp.arange(8, dtype=jnp.int32)
+    logits = eqx.filter_jit(model.with_compute_dtype("bfloat16"))(tokens)
+    assert logits.dtype == jnp.float32 and model.compute_dtype == "float32"  # a copy: the model is unchanged
+    np.testing.assert_array_equal(eqx.filter_jit(LowPrecision(model, "bfloat16"))(tokens), logits)
+    assert not np.array_equal(logits, eqx.filter_jit(model)(tokens))
 
 
 def test_text_windows_split_and_file_order(tmp_path):

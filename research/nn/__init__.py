@@ -15,7 +15,7 @@ from ._generate import generate
 from ._generative import Discriminator, Generator, TimeResidualBlock, UNet
 from ._gru import GRUClassifier
 from ._image_resnet import ImageBlock, ImageResNet
-from ._lm import DecoderBlock, LanguageModel, LastTokenClassifier, cast_floating
+from ._lm import DecoderBlock, LanguageModel, LastTokenClassifier, cast_floating, causal_attention
 from ._logistic import Logistic
 from ._masked import Masked
 from ._mlp import ACTIVATIONS, MLP, LinearSigmoid
@@ -51,6 +51,7 @@ __all__ = [
     "array_names",
     "build_model",
     "cast_floating",
+    "causal_attention",
     "conv1d_as_matmul",
     "conv2d_as_matmul",
     "generate",

@@ -1,15 +1,13 @@
 """Sampling tokens from a `LanguageModel` with a key-value cache: one pass over the prompt fills every
 block's keys and values, then one compiled loop (`lax.scan`) computes each new token from the cache."""
 
-import math
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..typing import Array, Bool, Float, Int, Integer, PRNGKeyArray, PyTree, Shaped, typecheck
-from ._lm import DecoderBlock, LanguageModel, cast_floating
+from ..typing import Array, Float, Int, Integer, PRNGKeyArray, PyTree, Shaped, typecheck
+from ._lm import DecoderBlock, LanguageModel, attention, split_heads
 
 START_TOKEN = 10  # b"\n": what an empty prompt starts from, as if the text began after a line break
 
@@ -23,23 +21,9 @@ class KeyValueCache(eqx.Module):
 
 def _empty_cache(model: LanguageModel) -> KeyValueCache:
     attention = model.blocks.attention  # static fields: the same in every (stacked) block
-    dtype = model.positions.dtype
+    dtype = attention.key_proj.weight.dtype  # the compute dtype (`model` is `LanguageModel.computing()`)
     shape = (model.depth, model.context, attention.num_heads)
     return KeyValueCache(jnp.zeros((*shape, attention.qk_size), dtype), jnp.zeros((*shape, attention.vo_size), dtype))
-
-
-def _attend(
-    query: Float[Array, "tokens heads qk_size"],
-    keys: Float[Array, "context heads qk_size"],
-    values: Float[Array, "context heads vo_size"],
-    mask: Bool[Array, "tokens context"],
-) -> Float[Array, "tokens heads vo_size"]:
-    """What `eqx.nn.MultiheadAttention` computes between its projections (`dot_product_attention`):
-    the query scaled by 1/sqrt(qk_size), masked logits at the dtype's minimum, softmax in float32."""
-    logits = jnp.einsum("thd,chd->htc", query / math.sqrt(query.shape[-1]), keys)
-    logits = jnp.where(mask[None], logits, jnp.finfo(logits.dtype).min)
-    weights = jax.nn.softmax(logits.astype(jnp.promote_types(logits.dtype, jnp.float32))).astype(logits.dtype)
-    return jnp.einsum("htc,chd->thd", weights, values)
 
 
 @typecheck
@@ -52,22 +36,16 @@ def _block(
 ) -> tuple[Float[Array, "tokens dim"], Float[Array, "tokens heads qk_size"], Float[Array, "tokens heads vo_size"]]:
     """`DecoderBlock.__call__` for tokens at positions `start, start + 1, ...` that see the cached
     positions before them; also their own keys and values (for the cache)."""
-    attention = block.attention
-    heads = lambda linear, h: jax.vmap(linear)(h).reshape(h.shape[0], attention.num_heads, -1)  # noqa: E731
-    h = jax.vmap(block.attention_norm)(x)
-    query, new_keys, new_values = (
-        heads(attention.query_proj, h),
-        heads(attention.key_proj, h),
-        heads(attention.value_proj, h),
-    )
+    h = jax.vmap(block.attention_norm)(x).astype(keys.dtype)
+    heads = block.attention.num_heads
+    query, new_keys, new_values = (split_heads(p, h, heads) for p in block.projections())
     keys = jax.lax.dynamic_update_slice_in_dim(keys, new_keys, start, axis=0)
     values = jax.lax.dynamic_update_slice_in_dim(values, new_values, start, axis=0)
     positions = start + jnp.arange(x.shape[0])
     mask = jnp.arange(keys.shape[0])[None, :] <= positions[:, None]
-    attended = _attend(query, keys, values, mask).reshape(x.shape[0], -1)
-    x = x + jax.vmap(attention.output_proj)(attended)
-    h = jax.nn.gelu(jax.vmap(block.mlp_in)(jax.vmap(block.mlp_norm)(x)))
-    return x + jax.vmap(block.mlp_out)(h), new_keys, new_values
+    attended = attention(query, keys, values, mask)
+    x = x + jax.vmap(block.attention.output_proj)(attended.reshape(x.shape[0], -1)).astype(x.dtype)
+    return x + block.mlp(x), new_keys, new_values
 
 
 @typecheck
@@ -75,8 +53,8 @@ def _extend(
     model: LanguageModel, cache: KeyValueCache, tokens: Int[Array, " tokens"], start: Int[Array, ""]
 ) -> tuple[Float[Array, "tokens dim"], KeyValueCache]:
     """The final hidden states of `tokens` placed at positions `start, ...`, attending to the cache
-    before them, and the cache with their keys and values written in. `model` is already cast to its
-    compute dtype."""
+    before them, and the cache with their keys and values written in. `model` is
+    `LanguageModel.computing()`."""
     x = model.token_embedding.weight[tokens] + jax.lax.dynamic_slice_in_dim(model.positions, start, len(tokens))
     params, static = eqx.partition(model.blocks, eqx.is_array)
 
@@ -92,9 +70,7 @@ def _extend(
 
 @typecheck
 def _logits(model: LanguageModel, hidden: Float[Array, " dim"]) -> Float[Array, " vocab"]:
-    x = model.norm(hidden)
-    logits = model.token_embedding.weight @ x if model.head is None else model.head(x)
-    return logits.astype(jnp.float32)
+    return model.logits(hidden[None])[0]
 
 
 @typecheck
@@ -132,7 +108,7 @@ def _sample_loop(
     after a re-fill, else its last token), picks a token from the logits, and appends it; a full
     window is cut to its last `context // 2` tokens (the new one included), to be re-filled next step.
     `with_logits`: also return each step's logits (`length x vocab` floats: only when asked)."""
-    model = cast_floating(model, jnp.dtype(model.compute_dtype))
+    model = model.computing()
     context, keep = model.context, max(model.context // 2, 1)
 
     def fill(cache: KeyValueCache, window: Array, count: Array) -> tuple[KeyValueCache, Array]:

@@ -1,6 +1,8 @@
 """A decoder-only transformer language model over bytes, its layers stacked and run with `lax.scan`; and a
 classifier of token sequences read at the last token of one."""
 
+import copy
+import math
 from typing import Literal
 
 import equinox as eqx
@@ -18,11 +20,51 @@ def cast_floating(tree: PyTree, dtype: jnp.dtype) -> PyTree:
     return jax.tree.map(lambda x: x.astype(dtype) if eqx.is_inexact_array(x) else x, tree)
 
 
+def attention(
+    query: Float[Array, "tokens heads qk_size"],
+    keys: Float[Array, "context heads qk_size"],
+    values: Float[Array, "context heads vo_size"],
+    mask: Bool[Array, "tokens context"],
+) -> Float[Array, "tokens heads vo_size"]:
+    """Multi-head attention where `mask` allows, as `eqx.nn.MultiheadAttention` computes it: each head's
+    query scaled by 1/sqrt(qk_size), masked logits at the dtype's minimum, the softmax in float32. On a
+    CPU this is faster than `jax.nn.dot_product_attention`'s XLA path (docs/benchmarks.md, case (i))."""
+
+    def head(q: Array, k: Array, v: Array) -> Array:
+        logits = jnp.where(mask, (q / math.sqrt(q.shape[-1])) @ k.T, jnp.finfo(q.dtype).min)
+        return jax.nn.softmax(logits.astype(jnp.promote_types(logits.dtype, jnp.float32))).astype(q.dtype) @ v
+
+    return jax.vmap(head, in_axes=1, out_axes=1)(query, keys, values)
+
+
+def causal_attention(
+    query: Float[Array, "tokens heads qk_size"],
+    keys: Float[Array, "tokens heads qk_size"],
+    values: Float[Array, "tokens heads vo_size"],
+) -> Float[Array, "tokens heads vo_size"]:
+    """Each position attending to itself and those before it: on a GPU in 16-bit floats, cuDNN's fused
+    kernel (`jax.nn.dot_product_attention`, which skips the masked half and keeps no [tokens, tokens]
+    matrix); elsewhere, and where cuDNN refuses the head width or layout, `attention` under a causal mask.
+    The two agree to float rounding (tests/test_lm.py)."""
+    if jax.default_backend() == "gpu" and query.dtype in (jnp.bfloat16, jnp.float16):
+        try:
+            return jax.nn.dot_product_attention(query, keys, values, is_causal=True, implementation="cudnn")
+        except (NotImplementedError, RuntimeError, ValueError):  # no cuDNN, or a head width or layout it lacks
+            pass
+    tokens = query.shape[0]
+    return attention(query, keys, values, jnp.tril(jnp.ones((tokens, tokens), bool)))
+
+
+def split_heads(linear: eqx.nn.Linear, h: Float[Array, "tokens dim"], heads: int) -> Float[Array, "tokens {heads} _"]:
+    return jax.vmap(linear)(h).reshape(h.shape[0], heads, -1)
+
+
 class DecoderBlock(eqx.Module):
-    """Pre-norm causal block: `x + attention(norm(x), mask)`, then `x + mlp(norm(x))`."""
+    """Pre-norm causal block: `x + attention(norm(x))`, then `x + mlp(norm(x))`. The residual stream `x` and
+    the norms stay in `x`'s dtype; the matrix products run in their weights' (bfloat16 under `compute_dtype`)."""
 
     attention_norm: eqx.nn.LayerNorm
-    attention: eqx.nn.MultiheadAttention
+    attention: eqx.nn.MultiheadAttention  # its projections and sizes; the attention is `causal_attention`
     mlp_norm: eqx.nn.LayerNorm
     mlp_in: eqx.nn.Linear
     mlp_out: eqx.nn.Linear
@@ -36,11 +78,20 @@ class DecoderBlock(eqx.Module):
         self.mlp_out = eqx.nn.Linear(mlp_dim, dim, key=k3)
 
     @typecheck
-    def __call__(self, x: Float[Array, "tokens dim"], mask: Bool[Array, "tokens tokens"]) -> Float[Array, "tokens dim"]:
-        h = jax.vmap(self.attention_norm)(x)
-        x = x + self.attention(h, h, h, mask=mask)
-        h = jax.nn.gelu(jax.vmap(self.mlp_in)(jax.vmap(self.mlp_norm)(x)))
-        return x + jax.vmap(self.mlp_out)(h)
+    def __call__(self, x: Float[Array, "tokens dim"]) -> Float[Array, "tokens dim"]:
+        attention, dtype = self.attention, self.mlp_in.weight.dtype
+        h = jax.vmap(self.attention_norm)(x).astype(dtype)
+        query, keys, values = (split_heads(p, h, attention.num_heads) for p in self.projections())
+        attended = causal_attention(query, keys, values).reshape(x.shape[0], -1)
+        x = x + jax.vmap(attention.output_proj)(attended).astype(x.dtype)
+        return x + self.mlp(x)
+
+    def projections(self) -> tuple[eqx.nn.Linear, eqx.nn.Linear, eqx.nn.Linear]:
+        return self.attention.query_proj, self.attention.key_proj, self.attention.value_proj
+
+    def mlp(self, x: Float[Array, "tokens dim"]) -> Float[Array, "tokens dim"]:
+        h = jax.vmap(self.mlp_norm)(x).astype(self.mlp_in.weight.dtype)
+        return jax.vmap(self.mlp_out)(jax.nn.gelu(jax.vmap(self.mlp_in)(h))).astype(x.dtype)
 
 
 class LanguageModel(eqx.Module):
@@ -61,8 +112,9 @@ class LanguageModel(eqx.Module):
     - `mlp_dim`: hidden width of each block's MLP (default `4 * dim`).
     - `tied`: the head is the transposed token embedding (no parameters of its own).
     - `remat`: rematerialise each block in the backward pass (`jax.checkpoint`): less memory, more compute.
-    - `compute_dtype`: `"bfloat16"` casts the parameters to bf16 inside the call (the float32 ones
-      stay the master copy that the optimizer updates); logits are float32 either way.
+    - `compute_dtype`: `"bfloat16"` runs the matrix products in bf16 (their weights cast inside the call;
+      the float32 ones stay the master copy that the optimizer updates); the residual stream, the
+      embeddings, the norms and the logits stay float32 either way (`--precision bf16` sets it).
     - `key`: initialisation key.
     """
 
@@ -116,18 +168,38 @@ class LanguageModel(eqx.Module):
         length = tokens.shape[0]
         if length > self.context:
             raise ValueError(f"LanguageModel takes at most {self.context} tokens (its context), got {length}")
-        model = cast_floating(self, jnp.dtype(self.compute_dtype))
+        model = self.computing()
         x = model.token_embedding.weight[tokens] + model.positions[:length]
-        mask = jnp.tril(jnp.ones((length, length), bool))
         params, static = eqx.partition(model.blocks, eqx.is_array)
 
         def layer(x: Array, block_params: PyTree) -> tuple[Array, None]:
-            return eqx.combine(block_params, static)(x, mask), None
+            return eqx.combine(block_params, static)(x), None
 
         x, _ = jax.lax.scan(jax.checkpoint(layer) if self.remat else layer, x, params)
-        x = jax.vmap(model.norm)(x)
-        logits = x @ model.token_embedding.weight.T if model.head is None else jax.vmap(model.head)(x)
-        return logits.astype(jnp.float32)
+        return model.logits(x)
+
+    def computing(self) -> "LanguageModel":
+        """This model as its call computes: the weights of the blocks' matrix products and of an untied head
+        in `compute_dtype`; the embeddings, positions and norms as they are (float32)."""
+        dtype = jnp.dtype(self.compute_dtype)
+        is_norm = lambda x: isinstance(x, eqx.nn.LayerNorm)  # noqa: E731
+        blocks = jax.tree.map(lambda x: x if is_norm(x) else cast_floating(x, dtype), self.blocks, is_leaf=is_norm)
+        model = eqx.tree_at(lambda m: m.blocks, self, blocks)
+        return model if self.head is None else eqx.tree_at(lambda m: m.head, model, cast_floating(self.head, dtype))
+
+    def logits(self, x: Float[Array, "tokens dim"]) -> Float[Array, "tokens {self.vocab}"]:
+        """The next-token logits of final hidden states `x`, float32: the final norm in float32, the head's
+        product (the head has no bias) in `compute_dtype`, accumulated in float32."""
+        dtype = jnp.dtype(self.compute_dtype)
+        head = self.token_embedding.weight if self.head is None else self.head.weight
+        x = jax.vmap(self.norm)(x).astype(dtype)
+        return jnp.matmul(x, head.T.astype(dtype), preferred_element_type=jnp.float32)
+
+    def with_compute_dtype(self, dtype: ComputeDtype) -> "LanguageModel":
+        """This model computing its matrix products in `dtype` (what `--precision bf16` asks of it)."""
+        changed = copy.copy(self)
+        object.__setattr__(changed, "compute_dtype", dtype)  # a static field: not a leaf `eqx.tree_at` reaches
+        return changed
 
 
 class LastTokenClassifier(eqx.Module):

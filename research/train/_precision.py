@@ -25,8 +25,10 @@ FLOAT32 = jnp.dtype("float32")
 class LowPrecision(eqx.Module):
     """`model` computing in `dtype`: called with its floating parameters and floating inputs cast to `dtype`
     (its `eqx.nn.State` is not: running statistics stay float32), it returns its floating outputs cast to
-    float32. `inspect.signature` sees
-    `model`'s own arguments (`__wrapped__`), so `forward` passes a key or a state only where `model` takes one."""
+    float32. A module with a precision policy of its own (a `with_compute_dtype` method, as
+    `research.nn.LanguageModel` has: float32 residual stream, norms and logits) is asked for `dtype`
+    instead. `inspect.signature` sees `model`'s own arguments (`__wrapped__`), so `forward` passes a key or a
+    state only where `model` takes one."""
 
     model: Any
     dtype: str = eqx.field(static=True)
@@ -37,8 +39,14 @@ class LowPrecision(eqx.Module):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         dtype = jnp.dtype(self.dtype)
-        low, args, kwargs = cast_floating(self.model, dtype), *_cast_inputs((args, kwargs), dtype)
+        low, args, kwargs = _cast_parameters(self.model, dtype), *_cast_inputs((args, kwargs), dtype)
         return cast_floating(low(*args, **kwargs), FLOAT32)
+
+
+def _cast_parameters(model: Any, dtype: Any) -> Any:
+    has_policy = lambda x: hasattr(x, "with_compute_dtype")  # noqa: E731
+    cast = lambda x: x.with_compute_dtype(dtype.name) if has_policy(x) else cast_floating(x, dtype)  # noqa: E731
+    return jax.tree.map(cast, model, is_leaf=has_policy)
 
 
 def _cast_inputs(tree: PyTree, dtype: Any) -> PyTree:
