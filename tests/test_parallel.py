@@ -465,6 +465,31 @@ def test_gloo_binds_to_loopback_or_warns_and_keeps_jaxs_default(monkeypatch, cap
     assert f"gloo stays on the host name's address: JAX {jax.__version__} has no" in caplog.text
 
 
+def test_local_processes_take_accelerators_of_their_own(monkeypatch):
+    """On one machine with several GPUs, process i of a local run takes GPUs [i*D, (i+1)*D) (D: --devices)
+    instead of every process taking them all; runs across machines and SLURM steps keep JAX's choice, and so
+    does a process whose environment names its devices already."""
+    from research.parallel import _distributed
+    from research.parallel._distributed import ProcessGroup, local_device_ids
+
+    for variable in ("JAX_LOCAL_DEVICE_IDS", "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(variable, raising=False)
+    assert local_device_ids(ProcessGroup("127.0.0.1:1234", 4, 2), 2) == [4, 5]
+    assert local_device_ids(ProcessGroup("localhost:1234", 2, 0), 1) == [0]
+    assert local_device_ids(ProcessGroup("10.0.0.7:1234", 4, 2), 2) is None  # across machines
+    assert local_device_ids(ProcessGroup("", 4, 2), 2) is None  # a SLURM step
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    assert local_device_ids(ProcessGroup("127.0.0.1:1234", 4, 2), 2) is None
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(_distributed, "_gloo_on_loopback", lambda: None)
+    monkeypatch.setattr(jax.config, "update", lambda *args: None)  # this process's collectives stay as they are
+    _distributed.join(ProcessGroup("127.0.0.1:1234", 2, 1), 30, devices_per_process=3)
+    assert calls[0]["local_device_ids"] == [3, 4, 5] and calls[0]["process_id"] == 1
+
+
 def test_a_lost_peer_is_told_from_gloos_or_nccls_error_and_nothing_else():
     from research.parallel._distributed import _collective_failure
 

@@ -95,10 +95,24 @@ def _is_loopback(address: str) -> bool:
         return False
 
 
-def join(group: ProcessGroup, timeout_seconds: int) -> None:
+def local_device_ids(group: ProcessGroup, devices_per_process: int) -> list[int] | None:
+    """The accelerators a process of a local run (a loopback coordinator: `scripts/launch`, every process on
+    this machine) takes: process i the i-th `devices_per_process` of them, so that they do not all take the
+    same ones. `None` (JAX's default) for a run across machines, a SLURM step (JAX gives each task its own),
+    or where `$JAX_LOCAL_DEVICE_IDS` or `$CUDA_VISIBLE_DEVICES` already says. A CPU run ignores it."""
+    if not _is_loopback(group.coordinator_address) or any(
+        os.environ.get(v) for v in ("JAX_LOCAL_DEVICE_IDS", "CUDA_VISIBLE_DEVICES")
+    ):
+        return None
+    first = group.process_id * devices_per_process
+    return list(range(first, first + devices_per_process))
+
+
+def join(group: ProcessGroup, timeout_seconds: int, devices_per_process: int = 1) -> None:
     """`jax.distributed.initialize` with gloo CPU collectives. With a loopback coordinator address
-    (a local run) the coordination service and gloo's sockets listen on loopback only; by default the
-    service listens on every interface and gloo on the address of the machine's host name."""
+    (a local run) the coordination service and gloo's sockets listen on loopback only, and each process
+    takes accelerators of its own (`local_device_ids`); by default the service listens on every
+    interface and gloo on the address of the machine's host name."""
     loopback = _is_loopback(group.coordinator_address)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     found = (
@@ -112,6 +126,7 @@ def join(group: ProcessGroup, timeout_seconds: int) -> None:
     )
     jax.distributed.initialize(
         **found,
+        local_device_ids=local_device_ids(group, devices_per_process),
         coordinator_bind_address=group.coordinator_address if loopback else None,
         initialization_timeout=timeout_seconds,
         heartbeat_timeout_seconds=timeout_seconds,
@@ -165,7 +180,7 @@ def setup_devices(devices: Any, batch_size: int | None = None) -> None:
             )
         if devices.parallel == "none":
             raise ConfigError("--parallel none trains in one process; pass --parallel sharded or pmap")
-        join(group, devices.distributed_timeout)
+        join(group, devices.distributed_timeout, devices.devices)
         if group.process_id != 0:
             logger.info("process %s of %s: joined %s", group.process_id, group.num_processes, group.coordinator_address)
     check_device_count(devices.devices)
