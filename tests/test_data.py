@@ -2,6 +2,7 @@ import itertools
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 import torch.utils.data
@@ -87,6 +88,7 @@ def test_device_loader_padded_batches_cover_every_example_once():
     loader = DeviceLoader.from_dataset(dataset, 10, shuffle=False)
     batches = list(loader.padded_batches())
     assert [b.inputs.shape[0] for b, _ in batches] == [10, 10, 10]
+    assert all(isinstance(b.inputs, jax.Array) for b, _ in batches)  # gathered on the device: nothing re-uploaded
     masks = np.concatenate([m for _, m in batches])
     assert masks.sum() == 25
     kept = np.concatenate([b.inputs for b, _ in batches])[masks == 1]

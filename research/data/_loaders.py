@@ -3,6 +3,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ..errors import DataError
@@ -289,12 +290,12 @@ class DeviceLoader:
         return take_rows(self.arrays, self.step_indices(step, 1)[0])
 
     def padded_batches(self) -> Iterator[tuple[Any, np.ndarray]]:
-        """Every example once, in order, as full-size batches; the last one padded, with a 0/1 mask."""
+        """Every example once, in order, as full-size batches gathered from the device arrays (an evaluation
+        uploads nothing but indices); the last one padded, with a 0/1 mask (numpy)."""
         for start in range(0, self.size, self.batch_size):
             index = np.arange(start, start + self.batch_size)
             mask = index < self.size
-            index = np.where(mask, index, 0)
-            yield take_rows(self.host, index), mask.astype(np.float32)
+            yield take_rows(self.arrays, jnp.asarray(np.where(mask, index, 0))), mask.astype(np.float32)
 
 
 class ArrayDataset:
