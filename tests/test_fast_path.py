@@ -215,6 +215,33 @@ def test_a_packed_trainer_runs_bitwise_like_an_unpacked_one():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8)
 
 
+def test_a_loop_of_static_trip_count_drops_its_tail_and_gives_the_bits_of_a_counted_one(monkeypatch):
+    """On a GPU a call's loop runs every row of its indices and drops the steps past its count (XLA then knows
+    the trip count); a call of 7 steps in 10 rows so ends where the loop that runs 7 (the CPU's) does: the same
+    step count and statistics, the parameters and Adam's moments to float rounding (XLA fuses the update with
+    the select after it: some move by one float32 step)."""
+    from research.train import _compiled
+
+    assert not _compiled.static_trip_count()  # on this CPU
+    data = XORDataset(256, seed=0)
+    arrays = Batch(jnp.asarray(data.inputs), jnp.asarray(data.labels))
+    indices = np.random.default_rng(1).integers(0, 256, (10, 32)).astype(np.int32)
+    state = xor_state()
+    dynamic, static = eqx.partition(state, eqx.is_array)
+    results = []
+    for static_count in (False, True):
+        monkeypatch.setattr(_compiled, "static_trip_count", lambda static_count=static_count: static_count)
+        trainer = CompiledTrainer(SupervisedStep(), static, jax.tree.structure(dynamic))  # traced afresh
+        leaves = trainer.place(state)
+        stats = trainer.init_stats(leaves, Batch(arrays.inputs[:32], arrays.labels[:32]))
+        leaves, stats = trainer.run(leaves, stats, arrays, indices, 7)
+        results.append([np.asarray(x) for x in [*jax.tree.leaves(trainer.state(leaves)), stats.words]])
+        assert int(trainer.state(leaves).step) == 7
+    np.testing.assert_array_equal(results[0][-1], results[1][-1])  # the statistics of the 7 steps
+    for a, b in zip(*results, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=0)
+
+
 def test_a_packed_trainer_names_the_leaf_whose_shape_or_dtype_does_not_fit():
     state = xor_state()
     trainer = compiled_trainer(SupervisedStep(), state)
