@@ -62,6 +62,7 @@ def test_a_bad_option_is_refused_naming_it_before_any_work(tmp_path, monkeypatch
 
 def test_more_devices_after_jax_started_are_refused_with_what_to_do(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    jax.devices()  # JAX has started (in a notebook: any cell that touched it), whatever ran before this test
     with pytest.raises(DeviceError, match="to research.train_experiment as the first thing a fresh Python"):
         research.train_experiment("xor", devices=64, batch_size=64, **SHORT)
 
