@@ -79,6 +79,27 @@ def test_a_resume_at_step_10000_reads_no_more_than_one_at_step_10(mapped, name):
 
 
 @pytest.mark.slow
+def test_host_batches_are_put_on_the_device_two_ahead_with_the_loaders_state_after_each():
+    """The engine copies each host batch to the devices two steps before the step that takes it, and keeps the
+    loader's state as it was right after that batch (what a checkpoint of that step must hold), not the state
+    of the loader that has read ahead."""
+    from research.train._engine import _put_ahead
+
+    read, put = [], []
+    batches = iter(range(5))
+    state = lambda: {"next_index": len(read)}  # noqa: E731
+
+    def reading():
+        for b in batches:
+            read.append(b)
+            yield b
+
+    ahead = _put_ahead(reading(), lambda b: put.append(b) or f"device {b}", state, 2)
+    assert next(ahead) == (0, "device 0", {"next_index": 1}) and put == [0, 1, 2]
+    assert next(ahead) == (1, "device 1", {"next_index": 2}) and put == [0, 1, 2, 3]
+    assert [b for b, _, _ in ahead] == [2, 3, 4]  # the last ones, when the loader ends
+
+
 def test_grain_keeps_its_iterator_state_in_the_checkpoint_and_resumes_from_it(digits_formats, tmp_path, monkeypatch):
     """`images --loader grain` on a memory-mapped .npy directory: every checkpoint holds Grain's iterator
     state at its step; a run cut at step 20 and resumed ends where a run never cut ends."""

@@ -7,6 +7,7 @@ engine itself only fetches the running train metrics every `log_every` steps (th
 synchronisation) and times the steps.
 """
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -298,6 +299,7 @@ class Engine:
 # while its device has 32 calls queued; a host far ahead then starves an all-reduce of the threads
 # it needs, which deadlocks ("Expected 4 threads to join the rendezvous"). See test_parallel_deadlock.
 MAX_CALLS_IN_FLIGHT = 16
+BATCHES_AHEAD = 2  # host batches copied to the devices before the step that takes them
 
 
 class _Feed:
@@ -322,15 +324,17 @@ class _Feed:
         if isinstance(data, DeviceLoader):
             self.example = take_rows(data.host, np.zeros(data.index_shape, np.int32))  # shaped like a step's batch
             self.device_data = trainer.placement.put_data(data.host, data.arrays)
-            self.host_batches = None
+            self.ahead = None
         else:
-            self.host_batches = _peeked(data.batches(step, data_state))
-            self.example = next(self.host_batches)
+            host_batches = _peeked(data.batches(step, data_state))
+            self.example = next(host_batches)
+            state = getattr(data, "state", lambda: None)
+            self.ahead = _put_ahead(host_batches, trainer.placement.put_batch, state, BATCHES_AHEAD)
+        self.taken_state = data_state
 
     def data_state(self) -> Any:
-        """The host loader's state after the batches taken so far (a Grain iterator's), else None."""
-        state = getattr(self.data, "state", None)
-        return None if state is None else state()
+        """The host loader's state after the batches trained on so far (a Grain iterator's), else None."""
+        return self.taken_state
 
     def stats_layout(self, leaves: Leaves) -> Layout:
         """The layout of the step statistics; every batch has the example's shapes, so it is worked
@@ -379,12 +383,13 @@ class _Feed:
     def _one_step(self, leaves: Leaves, stats: StepStats, position: int) -> tuple[Leaves, StepStats]:
         if isinstance(self.data, DeviceLoader):
             batch = self.data.step_batch(position)
+            placed = self.trainer.placement.put_batch(batch)
         else:
-            assert self.host_batches is not None  # made for every host loader
-            batch = next(self.host_batches)
+            assert self.ahead is not None  # made for every host loader
+            batch, placed, self.taken_state = next(self.ahead)
         before = self.trainer.placement.place(leaves) if self.debug_nans else None  # the step donates its inputs
         try:
-            leaves, stats = self.trainer.step(leaves, stats, self.trainer.placement.put_batch(batch))
+            leaves, stats = self.trainer.step(leaves, stats, placed)
             if before is not None and stats.fetch().first_bad_step >= 0:
                 # The statistics hold only finite values, so a NaN loss need not reach any output JAX
                 # checks: replay the step op by op to find where it came from.
@@ -394,6 +399,19 @@ class _Feed:
                 raise
             raise NonFiniteError(describe_nan_error(error, f"training step {position + 1}")) from error
         return leaves, stats
+
+
+def _put_ahead(
+    batches: Iterator[Any], put: Callable[[Any], Any], state: Callable[[], Any], ahead: int
+) -> Iterator[tuple[Any, Any, Any]]:
+    """`(batch, its copy on the devices, the loader's state after it)` for each of `batches`, the copies made
+    `ahead` batches before the step that takes them (an accelerator copies them while it computes)."""
+    queue: collections.deque = collections.deque()
+    for batch in batches:
+        queue.append((batch, put(batch), state()))
+        if len(queue) > ahead:
+            yield queue.popleft()
+    yield from queue
 
 
 def _peeked(batches: Iterator[Any]) -> Iterator[Any]:
