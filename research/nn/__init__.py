@@ -19,6 +19,7 @@ from ._lm import DecoderBlock, LanguageModel, LastTokenClassifier, cast_floating
 from ._logistic import Logistic
 from ._masked import Masked
 from ._mlp import ACTIVATIONS, MLP, LinearSigmoid
+from ._pretrained import load_gpt2, save_gpt2
 from ._registry import build_model, model_names, register_model
 from ._resnet import ResidualBlock, ResNet1d
 from ._taps import LinearMapObserver, observed_linear_map, observing_linear_maps
@@ -55,12 +56,14 @@ __all__ = [
     "conv1d_as_matmul",
     "conv2d_as_matmul",
     "generate",
+    "load_gpt2",
     "load_weights",
     "model_names",
     "named_arrays",
     "observed_linear_map",
     "observing_linear_maps",
     "read_weights",
+    "save_gpt2",
     "register_model",
     "save_weights",
 ]

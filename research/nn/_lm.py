@@ -69,10 +69,11 @@ class DecoderBlock(eqx.Module):
     mlp_in: eqx.nn.Linear
     mlp_out: eqx.nn.Linear
 
-    def __init__(self, dim: int, heads: int, mlp_dim: int, *, key: PRNGKeyArray):
+    def __init__(self, dim: int, heads: int, mlp_dim: int, attention_bias: bool = False, *, key: PRNGKeyArray):
         k1, k2, k3 = jax.random.split(key, 3)
         self.attention_norm = eqx.nn.LayerNorm(dim)
-        self.attention = eqx.nn.MultiheadAttention(heads, dim, key=k1)
+        biases = dict.fromkeys(("use_query_bias", "use_key_bias", "use_value_bias", "use_output_bias"), attention_bias)
+        self.attention = eqx.nn.MultiheadAttention(heads, dim, **biases, key=k1)
         self.mlp_norm = eqx.nn.LayerNorm(dim)
         self.mlp_in = eqx.nn.Linear(dim, mlp_dim, key=k2)
         self.mlp_out = eqx.nn.Linear(mlp_dim, dim, key=k3)
@@ -111,6 +112,7 @@ class LanguageModel(eqx.Module):
     - `heads`: attention heads.
     - `mlp_dim`: hidden width of each block's MLP (default `4 * dim`).
     - `tied`: the head is the transposed token embedding (no parameters of its own).
+    - `attention_bias`: the attention's projections have biases (GPT-2's do: `research.nn.load_gpt2`).
     - `remat`: rematerialise each block in the backward pass (`jax.checkpoint`): less memory, more compute.
     - `compute_dtype`: `"bfloat16"` runs the matrix products in bf16 (their weights cast inside the call;
       the float32 ones stay the master copy that the optimizer updates); the residual stream, the
@@ -140,6 +142,7 @@ class LanguageModel(eqx.Module):
         tied: bool = True,
         remat: bool = False,
         compute_dtype: ComputeDtype = "float32",
+        attention_bias: bool = False,
         *,
         key: PRNGKeyArray,
     ):
@@ -148,7 +151,7 @@ class LanguageModel(eqx.Module):
         embed_key, position_key, block_key, head_key = jax.random.split(key, 4)
         self.token_embedding = eqx.nn.Embedding(weight=0.02 * jax.random.normal(embed_key, (vocab, dim)))
         self.positions = 0.02 * jax.random.normal(position_key, (context, dim))
-        make_block = lambda k: DecoderBlock(dim, heads, mlp_dim or 4 * dim, key=k)  # noqa: E731
+        make_block = lambda k: DecoderBlock(dim, heads, mlp_dim or 4 * dim, attention_bias, key=k)  # noqa: E731
         self.blocks = eqx.filter_vmap(make_block)(jax.random.split(block_key, depth))
         self.norm = eqx.nn.LayerNorm(dim)
         self.head = None if tied else eqx.nn.Linear(dim, vocab, use_bias=False, key=head_key)

@@ -1,0 +1,134 @@
+"""GPT-2 checkpoints of Hugging Face `transformers` in and out as `LanguageModel`s: tiny GPT-2s with random
+weights made and saved by `transformers` itself (nothing downloaded), compared with its own logits."""
+
+import json
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from research.errors import CheckpointError
+from research.nn import LanguageModel, generate, load_gpt2, save_gpt2
+
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+
+VOCAB = 97
+
+
+def gpt2(tmp_path, name: str = "gpt2", **overrides):
+    """A tiny GPT-2 of `transformers` (weights ten times the usual spread, so logits are not all near 0) saved
+    to `tmp_path / name`, and the model itself."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        **{
+            "n_embd": 32,
+            "n_layer": 2,
+            "n_head": 4,
+            "n_positions": 48,
+            "vocab_size": VOCAB,
+            "initializer_range": 0.2,
+            "bos_token_id": 0,
+            "eos_token_id": 0,
+            **overrides,
+        }
+    )
+    model = transformers.GPT2LMHeadModel(config).eval()
+    model.save_pretrained(tmp_path / name)
+    return tmp_path / name, model
+
+
+def their_logits(model, tokens: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(tokens[None])).logits[0].numpy()
+
+
+def our_logits(model: LanguageModel, tokens: np.ndarray) -> np.ndarray:
+    return np.asarray(eqx.filter_jit(model)(jnp.asarray(tokens, jnp.int32)))
+
+
+TOKENS = np.random.default_rng(0).integers(0, VOCAB, 48)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_gpt2_gives_transformers_logits_at_every_position(tmp_path, tied):
+    directory, theirs = gpt2(tmp_path, tie_word_embeddings=tied)
+    ours = load_gpt2(directory)
+    assert (ours.head is None) == tied and ours.context == 48 and ours.vocab == VOCAB and ours.depth == 2
+    assert ours.blocks.attention.query_proj.bias is not None  # GPT-2's attention has biases
+    expected = their_logits(theirs, TOKENS)
+    assert np.abs(expected).max() > 1  # logits far enough from 0 for the comparison to mean something
+    np.testing.assert_allclose(our_logits(ours, TOKENS), expected, atol=1e-5, rtol=0)
+
+
+def test_our_cached_greedy_generation_is_transformers(tmp_path):
+    directory, theirs = gpt2(tmp_path)
+    prompt = TOKENS[:8]
+    with torch.no_grad():
+        expected = theirs.generate(
+            torch.tensor(prompt[None]), max_new_tokens=24, do_sample=False, pad_token_id=0, eos_token_id=None
+        )[0, 8:].numpy()
+    ours = generate(load_gpt2(directory), jnp.asarray(prompt, jnp.int32), 24, key=jax.random.key(0), temperature=0)
+    np.testing.assert_array_equal(np.asarray(ours), expected)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_saved_models_load_in_transformers_with_the_same_logits(tmp_path, tied):
+    directory, theirs = gpt2(tmp_path, tie_word_embeddings=tied)
+    save_gpt2(load_gpt2(directory), tmp_path / "again")
+    again = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "again").eval()
+    np.testing.assert_array_equal(their_logits(again, TOKENS), their_logits(theirs, TOKENS))
+    # Any LanguageModel is a GPT-2 (attention without biases: zero biases), as experiments/lm.py trains it
+    ours = LanguageModel(context=32, dim=16, depth=2, heads=2, tied=tied, key=jax.random.key(1))
+    save_gpt2(ours, tmp_path / "ours")
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "ours").eval()
+    bytes_ = np.frombuffer(b"a language model over bytes", np.uint8).astype(np.int64)
+    np.testing.assert_allclose(their_logits(loaded, bytes_), our_logits(ours, bytes_), atol=1e-5, rtol=0)
+
+
+def _edit_tensors(directory, edit):
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(directory / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, directory / "model.safetensors")
+
+
+def _edit_config(directory, **fields):
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, **fields}))
+
+
+BROKEN = {  # what is done to a saved GPT-2, and the message its loading must give
+    "missing tensor": (
+        lambda d: _edit_tensors(d, lambda t: t.pop("transformer.h.1.mlp.c_fc.bias")),
+        "the checkpoint has no tensor h.1.mlp.c_fc.bias",
+    ),
+    "unexpected tensor": (
+        lambda d: _edit_tensors(d, lambda t: t.update({"transformer.h.0.adapter.weight": np.zeros(3, np.float32)})),
+        "unexpected tensor h.0.adapter.weight",
+    ),
+    "shape": (
+        lambda d: _edit_tensors(d, lambda t: t.update({"transformer.wpe.weight": np.zeros((40, 32), np.float32)})),
+        r"tensor wpe.weight has shape \[40, 32\], the config asks for \[48, 32\]",
+    ),
+    "architecture": (lambda d: _edit_config(d, model_type="llama"), "model_type 'llama' is not read here"),
+    "activation": (lambda d: _edit_config(d, activation_function="relu"), "activation_function 'relu' is not read"),
+    "no config": (lambda d: (d / "config.json").unlink(), "it has no config.json"),
+    "damaged weights": (
+        lambda d: (d / "model.safetensors").write_bytes(b"\x00" * 64),
+        "model.safetensors is not a readable safetensors file",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BROKEN)
+def test_a_damaged_or_foreign_checkpoint_is_refused_in_one_line_naming_what(tmp_path, case):
+    directory, _ = gpt2(tmp_path)
+    damage, message = BROKEN[case]
+    damage(directory)
+    with pytest.raises(CheckpointError, match=message) as error:
+        load_gpt2(directory)
+    assert "\n" not in str(error.value)
