@@ -105,3 +105,16 @@ def test_batch_norm_matches_equinox_to_rounding_with_the_same_state_in_training_
     expected = jax.vmap(lambda r: theirs(r, theirs_state, inference=True)[0])(x[0])
     np.testing.assert_allclose(inference, expected, rtol=1e-6, atol=1e-6)
     assert not np.allclose(inference, jax.vmap(lambda r: ours(r, ours_state)[0], axis_name="batch")(x[0]))
+
+
+def test_the_vision_transformer_classifies_one_image_of_its_shape(getkey):
+    """`VisionTransformer` (Hugging Face's ViT layout, `research.nn.load_vit`): one height x width x channels
+    image in, class logits out, a token a patch plus the class token; another image shape fails when traced."""
+    model, state = build_model("vit", key=getkey(), image_size=8, patch=4, channels=1, classes=3, dim=16, depth=2)
+    assert state is None and model.positions.shape == (1 + 4, 16) and model.blocks.mlp_in.weight.shape == (2, 64, 16)
+    logits = eqx.filter_jit(model)(jax.random.normal(getkey(), (8, 8, 1)))
+    assert logits.shape == (3,) and bool(jnp.all(jnp.isfinite(logits)))
+    with pytest.raises(TypeCheckError, match="self.channels"):
+        model(jnp.zeros((8, 8, 3)))
+    with pytest.raises(ValueError, match="patch 3 must divide image_size 8"):
+        build_model("vit", key=getkey(), image_size=8, patch=3)

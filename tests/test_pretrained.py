@@ -1,4 +1,4 @@
-"""GPT-2 checkpoints of Hugging Face `transformers` in and out as `LanguageModel`s: tiny GPT-2s with random
+"""GPT-2 and ViT checkpoints of Hugging Face `transformers` in and out as typed modules: tiny models with random
 weights made and saved by `transformers` itself (nothing downloaded), compared with its own logits."""
 
 import json
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from research.errors import CheckpointError
-from research.nn import LanguageModel, generate, load_gpt2, save_gpt2
+from research.nn import LanguageModel, generate, load_gpt2, load_vit, save_gpt2, save_vit
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
@@ -132,3 +132,59 @@ def test_a_damaged_or_foreign_checkpoint_is_refused_in_one_line_naming_what(tmp_
     with pytest.raises(CheckpointError, match=message) as error:
         load_gpt2(directory)
     assert "\n" not in str(error.value)
+
+
+def vit(tmp_path, name: str = "vit", **overrides):
+    """A tiny ViT image classifier of `transformers` (5 classes, 16 x 16 x 3 images) saved to `tmp_path / name`."""
+    torch.manual_seed(0)
+    config = transformers.ViTConfig(
+        **{
+            "hidden_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "intermediate_size": 64,
+            "image_size": 16,
+            "patch_size": 4,
+            "num_channels": 3,
+            "num_labels": 5,
+            "initializer_range": 0.2,
+            **overrides,
+        }
+    )
+    model = transformers.ViTForImageClassification(config).eval()
+    model.save_pretrained(tmp_path / name)
+    return tmp_path / name, model
+
+
+IMAGES = np.random.default_rng(1).normal(size=(4, 16, 16, 3)).astype(np.float32)  # height x width x channels
+
+
+def their_classes(model, images: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return model(pixel_values=torch.tensor(images.transpose(0, 3, 1, 2))).logits.numpy()  # channels first
+
+
+def test_a_vit_gives_transformers_class_logits_and_writes_back_exactly(tmp_path):
+    directory, theirs = vit(tmp_path)
+    ours = load_vit(directory)
+    assert (ours.image_size, ours.patch, ours.channels, ours.classes) == (16, 4, 3, 5)
+    expected = their_classes(theirs, IMAGES)
+    assert np.abs(expected).max() > 1
+    np.testing.assert_allclose(eqx.filter_jit(eqx.filter_vmap(ours))(jnp.asarray(IMAGES)), expected, atol=1e-5, rtol=0)
+    save_vit(ours, tmp_path / "again")
+    again = transformers.ViTForImageClassification.from_pretrained(tmp_path / "again").eval()
+    np.testing.assert_array_equal(their_classes(again, IMAGES), expected)
+
+
+def test_a_vit_of_another_kind_is_refused_in_one_line(tmp_path):
+    directory, _ = vit(tmp_path, hidden_act="relu")
+    with pytest.raises(CheckpointError, match="hidden_act 'relu' is not read here"):
+        load_vit(directory)
+    transformers.ViTModel(transformers.ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                                 intermediate_size=64, image_size=16, patch_size=4)).save_pretrained(
+        tmp_path / "no-head"
+    )  # fmt: skip
+    with pytest.raises(CheckpointError, match="the checkpoint has no tensor classifier.weight"):
+        load_vit(tmp_path / "no-head")
+    with pytest.raises(CheckpointError, match="model_type 'gpt2' is not read here"):
+        load_vit(gpt2(tmp_path)[0])

@@ -19,11 +19,12 @@ from ._lm import DecoderBlock, LanguageModel, LastTokenClassifier, cast_floating
 from ._logistic import Logistic
 from ._masked import Masked
 from ._mlp import ACTIVATIONS, MLP, LinearSigmoid
-from ._pretrained import load_gpt2, save_gpt2
+from ._pretrained import load_gpt2, load_vit, save_gpt2, save_vit
 from ._registry import build_model, model_names, register_model
 from ._resnet import ResidualBlock, ResNet1d
 from ._taps import LinearMapObserver, observed_linear_map, observing_linear_maps
 from ._transformer import TransformerBlock, TransformerClassifier
+from ._vit import EncoderBlock, VisionTransformer
 from ._weights import array_names, load_weights, named_arrays, read_weights, save_weights
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "BatchNorm",
     "CNN1d",
     "DecoderBlock",
+    "EncoderBlock",
     "Discriminator",
     "GRUClassifier",
     "Generator",
@@ -48,6 +50,7 @@ __all__ = [
     "TimeResidualBlock",
     "TransformerBlock",
     "TransformerClassifier",
+    "VisionTransformer",
     "UNet",
     "array_names",
     "build_model",
@@ -57,6 +60,7 @@ __all__ = [
     "conv2d_as_matmul",
     "generate",
     "load_gpt2",
+    "load_vit",
     "load_weights",
     "model_names",
     "named_arrays",
@@ -64,6 +68,7 @@ __all__ = [
     "observing_linear_maps",
     "read_weights",
     "save_gpt2",
+    "save_vit",
     "register_model",
     "save_weights",
 ]

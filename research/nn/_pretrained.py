@@ -1,5 +1,5 @@
-"""GPT-2 checkpoints as Hugging Face `transformers` saves them (`save_pretrained`: `config.json` and
-`model.safetensors`), read into a `LanguageModel` and written back from one.
+"""GPT-2 and ViT checkpoints as Hugging Face `transformers` saves them (`save_pretrained`: `config.json` and
+`model.safetensors`), read into a `LanguageModel` or a `VisionTransformer` and written back from one.
 
 A GPT-2 is this codebase's decoder (pre-norm blocks, learned positions, tanh-approximated GELU, LayerNorm
 eps 1e-5, a head tied to the embedding) with biases on its attention projections (`attention_bias=True`),
@@ -11,7 +11,7 @@ writes out as a GPT-2 (attention without biases: zero biases), which `transforme
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import equinox as eqx
 import jax
@@ -20,8 +20,10 @@ import numpy as np
 
 from ..errors import CheckpointError
 from ._lm import LanguageModel
+from ._vit import VisionTransformer
 from ._weights import _dotted, named_arrays
 
+Model = TypeVar("Model", LanguageModel, VisionTransformer)
 # What a GPT-2 config must say for the LanguageModel to compute what `transformers` does: field, value.
 FIXED = {
     "activation_function": "gelu_new",  # jax.nn.gelu's tanh approximation
@@ -48,7 +50,9 @@ BLOCK_TENSORS = (
 BUFFERS = (".attn.bias", ".attn.masked_bias")  # older checkpoints keep the causal mask: not parameters
 
 
-def _config(directory: Path) -> dict[str, Any]:
+def _config(directory: Path, model_type: str, fixed: dict[str, Any], sizes: tuple[str, ...]) -> dict[str, Any]:
+    """`config.json` of `directory`, refused unless it is a `model_type` with the `fixed` settings and positive
+    integer `sizes`."""
     path = directory / "config.json"
     try:
         config = json.loads(path.read_text())
@@ -56,22 +60,32 @@ def _config(directory: Path) -> dict[str, Any]:
         raise CheckpointError(f"{directory} is no Hugging Face model directory: it has no config.json") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from None
-    if config.get("model_type") != "gpt2":
-        raise CheckpointError(f"{path}: model_type {config.get('model_type')!r} is not read here (only 'gpt2')")
-    for field, value in FIXED.items():
+    if config.get("model_type") != model_type:
+        raise CheckpointError(f"{path}: model_type {config.get('model_type')!r} is not read here (only {model_type!r})")
+    for field, value in fixed.items():
         if field in config and config[field] != value:
             raise CheckpointError(f"{path}: {field} {config[field]!r} is not read here (only {value!r})")
-    for field in ("n_embd", "n_layer", "n_head", "n_positions", "vocab_size"):
+    for field in sizes:
         if not isinstance(config.get(field), int) or config[field] < 1:
             raise CheckpointError(f"{path}: {field} must be a positive integer, got {config.get(field)!r}")
-    if config["n_embd"] % config["n_head"]:
-        raise CheckpointError(f"{path}: n_head {config['n_head']} does not divide n_embd {config['n_embd']}")
     return config
 
 
-def _tensors(directory: Path) -> dict[str, np.ndarray]:
+def _checked(directory: Path, tensors: dict[str, np.ndarray], expected: dict[str, tuple[int, ...]]) -> None:
+    for name, shape in expected.items():
+        if name not in tensors:
+            raise CheckpointError(f"{directory}: the checkpoint has no tensor {name} (a model of this config needs it)")
+        if tensors[name].shape != shape:
+            raise CheckpointError(
+                f"{directory}: tensor {name} has shape {list(tensors[name].shape)}, the config asks for {list(shape)}"
+            )
+    if unexpected := sorted(set(tensors) - set(expected)):
+        raise CheckpointError(f"{directory}: unexpected tensor {unexpected[0]} ({len(unexpected)} not read here)")
+
+
+def _tensors(directory: Path, prefix: str) -> dict[str, np.ndarray]:
     """Every tensor of the checkpoint (one file, or the shards an index names) as float32 numpy arrays, under
-    names without the `transformer.` prefix that `GPT2LMHeadModel` gives them."""
+    names without `prefix` (`transformer.`, which `GPT2LMHeadModel` gives them; `vit.`)."""
     from safetensors import SafetensorError, safe_open
 
     index = directory / "model.safetensors.index.json"
@@ -86,10 +100,10 @@ def _tensors(directory: Path) -> dict[str, np.ndarray]:
         try:
             with safe_open(str(path), "np") as f:
                 for name in f.keys():  # noqa: SIM118 (a safe_open handle is no dict)
-                    tensors[name.removeprefix("transformer.")] = f.get_tensor(name).astype(np.float32)
+                    tensors[name.removeprefix(prefix)] = f.get_tensor(name).astype(np.float32)
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from None
-    return {name: t for name, t in tensors.items() if not name.endswith(BUFFERS)}
+    return tensors
 
 
 def _expected_shapes(config: dict[str, Any], tied: bool) -> dict[str, tuple[int, ...]]:
@@ -127,21 +141,14 @@ def load_gpt2(directory: str | Path) -> LanguageModel:
     model type or setting this model does not compute (`FIXED`), a missing, unexpected or misshapen tensor.
     """
     directory = Path(directory)
-    config = _config(directory)
-    tensors = _tensors(directory)
+    config = _config(directory, "gpt2", FIXED, ("n_embd", "n_layer", "n_head", "n_positions", "vocab_size"))
+    if config["n_embd"] % config["n_head"]:
+        raise CheckpointError(f"{directory}: n_head {config['n_head']} does not divide n_embd {config['n_embd']}")
+    tensors = {n: t for n, t in _tensors(directory, "transformer.").items() if not n.endswith(BUFFERS)}
     tied = config.get("tie_word_embeddings", True) or "lm_head.weight" not in tensors
     if tied:
         tensors.pop("lm_head.weight", None)  # transformers >= 5 may write the tied head out as well
-    expected = _expected_shapes(config, tied)
-    for name, shape in expected.items():
-        if name not in tensors:
-            raise CheckpointError(f"{directory}: the checkpoint has no tensor {name} (a GPT-2 of this config needs it)")
-        if tensors[name].shape != shape:
-            raise CheckpointError(
-                f"{directory}: tensor {name} has shape {list(tensors[name].shape)}, the config asks for {list(shape)}"
-            )
-    if unexpected := sorted(set(tensors) - set(expected)):
-        raise CheckpointError(f"{directory}: unexpected tensor {unexpected[0]} ({len(unexpected)} not read here)")
+    _checked(directory, tensors, _expected_shapes(config, tied))
 
     dim, depth = config["n_embd"], config["n_layer"]
     block = lambda name: np.stack([tensors[f"h.{i}.{name}"] for i in range(depth)])  # noqa: E731
@@ -185,12 +192,12 @@ def load_gpt2(directory: str | Path) -> LanguageModel:
     return _with_arrays(skeleton, {name: jnp.asarray(a) for name, a in arrays.items()})
 
 
-def _with_arrays(skeleton: LanguageModel, arrays: dict[str, jax.Array]) -> LanguageModel:
+def _with_arrays(skeleton: Model, arrays: dict[str, jax.Array]) -> Model:
     """`skeleton` (shapes only) with `arrays` in place, each under its `array_names` name."""
     is_shape = lambda x: isinstance(x, jax.ShapeDtypeStruct)  # noqa: E731
     names = [".".join(_dotted(p)) for p, _ in jax.tree_util.tree_flatten_with_path(skeleton, is_leaf=is_shape)[0]]
     if sorted(n for n in names if n in arrays) != sorted(arrays):  # a bug in the name map, not in the file
-        raise AssertionError(f"the GPT-2 name map misses {sorted(set(arrays) - set(names))}")
+        raise AssertionError(f"the name map misses {sorted(set(arrays) - set(names))}")
     fill = lambda path, x: arrays[".".join(_dotted(path))] if is_shape(x) else x  # noqa: E731
     return jax.tree_util.tree_map_with_path(fill, skeleton, is_leaf=is_shape)
 
@@ -247,5 +254,132 @@ def save_gpt2(model: LanguageModel, directory: str | Path) -> None:
         "eos_token_id": None,
         "dtype": "float32",
         **FIXED,
+    }
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+VIT_FIXED = {"hidden_act": "gelu", "qkv_bias": True}  # exact GELU, as EncoderBlock computes it
+VIT_SIZES = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+    "image_size",
+    "patch_size",
+    "num_channels",
+)
+VIT_BLOCK = {  # GPT-2's `h.{i}` is ViT's `encoder.layer.{i}`: its tensor -> our stacked array (torch's Linear is ours)
+    "layernorm_before": "attention_norm",
+    "attention.attention.query": "attention.query_proj",
+    "attention.attention.key": "attention.key_proj",
+    "attention.attention.value": "attention.value_proj",
+    "attention.output.dense": "attention.output_proj",
+    "layernorm_after": "mlp_norm",
+    "intermediate.dense": "mlp_in",
+    "output.dense": "mlp_out",
+}
+
+
+def load_vit(directory: str | Path) -> VisionTransformer:
+    """The image classifier that `transformers` saved in `directory` (`ViTForImageClassification.save_pretrained`)
+    as a float32 `VisionTransformer`: the logits `transformers` computes of `pixel_values`, given the same
+    images height x width x channels, to float rounding.
+
+    **Raises:** `CheckpointError` in one line, as `load_gpt2`'s.
+    """
+    directory = Path(directory)
+    config = _config(directory, "vit", VIT_FIXED, VIT_SIZES)
+    dim, depth, inner = config["hidden_size"], config["num_hidden_layers"], config["intermediate_size"]
+    image, patch, channels = config["image_size"], config["patch_size"], config["num_channels"]
+    if dim % config["num_attention_heads"] or image % patch:
+        raise CheckpointError(f"{directory}: num_attention_heads must divide hidden_size, patch_size image_size")
+    classes = len(config.get("id2label") or {}) or config.get("num_labels") or 2
+    tensors = _tensors(directory, "vit.")
+    shapes = {"layernorm_before": (dim,), "layernorm_after": (dim,), "intermediate.dense": (inner, dim)}
+    shapes |= {"output.dense": (dim, inner)}
+    expected = {
+        "embeddings.cls_token": (1, 1, dim),
+        "embeddings.position_embeddings": (1, 1 + (image // patch) ** 2, dim),
+        "embeddings.patch_embeddings.projection.weight": (dim, channels, patch, patch),
+        "embeddings.patch_embeddings.projection.bias": (dim,),
+        "layernorm.weight": (dim,),
+        "layernorm.bias": (dim,),
+        "classifier.weight": (classes, dim),
+        "classifier.bias": (classes,),
+    }
+    for i in range(depth):
+        for theirs in VIT_BLOCK:
+            weight = shapes.get(theirs, (dim, dim))
+            expected[f"encoder.layer.{i}.{theirs}.weight"] = weight
+            expected[f"encoder.layer.{i}.{theirs}.bias"] = weight[:1]
+    _checked(directory, tensors, expected)
+
+    arrays = {
+        "patch_embedding.weight": tensors["embeddings.patch_embeddings.projection.weight"].reshape(dim, -1),
+        "patch_embedding.bias": tensors["embeddings.patch_embeddings.projection.bias"],
+        "class_token": tensors["embeddings.cls_token"].reshape(dim),
+        "positions": tensors["embeddings.position_embeddings"][0],
+        "norm.weight": tensors["layernorm.weight"],
+        "norm.bias": tensors["layernorm.bias"],
+        "head.weight": tensors["classifier.weight"],
+        "head.bias": tensors["classifier.bias"],
+    }
+    for theirs, ours in VIT_BLOCK.items():
+        for part in ("weight", "bias"):
+            layers = [tensors[f"encoder.layer.{i}.{theirs}.{part}"] for i in range(depth)]
+            arrays[f"blocks.{ours}.{part}"] = np.stack(layers)
+
+    def build() -> VisionTransformer:
+        return VisionTransformer(
+            image, patch, channels, classes, dim, depth, config["num_attention_heads"], inner,
+            config.get("layer_norm_eps", 1e-12), key=jax.random.key(0),
+        )  # fmt: skip
+
+    return _with_arrays(eqx.filter_eval_shape(build), {name: jnp.asarray(a) for name, a in arrays.items()})
+
+
+def save_vit(model: VisionTransformer, directory: str | Path) -> None:
+    """Write `model` to `directory` as `transformers` saves a ViT image classifier, so that
+    `ViTForImageClassification.from_pretrained(directory)` computes its logits."""
+    from safetensors.numpy import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    arrays = {name: np.asarray(a, np.float32) for name, a in named_arrays(model).items()}
+    dim, depth = model.class_token.shape[0], model.blocks.mlp_in.weight.shape[0]
+    tensors = {
+        "vit.embeddings.cls_token": arrays["class_token"].reshape(1, 1, dim),
+        "vit.embeddings.position_embeddings": arrays["positions"][None],
+        "vit.embeddings.patch_embeddings.projection.weight": arrays["patch_embedding.weight"].reshape(
+            dim, model.channels, model.patch, model.patch
+        ),
+        "vit.embeddings.patch_embeddings.projection.bias": arrays["patch_embedding.bias"],
+        "vit.layernorm.weight": arrays["norm.weight"],
+        "vit.layernorm.bias": arrays["norm.bias"],
+        "classifier.weight": arrays["head.weight"],
+        "classifier.bias": arrays["head.bias"],
+    }
+    for theirs, ours in VIT_BLOCK.items():
+        for part in ("weight", "bias"):
+            for i in range(depth):
+                tensors[f"vit.encoder.layer.{i}.{theirs}.{part}"] = arrays[f"blocks.{ours}.{part}"][i]
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(directory / "model.safetensors"))
+    config = {
+        "model_type": "vit",
+        "architectures": ["ViTForImageClassification"],
+        "hidden_size": dim,
+        "num_hidden_layers": depth,
+        "num_attention_heads": model.blocks.attention.num_heads,
+        "intermediate_size": arrays["blocks.mlp_in.weight"].shape[1],
+        "image_size": model.image_size,
+        "patch_size": model.patch,
+        "num_channels": model.channels,
+        "layer_norm_eps": model.norm.eps,
+        "id2label": {str(i): f"LABEL_{i}" for i in range(model.classes)},
+        "label2id": {f"LABEL_{i}": i for i in range(model.classes)},
+        "hidden_dropout_prob": 0.0,
+        "attention_probs_dropout_prob": 0.0,
+        "dtype": "float32",
+        **VIT_FIXED,
     }
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")

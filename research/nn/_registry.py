@@ -13,6 +13,7 @@ from ._logistic import Logistic
 from ._mlp import MLP, LinearSigmoid
 from ._resnet import ResNet1d
 from ._transformer import TransformerClassifier
+from ._vit import VisionTransformer
 
 ModelAndState = tuple[eqx.Module, eqx.nn.State | None]
 
@@ -56,3 +57,4 @@ register_model("image_resnet", ImageResNet)
 register_model("dcgan_generator", Generator)
 register_model("dcgan_discriminator", Discriminator)
 register_model("unet", UNet)
+register_model("vit", VisionTransformer)
