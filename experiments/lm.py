@@ -8,15 +8,24 @@ the trained model writes after the start of the held-out text (`research.nn.gene
 """
 
 import dataclasses
+import functools
+from pathlib import Path
 
 import jax
 import numpy as np
 import optax
 
 from research.cli import ConfigError, TrainConfig, Training, group, main_entry, non_negative, option, positive
-from research.data import DeviceLoader, next_byte_windows, read_text_bytes, reference_bits_per_byte, split_held_out
+from research.data import (
+    DeviceLoader,
+    TextTokenizer,
+    next_byte_windows,
+    read_text_bytes,
+    reference_bits_per_byte,
+    split_held_out,
+)
 from research.experiment import Setup, run_experiment
-from research.nn import LanguageModel, build_model
+from research.nn import LanguageModel, build_model, load_gpt2
 from research.tools.sample import sample_bytes
 from research.train import FitResult, NextTokenLoss, SupervisedStep, TrainState, evaluate_language_model
 from research.typing import PRNGKeyArray
@@ -64,23 +73,50 @@ class Config(TrainConfig):
         "rematerialise each block in the backward pass: less memory, more compute, "
         "and on a CPU a faster step (less memory traffic; --no-remat: keep activations)",
     )
+    tokenizer: str | None = option(
+        None,
+        "read the text as the tokens of a Hugging Face tokenizer (a tokenizer.json, or a directory with one) "
+        "instead of bytes; default: --init-from's tokenizer.json where it has one",
+    )
+    init_from: str | None = option(
+        None,
+        "start from a GPT-2 saved by Hugging Face transformers (a save_pretrained directory): its shape and weights "
+        "(--dim, --depth, --heads, --untied then keep their defaults), and its tokenizer",
+    )
+
+
+def text_tokenizer(config: Config) -> TextTokenizer | None:
+    """The tokenizer the text is read with (`--tokenizer`, else `--init-from`'s), or None: bytes."""
+    if config.tokenizer is not None:
+        return TextTokenizer(config.tokenizer)
+    if config.init_from is not None and (Path(config.init_from) / "tokenizer.json").is_file():
+        return TextTokenizer(config.init_from)
+    return None
+
+
+DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config)}
 
 
 def build_state(config: Config) -> TrainState:
     """The step-0 model and optimizer of a config."""
     model_key, train_key = jax.random.split(jax.random.key(config.training.seed))
-    model, _ = build_model(
-        "lm",
-        key=model_key,
-        context=config.context,
-        dim=config.dim,
-        depth=config.depth,
-        heads=config.heads,
-        tied=not config.untied,
-        remat=config.remat,
-        # Its own policy (the parameters cast inside its call) also serves sampling after training.
-        compute_dtype="bfloat16" if config.training.precision == "bf16" else "float32",
-    )
+    # Its own precision policy (the matmul weights cast inside its call) also serves sampling after training.
+    compute_dtype = "bfloat16" if config.training.precision == "bf16" else "float32"
+    if config.init_from is not None:
+        model = load_gpt2(config.init_from).with_compute_dtype(compute_dtype).with_remat(config.remat)
+    else:
+        model, _ = build_model(
+            "lm",
+            key=model_key,
+            context=config.context,
+            vocab=256 if (tokenizer := text_tokenizer(config)) is None else tokenizer.vocab,
+            dim=config.dim,
+            depth=config.depth,
+            heads=config.heads,
+            tied=not config.untied,
+            remat=config.remat,
+            compute_dtype=compute_dtype,
+        )
     adamw = optax.adamw(learning_rate(config), weight_decay=config.weight_decay)
     return TrainState.create(model, optax.chain(optax.clip_by_global_norm(1.0), adamw), key=train_key)
 
@@ -95,8 +131,16 @@ def setup(config: Config) -> Setup:
     """The model, the windows of text and the loss of a run, built without training."""
     if config.dim % config.heads:
         raise ConfigError(f"--heads {config.heads} must divide --dim {config.dim}")
+    tokenizer = text_tokenizer(config)
+    if config.init_from is not None:
+        _check_initial_model(config, tokenizer)
     train, held_out = split_held_out(read_text_bytes(config.text, max_bytes=config.text_bytes), config.held_out)
     train, val = split_held_out(train, config.val_fraction)
+    bytes_per_token, evaluator = 1.0, evaluate_language_model
+    if tokenizer is not None:
+        train_bytes, (train, held_out, val) = len(train), (tokenizer.encode(part) for part in (train, held_out, val))
+        bytes_per_token = train_bytes / max(len(train), 1)
+        evaluator = functools.partial(evaluate_language_model, bytes_per_token=bytes_per_token)
     train_data = DeviceLoader(
         *next_byte_windows(train, config.context), config.training.batch_size, seed=config.training.seed
     )
@@ -105,11 +149,29 @@ def setup(config: Config) -> Setup:
         train_data=train_data,
         eval_data=_evaluation_windows(held_out, config.context),
         num_steps=config.steps,
-        step=SupervisedStep(NextTokenLoss()),
+        step=SupervisedStep(NextTokenLoss(bytes_per_token)),
         lr_schedule=learning_rate(config),
-        evaluator=evaluate_language_model,
+        evaluator=evaluator,
         val_data=_evaluation_windows(val, config.context) if config.val_fraction else None,
     )
+
+
+def _check_initial_model(config: Config, tokenizer: TextTokenizer | None) -> None:
+    """Refuse an --init-from that the other options contradict, before any work."""
+    shaped = [f"--{name}" for name in ("dim", "depth", "heads", "untied") if getattr(config, name) != DEFAULTS[name]]
+    if shaped:
+        raise ConfigError(f"--init-from takes the model's shape from {config.init_from}: drop {', '.join(shaped)}")
+    model = load_gpt2(config.init_from)  # also refuses a damaged or foreign checkpoint
+    if config.context > model.context:
+        raise ConfigError(f"--context {config.context} is longer than {config.init_from}'s {model.context} positions")
+    if tokenizer is None and model.vocab != 256:
+        raise ConfigError(
+            f"--init-from {config.init_from}: {model.vocab} tokens and no tokenizer.json to read text: give --tokenizer"
+        )
+    if tokenizer is not None and tokenizer.vocab > model.vocab:
+        raise ConfigError(
+            f"--tokenizer {tokenizer.path} has {tokenizer.vocab} tokens, more than {config.init_from}'s {model.vocab}"
+        )
 
 
 def _evaluation_windows(data: np.ndarray, context: int) -> DeviceLoader:
@@ -126,6 +188,7 @@ def main(config: Config) -> dict:
         return {"bytes_per_s": (result.steps_per_s or 0.0) * bytes_per_step}
 
     summary = run_experiment("lm", config, setup(config), summary_extra=throughput)
+    tokenizer = text_tokenizer(config)
     if jax.process_index() == 0:
         train, held_out = split_held_out(read_text_bytes(config.text, max_bytes=config.text_bytes), config.held_out)
         reference = reference_bits_per_byte(train, held_out)
@@ -135,18 +198,20 @@ def main(config: Config) -> dict:
             f"bytes/s trained ({bytes_per_step} a step)"
         )
         if "model" in trained:  # not when a finished run is only reported (scripts/sample reads its checkpoint)
-            print_sample(
-                trained["model"], bytes(held_out[:32]), jax.random.fold_in(jax.random.key(config.training.seed), 1)
-            )
+            key = jax.random.fold_in(jax.random.key(config.training.seed), 1)
+            print_sample(trained["model"], bytes(held_out[:32]), key, tokenizer=tokenizer)
     return summary
 
 
-def print_sample(model: LanguageModel, prompt: bytes, key: PRNGKeyArray, length: int = 200) -> None:
+def print_sample(
+    model: LanguageModel, prompt: bytes, key: PRNGKeyArray, length: int = 200, tokenizer: TextTokenizer | None = None
+) -> None:
     """One line: what `model` writes after `prompt` (temperature 0.8, top-k 40), newlines shown as \\n."""
-    sample = sample_bytes(model, prompt, length, key=key, temperature=0.8, top_k=40)
+    sample = sample_bytes(model, prompt, length, key=key, temperature=0.8, top_k=40, tokenizer=tokenizer)
     shown = lambda text: repr(text.decode("utf-8", errors="replace"))  # noqa: E731
+    unit = "bytes" if tokenizer is None else "tokens"
     print(
-        f"lm: sample: {shown(sample.prompt)} + {shown(sample.text)} ({length} bytes at temperature 0.8, top-k 40: "
+        f"lm: sample: {shown(sample.prompt)} + {shown(sample.text)} ({length} {unit} at temperature 0.8, top-k 40: "
         f"{sample.bytes_per_s:,.0f} bytes/s with the key-value cache)"
     )
 

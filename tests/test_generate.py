@@ -190,13 +190,14 @@ def test_the_experiment_ends_with_a_sample_of_its_final_model(lm_run):
 
 def test_sample_prints_the_prompt_and_the_bytes_after_it(lm_run, capsys, monkeypatch):
     run_dir, loaded = lm_run[0], []
-    load = sample.load_language_model
-    monkeypatch.setattr(sample, "load_language_model", lambda *a, **k: loaded.append(load(*a, **k)) or loaded[0])
+    load = sample.load_language_run
+    monkeypatch.setattr(sample, "load_language_run", lambda *a, **k: loaded.append(load(*a, **k)) or loaded[0])
     sample.main([str(run_dir), "--prompt", "the quick é", "--bytes", "200", "--seed", "1"])
     captured = capsys.readouterr()
     assert captured.out.startswith("the quick é") and captured.err.count("\n") == 1
     assert re.fullmatch(r"sample: 200 bytes in [\d.]+ s: [\d,]+ bytes/s .*\n", captured.err)
-    model = loaded[0]  # what the tool sampled from: the bytes it printed, before decoding
+    model, tokenizer = loaded[0]  # what the tool sampled from: the bytes it printed, before decoding
+    assert tokenizer is None  # a byte model
     result = sample.sample_bytes(model, "the quick é".encode(), 200, key=jax.random.key(1), top_k=40)
     assert result.prompt == "the quick é".encode() and len(result.text) == 200  # bytes, whatever they decode to
     assert captured.out == result.decoded() + "\n"
@@ -214,7 +215,7 @@ def test_sample_refuses_in_one_line_with_status_2(lm_run, tmp_path, capsys):
         (str(tmp_path / "no_checkpoint"),): "no checkpoint to load",
         (str(run_dir), "--ema"): "kept no EMA of its weights",
         (str(tmp_path / "nothing"),): "is not a run directory",
-        (str(run_dir), "--top-k", "300"): "invalid int in 0..256 value: '300'",
+        (str(run_dir), "--top-k", "300"): "top_k must be in 1..256 (the vocabulary) or None, got 300",
         (str(run_dir), "--bytes", "0"): "invalid int in 1..1000000000 value: '0'",
         (str(run_dir), "--temperature", "-1"): "invalid float in 0..inf value: '-1'",
     }

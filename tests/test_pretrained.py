@@ -2,6 +2,7 @@
 weights made and saved by `transformers` itself (nothing downloaded), compared with its own logits."""
 
 import json
+import re
 
 import equinox as eqx
 import jax
@@ -188,3 +189,101 @@ def test_a_vit_of_another_kind_is_refused_in_one_line(tmp_path):
         load_vit(tmp_path / "no-head")
     with pytest.raises(CheckpointError, match="model_type 'gpt2' is not read here"):
         load_vit(gpt2(tmp_path)[0])
+
+
+TEXT = "".join(f"def step_{i}(x):\n    return x * {i} + {i % 7}  # line {i} of a small program\n" for i in range(300))
+
+
+def bpe_tokenizer(directory, vocab: int = 320):
+    """A byte-level BPE tokenizer (GPT-2's kind) trained by `tokenizers` on TEXT, saved as directory/tokenizer.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tokenizer.train_from_iterator([TEXT], trainers.BpeTrainer(vocab_size=vocab, initial_alphabet=alphabet))
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    return tokenizer.get_vocab_size()
+
+
+def test_a_tokenizer_reads_text_bytes_as_tokens_and_back(tmp_path):
+    from research.data import TextTokenizer
+
+    vocab = bpe_tokenizer(tmp_path)
+    tokenizer = TextTokenizer(tmp_path)  # the directory, or the file itself
+    assert tokenizer.vocab == vocab == TextTokenizer(tmp_path / "tokenizer.json").vocab
+    data = np.frombuffer((TEXT + "é ünïcode\n").encode(), np.uint8)
+    tokens = tokenizer.encode(data)
+    assert tokens.dtype == np.int32 and 0 <= tokens.min() and tokens.max() < vocab
+    assert len(tokens) < len(data) / 2  # merges learned on this text
+    assert tokenizer.decode(tokens) == data.tobytes()
+    tokenizer.CHUNK_BYTES = 100  # encoded in many pieces, cut after newlines: the same tokens
+    np.testing.assert_array_equal(tokenizer.encode(data), tokens)
+
+
+@pytest.mark.slow
+def test_lm_fine_tunes_a_gpt2_on_its_tokens_and_samples_from_the_run(tmp_path, monkeypatch, capsys):
+    """`lm --init-from DIR` starts from a transformers GPT-2 and reads the text with DIR's tokenizer.json: at a
+    learning rate too small to move it, the trained model is the GPT-2 (transformers' logits); bits per byte
+    are the loss over the text's bytes per token; scripts/sample decodes the run's tokens."""
+    from research.cli import main_entry
+    from research.data import split_held_out
+    from research.experiment import load_experiment, load_run
+    from research.tools import sample
+
+    monkeypatch.chdir(tmp_path)
+    vocab = bpe_tokenizer(tmp_path / "gpt2")
+    directory, theirs = gpt2(tmp_path, vocab_size=vocab)
+    (tmp_path / "text.py").write_text(TEXT)
+    lm = load_experiment("lm")
+    flags = ["--text", "text.py", "--init-from", str(directory), "--context", "32", "--batch-size", "4"]
+    flags += ["--steps", "2", "--steps-per-call", "2", "--log-every", "2", "--lr", "1e-12", "--no-progress"]
+    capsys.readouterr()
+    main_entry(lm.main, lm.Config, [*flags, "--run-dir", "tuned"])
+    out = capsys.readouterr().out
+    assert "lm: sample: " in out and "tokens at temperature 0.8" in out
+    run = load_run("tuned")
+    assert run.model.vocab == vocab and run.model.context == 48 and run.model.depth == 2
+    np.testing.assert_allclose(our_logits(run.model, TOKENS % vocab), their_logits(theirs, TOKENS % vocab), atol=1e-4)
+    summary = json.loads((tmp_path / "tuned/summary.json").read_text())
+    tokenizer = lm.text_tokenizer(run.config)
+    train, _ = split_held_out(np.frombuffer(TEXT.encode(), np.uint8), 0.05)  # --held-out's default
+    bytes_per_token = len(train) / len(tokenizer.encode(train))
+    assert summary["test_bits_per_byte"] == pytest.approx(summary["test_loss"] / np.log(2) / bytes_per_token)
+
+    monkeypatch.setattr("sys.argv", ["sample"])
+    sample.main(["tuned", "--prompt", "def step_", "--bytes", "12", "--temperature", "0"])
+    printed = capsys.readouterr().out
+    model, tokenizer = sample.load_language_run("tuned")
+    prompt = tokenizer.encode(np.frombuffer(b"def step_", np.uint8))
+    expected = generate(model, jnp.asarray(prompt), 12, key=jax.random.key(0), temperature=0)
+    assert printed == "def step_" + tokenizer.decode(np.asarray(expected)).decode() + "\n"
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--dim", "32"], "--init-from takes the model's shape from .*: drop --dim"),
+        (["--context", "64"], "--context 64 is longer than .*'s 48 positions"),
+        (["--tokenizer", "none"], "none: no tokenizer.json"),
+    ],
+)
+def test_lm_refuses_an_init_from_the_other_options_contradict(tmp_path, monkeypatch, capsys, flags, message):
+    from research.cli import main_entry
+    from research.experiment import load_experiment
+
+    monkeypatch.chdir(tmp_path)
+    directory, _ = gpt2(tmp_path)  # no tokenizer.json beside it
+    (tmp_path / "text.txt").write_text(TEXT)
+    lm = load_experiment("lm")
+    capsys.readouterr()  # transformers' own lines, saving the model
+    with pytest.raises(SystemExit) as exit:
+        main_entry(lm.main, lm.Config, ["--text", "text.txt", "--init-from", str(directory), "--no-progress", *flags])
+    assert exit.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.search(message, err[0]), err
+    with pytest.raises(SystemExit):  # a GPT-2's 97 tokens and no tokenizer to read the text with
+        main_entry(lm.main, lm.Config, ["--text", "text.txt", "--init-from", str(directory), "--context", "32"])
+    assert "97 tokens and no tokenizer.json to read text: give --tokenizer" in capsys.readouterr().err

@@ -51,7 +51,7 @@ from ._mnist1d import (
 )
 from ._modular import modular_addition
 from ._noise import corrupt_labels
-from ._text import next_byte_windows, read_text_bytes, reference_bits_per_byte, split_held_out
+from ._text import TextTokenizer, next_byte_windows, read_text_bytes, reference_bits_per_byte, split_held_out
 from ._xor import XORDataset
 
 __all__ = [
@@ -73,6 +73,7 @@ __all__ = [
     "GrainLoader",
     "HostLoader",
     "TorchLoader",
+    "TextTokenizer",
     "XORDataset",
     "as_batch",
     "check_rows",

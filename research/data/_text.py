@@ -1,4 +1,5 @@
-"""Byte-level text: the Python standard library's own source (or any file or folder), split and windowed."""
+"""Text: the Python standard library's own source (or any file or folder) as bytes, split and windowed; a
+Hugging Face tokenizer between those bytes and token ids."""
 
 import hashlib
 import sysconfig
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import DataError
+from ..errors import ConfigError, DataError
 from ._loaders import Batch
 
 SKIPPED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
@@ -68,3 +69,48 @@ def reference_bits_per_byte(train: np.ndarray, held_out: np.ndarray) -> dict[str
     log_probs = np.log2(counts / counts.sum())
     unigram = -float(np.mean(log_probs[held_out]))
     return {"unigram": unigram, "zlib": 8 * len(zlib.compress(held_out.tobytes(), 9)) / len(held_out)}
+
+
+class TextTokenizer:
+    """A Hugging Face `tokenizers` tokenizer (`tokenizer.json`, as `save_pretrained` writes it beside a model)
+    between text bytes and token ids: the language model's vocabulary when it reads tokens, not bytes.
+
+    **Arguments:**
+
+    - `path`: a `tokenizer.json`, or a directory holding one (a Hugging Face model directory).
+
+    **Raises:** `ConfigError` without the `tokenizers` package; `DataError` when there is no such file or it
+    is not a tokenizer.
+    """
+
+    CHUNK_BYTES = 1 << 16  # text is encoded in pieces of about this size cut after a newline, in parallel
+
+    def __init__(self, path: str | Path):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise ConfigError(f"reading {path} needs the tokenizers package: pip install '.[hf]'") from None
+        file = Path(path) / "tokenizer.json" if Path(path).is_dir() else Path(path)
+        if not file.is_file():
+            raise DataError(f"{path}: no tokenizer.json (a Hugging Face tokenizer, as save_pretrained writes it)")
+        try:
+            self.tokenizer = Tokenizer.from_file(str(file))
+        except Exception as e:  # noqa: BLE001 (the Rust library raises its own Exception for any bad file)
+            raise DataError(f"{file} is not a tokenizer `tokenizers` reads: {str(e).splitlines()[0][:200]}") from None
+        self.path = file
+        self.vocab = self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, data: np.ndarray) -> np.ndarray:
+        """The token ids (int32) of text bytes (uint8; UTF-8, a broken sequence read as U+FFFD)."""
+        text = data.tobytes().decode("utf-8", errors="replace")
+        pieces, start = [], 0
+        while start < len(text):
+            end = text.find("\n", start + self.CHUNK_BYTES)
+            end = len(text) if end < 0 else end + 1
+            pieces.append(text[start:end])
+            start = end
+        ids = [np.asarray(e.ids, np.int32) for e in self.tokenizer.encode_batch(pieces, add_special_tokens=False)]
+        return np.concatenate(ids) if ids else np.zeros(0, np.int32)
+
+    def decode(self, tokens: np.ndarray) -> bytes:
+        return self.tokenizer.decode(np.asarray(tokens).tolist(), skip_special_tokens=False).encode("utf-8")

@@ -200,8 +200,15 @@ class LanguageModel(eqx.Module):
 
     def with_compute_dtype(self, dtype: ComputeDtype) -> "LanguageModel":
         """This model computing its matrix products in `dtype` (what `--precision bf16` asks of it)."""
+        return self._with_static("compute_dtype", dtype)
+
+    def with_remat(self, remat: bool) -> "LanguageModel":
+        """This model rematerialising its blocks in the backward pass, or not."""
+        return self._with_static("remat", remat)
+
+    def _with_static(self, name: str, value: object) -> "LanguageModel":
         changed = copy.copy(self)
-        object.__setattr__(changed, "compute_dtype", dtype)  # a static field: not a leaf `eqx.tree_at` reaches
+        object.__setattr__(changed, name, value)  # a static field: not a leaf `eqx.tree_at` reaches
         return changed
 
 

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..data import TextTokenizer
 from ..experiment import load_experiment, load_run
 from ..judge import sample_images
 from ..messages import messages_to_stderr
@@ -58,12 +59,15 @@ def sample_bytes(
     key: PRNGKeyArray,
     temperature: float | int = 0.8,
     top_k: int | None = 40,
+    tokenizer: TextTokenizer | None = None,
 ) -> Sample:
-    """`length` bytes `model` writes after `prompt`, generated twice with `key`: the first call compiles,
-    the second is timed. See `research.nn.generate` for the arguments."""
-    if model.vocab > 256:
-        raise UsageError(f"the model has {model.vocab} tokens, not bytes: its tokens cannot be written as text")
-    tokens = jnp.asarray(np.frombuffer(prompt, np.uint8).astype(np.int32))
+    """`length` bytes (of a model over a `tokenizer`'s vocabulary: tokens, decoded) `model` writes after
+    `prompt`, generated twice with `key`: the first call compiles, the second is timed. See
+    `research.nn.generate` for the arguments."""
+    if tokenizer is None and model.vocab > 256:
+        raise UsageError(f"the model has {model.vocab} tokens, not bytes: its tokens need the run's tokenizer")
+    prompt_array = np.frombuffer(prompt, np.uint8)
+    tokens = jnp.asarray(prompt_array.astype(np.int32) if tokenizer is None else tokenizer.encode(prompt_array))
 
     def run() -> np.ndarray:
         return np.asarray(generate(model, tokens, length, key=key, temperature=temperature, top_k=top_k))
@@ -72,13 +76,20 @@ def sample_bytes(
     run()
     first = time.perf_counter() - start
     start = time.perf_counter()
-    text = run().astype(np.uint8).tobytes()
+    generated = run()
     seconds = time.perf_counter() - start
+    text = generated.astype(np.uint8).tobytes() if tokenizer is None else tokenizer.decode(generated)
     return Sample(prompt, text, seconds, max(first - seconds, 0.0))
 
 
 def load_language_model(run_dir: str | Path, *, ema: bool = False) -> LanguageModel:
     """The trained model (`ema`: the EMA model) of an `lm` run's newest valid checkpoint."""
+    return load_language_run(run_dir, ema=ema)[0]
+
+
+def load_language_run(run_dir: str | Path, *, ema: bool = False) -> tuple[LanguageModel, TextTokenizer | None]:
+    """`load_language_model`'s model, and the tokenizer the run read its text with (`--tokenizer`,
+    `--init-from`'s; None: bytes)."""
     experiment = open_runs([run_dir])[0].read_config().get("experiment")
     if experiment != "lm":
         raise UsageError(
@@ -92,7 +103,7 @@ def load_language_model(run_dir: str | Path, *, ema: bool = False) -> LanguageMo
         raise UsageError(f"--ema: the run in {run.path} kept no EMA of its weights (it trained without --ema-decay)")
     if not isinstance(model, LanguageModel):
         raise UsageError(f"{run.path} holds a {type(model).__name__}, not a LanguageModel")
-    return model
+    return model, load_experiment("lm").text_tokenizer(run.config)
 
 
 def draw_images(run_dir: str | Path, count: int, *, seed: int = 0, ema: bool = False) -> np.ndarray:
@@ -140,7 +151,12 @@ def _parser() -> Parser:
     parser.add_argument(
         "--prompt", default=None, help="the text to continue (default: none, the model starts after a newline)"
     )
-    parser.add_argument("--bytes", type=_within(1, 10**9, int), default=None, help="bytes to generate (default 256)")
+    parser.add_argument(
+        "--bytes",
+        type=_within(1, 10**9, int),
+        default=None,
+        help="bytes to generate, tokens of a run with a tokenizer (default 256)",
+    )
     parser.add_argument(
         "--temperature",
         type=_within(0, float("inf"), float),
@@ -149,9 +165,9 @@ def _parser() -> Parser:
     )
     parser.add_argument(
         "--top-k",
-        type=_within(0, 256, int),
+        type=_within(0, 10**7, int),
         default=None,
-        help="sample among the K most likely bytes; 0: all of them (default 40)",
+        help="sample among the K most likely bytes or tokens; 0: all of them (default 40)",
     )
     parser.add_argument("--seed", type=int, default=0, help="the sampling key's seed (default 0)")
     parser.add_argument("--ema", action="store_true", help="the EMA model (a run with --ema-decay)")
@@ -190,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             out = save_image_grid(args.out or Path(args.run_dir) / f"sample-seed{args.seed}.png", images)
             print(f"sample: {len(images)} images of {args.run_dir} written to {out}", file=sys.stderr)
             return
-        model = load_language_model(args.run_dir, ema=args.ema)
+        model, tokenizer = load_language_run(args.run_dir, ema=args.ema)
         sample = sample_bytes(
             model,
             (args.prompt or "").encode(),
@@ -198,6 +214,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             key=jax.random.key(args.seed),
             temperature=0.8 if args.temperature is None else args.temperature,
             top_k=40 if args.top_k is None else (args.top_k or None),
+            tokenizer=tokenizer,
         )
     except ValueError as e:  # UsageError, ResearchInputError (a run that is missing or cannot load), generate's
         fail(parser.prog, e)

@@ -35,15 +35,19 @@ def next_token_sums(
 class NextTokenLoss:
     """Mean next-token cross-entropy of a `LanguageModel`: pass it as `loss_fn`. The batch is
     `(tokens, next tokens)`, both `[batch, tokens]`; metrics are `loss`, `accuracy` and `bits_per_byte`
-    (`loss / ln 2`: bits per token, which is per byte for a byte vocabulary). A plain mean over the batch:
-    `--grad-accum` (`SupervisedStep(grad_accum=...)`) takes its gradient in parts."""
+    (`loss / ln 2` bits a token over `bytes_per_token`: 1 for a byte vocabulary, the text's mean for a
+    tokenizer's). A plain mean over the batch: `--grad-accum` (`SupervisedStep(grad_accum=...)`) takes its
+    gradient in parts."""
+
+    bytes_per_token: float = 1.0
 
     def __call__(
         self, model: eqx.Module, model_state: None, batch: Batch, key: PRNGKeyArray
     ) -> tuple[Float[Array, ""], tuple[Metrics, None]]:
         losses, correct = next_token_sums(model, batch.inputs, batch.labels)
         loss = jnp.mean(losses)
-        return loss, ({"loss": loss, "accuracy": jnp.mean(correct), "bits_per_byte": loss / LN2}, model_state)
+        bits_per_byte = loss / (LN2 * self.bytes_per_token)
+        return loss, ({"loss": loss, "accuracy": jnp.mean(correct), "bits_per_byte": bits_per_byte}, model_state)
 
 
 @eqx.filter_jit
@@ -53,11 +57,12 @@ def _masked_sums(model: eqx.Module, tokens: Array, targets: Array, mask: Array) 
 
 
 def evaluate_language_model(
-    state: TrainState, data: DeviceLoader | HostLoader, *, progress: bool = False
+    state: TrainState, data: DeviceLoader | HostLoader, *, progress: bool = False, bytes_per_token: float = 1.0
 ) -> tuple[dict[str, float], dict[str, float] | None]:
     """The evaluator of a language model (`Setup.evaluator`, `fit(evaluator=...)`): mean next-token
-    `loss`, `accuracy` and `bits_per_byte` over every window of `data`, `(metrics, raw_metrics)` as
-    `evaluate_state` gives them (the EMA model's and the trained one's when the state keeps an EMA)."""
+    `loss`, `accuracy` and `bits_per_byte` (as `NextTokenLoss` reckons it) over every window of `data`,
+    `(metrics, raw_metrics)` as `evaluate_state` gives them (the EMA model's and the trained one's when the
+    state keeps an EMA)."""
 
     def measure(model: eqx.Module) -> dict[str, float]:
         batches, size = padded_batches(data)
@@ -65,7 +70,8 @@ def evaluate_language_model(
             _masked_sums(model, jnp.asarray(b.inputs), jnp.asarray(b.labels), jnp.asarray(mask)) for b, mask in batches
         ]
         loss, accuracy = np.sum(jax.device_get(sums), axis=0) / size
-        return {"loss": float(loss), "accuracy": float(accuracy), "bits_per_byte": float(loss / LN2)}
+        bits_per_byte = float(loss / (LN2 * bytes_per_token))
+        return {"loss": float(loss), "accuracy": float(accuracy), "bits_per_byte": bits_per_byte}
 
     raw = measure(state.model)
     if state.ema is None:
