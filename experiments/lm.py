@@ -11,6 +11,7 @@ import dataclasses
 import functools
 from pathlib import Path
 
+import equinox as eqx
 import jax
 import numpy as np
 import optax
@@ -27,7 +28,17 @@ from research.data import (
 from research.experiment import Setup, run_experiment
 from research.nn import LanguageModel, build_model, load_gpt2
 from research.tools.sample import sample_bytes
-from research.train import FitResult, NextTokenLoss, SupervisedStep, TrainState, evaluate_language_model
+from research.train import (
+    FitResult,
+    Frozen,
+    NextTokenLoss,
+    SupervisedStep,
+    TrainState,
+    check_trainable,
+    evaluate_language_model,
+    only_trainable,
+    trainable_pattern,
+)
 from research.typing import PRNGKeyArray
 
 
@@ -78,6 +89,12 @@ class Config(TrainConfig):
         "read the text as the tokens of a Hugging Face tokenizer (a tokenizer.json, or a directory with one) "
         "instead of bytes; default: --init-from's tokenizer.json where it has one",
     )
+    trainable: str = option(
+        "all",
+        "what trains: all, head (an --untied head), or a regular expression searched in the parameters' names "
+        "(norm, blocks.mlp_, ...); the rest keeps its weights and takes no optimizer state",
+        check=lambda value: None if value else "must name what trains (all: everything)",
+    )
     init_from: str | None = option(
         None,
         "start from a GPT-2 saved by Hugging Face transformers (a save_pretrained directory): its shape and weights "
@@ -118,7 +135,10 @@ def build_state(config: Config) -> TrainState:
             compute_dtype=compute_dtype,
         )
     adamw = optax.adamw(learning_rate(config), weight_decay=config.weight_decay)
-    return TrainState.create(model, optax.chain(optax.clip_by_global_norm(1.0), adamw), key=train_key)
+    optimizer = optax.chain(optax.clip_by_global_norm(1.0), adamw)
+    if pattern := trainable_pattern(config.trainable):
+        optimizer = only_trainable(optimizer, pattern)
+    return TrainState.create(model, optimizer, key=train_key)
 
 
 def learning_rate(config: Config) -> optax.Schedule:
@@ -133,7 +153,11 @@ def setup(config: Config) -> Setup:
         raise ConfigError(f"--heads {config.heads} must divide --dim {config.dim}")
     tokenizer = text_tokenizer(config)
     if config.init_from is not None:
-        _check_initial_model(config, tokenizer)
+        model = _checked_initial_model(config, tokenizer)
+    else:
+        model = eqx.filter_eval_shape(build_state, config).model  # shapes only: nothing drawn
+    if pattern := trainable_pattern(config.trainable):
+        check_trainable(model, pattern, config.trainable)
     train, held_out = split_held_out(read_text_bytes(config.text, max_bytes=config.text_bytes), config.held_out)
     train, val = split_held_out(train, config.val_fraction)
     bytes_per_token, evaluator = 1.0, evaluate_language_model
@@ -144,20 +168,21 @@ def setup(config: Config) -> Setup:
     train_data = DeviceLoader(
         *next_byte_windows(train, config.context), config.training.batch_size, seed=config.training.seed
     )
+    loss = NextTokenLoss(bytes_per_token)
     return Setup(
         build_state=lambda: build_state(config),
         train_data=train_data,
         eval_data=_evaluation_windows(held_out, config.context),
         num_steps=config.steps,
-        step=SupervisedStep(NextTokenLoss(bytes_per_token)),
+        step=SupervisedStep(Frozen(loss, pattern) if (pattern := trainable_pattern(config.trainable)) else loss),
         lr_schedule=learning_rate(config),
         evaluator=evaluator,
         val_data=_evaluation_windows(val, config.context) if config.val_fraction else None,
     )
 
 
-def _check_initial_model(config: Config, tokenizer: TextTokenizer | None) -> None:
-    """Refuse an --init-from that the other options contradict, before any work."""
+def _checked_initial_model(config: Config, tokenizer: TextTokenizer | None) -> LanguageModel:
+    """--init-from's model, refused (before any work) where the other options contradict it."""
     shaped = [f"--{name}" for name in ("dim", "depth", "heads", "untied") if getattr(config, name) != DEFAULTS[name]]
     if shaped:
         raise ConfigError(f"--init-from takes the model's shape from {config.init_from}: drop {', '.join(shaped)}")
@@ -172,6 +197,7 @@ def _check_initial_model(config: Config, tokenizer: TextTokenizer | None) -> Non
         raise ConfigError(
             f"--tokenizer {tokenizer.path} has {tokenizer.vocab} tokens, more than {config.init_from}'s {model.vocab}"
         )
+    return model
 
 
 def _evaluation_windows(data: np.ndarray, context: int) -> DeviceLoader:

@@ -26,17 +26,21 @@ from research.data import (
     split_held_out,
 )
 from research.errors import ConfigError
-from research.experiment import load_experiment
-from research.nn import DecoderBlock, LanguageModel, build_model, causal_attention
+from research.experiment import load_experiment, load_run
+from research.nn import DecoderBlock, LanguageModel, build_model, causal_attention, named_arrays
 from research.train import (
+    Frozen,
     GlobalBatch,
     LowPrecision,
     NextTokenLoss,
     SupervisedStep,
     TrainState,
+    check_trainable,
     evaluate_language_model,
+    only_trainable,
     take_step,
     train_step,
+    trainable_pattern,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -181,6 +185,59 @@ def _assert_same_model(a, b, tolerance: float) -> None:
         jax.tree.leaves(eqx.filter(a, eqx.is_array)), jax.tree.leaves(eqx.filter(b, eqx.is_array)), strict=True
     ):
         np.testing.assert_allclose(x, y, atol=tolerance, rtol=tolerance)
+
+
+def test_frozen_parameters_keep_their_weights_and_take_no_optimizer_state(getkey):
+    """`--trainable head`: the head alone moves; Adam keeps moments for it alone; `grad_norm` is its gradient's."""
+    model, batch = tiny_model(getkey(), tied=False), tiny_batch(8)
+    pattern = trainable_pattern("head")
+    full = TrainState.create(model, optax.adam(1e-2), key=getkey())
+    part = TrainState.create(model, only_trainable(optax.adam(1e-2), pattern), key=full.key)
+    state_bytes = lambda s: sum(x.nbytes for x in jax.tree.leaves(s.opt_state))  # noqa: E731
+    assert state_bytes(part) == 2 * model.head.weight.nbytes + 4  # two moments of the head, and Adam's count
+    assert state_bytes(full) == 2 * sum(x.nbytes for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array))) + 4
+    new, metrics = eqx.filter_jit(lambda s, b: train_step(s, b, Frozen(NextTokenLoss(), pattern)))(part, batch)
+    before, after = named_arrays(model), named_arrays(new.model)
+    assert [name for name in before if not np.array_equal(before[name], after[name])] == ["head.weight"]
+    (_, _), grads = value_and_grad(model, batch, part.key, 1)
+    np.testing.assert_allclose(metrics["grad_norm"], jnp.linalg.norm(grads.head.weight), rtol=1e-5)
+    with pytest.raises(ConfigError, match="--trainable head finds no parameter of the model"):
+        check_trainable(tiny_model(getkey()), pattern, "head")  # a tied head is the embedding
+    with pytest.raises(ConfigError, match="is not a regular expression"):
+        trainable_pattern("blocks.(")
+
+
+@pytest.mark.slow
+def test_a_run_training_its_norms_alone_resumes_to_the_bits_of_an_uncut_one(tmp_path, monkeypatch):
+    """`--trainable norm` with FSDP on 2 devices and an EMA: a run cut after step 4's checkpoint and resumed
+    logs what the uncut run logs; the frozen parameters end as they started."""
+    (tmp_path / "text.txt").write_bytes(b"sphinx of black quartz, judge my vow. " * 200)
+    flags = "--text text.txt --steps 8 --context 16 --dim 16 --depth 1 --heads 2 --batch-size 8 --steps-per-call 2"
+    flags += " --log-every 2 --eval-every 4 --checkpoint-every 4 --trainable norm --ema-decay 0.9 --devices 2"
+    flags += " --parallel fsdp --no-progress"
+
+    def run(*extra: str) -> None:
+        command = [sys.executable, str(ROOT / "experiments" / "lm.py"), *flags.split(), *extra]
+        result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-2000:]
+
+    run("--run-dir", "straight")
+    shutil.copytree(tmp_path / "straight", tmp_path / "cut")
+    shutil.rmtree(tmp_path / "cut/checkpoints/step_000000008")
+    (tmp_path / "cut/summary.json").unlink()
+    run("--run-dir", "cut", "--resume", "auto")
+
+    def untimed(name: str) -> list[dict]:
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        return [{k: v for k, v in json.loads(line).items() if "per_s" not in k} for line in lines]
+
+    assert untimed("cut") == untimed("straight") and len(untimed("cut")) == 4
+    monkeypatch.chdir(tmp_path)  # --text is relative
+    run = load_run("straight")
+    loaded, initial = run.model, load_experiment("lm").build_state(run.config).model
+    moved = [n for n, a in named_arrays(initial).items() if not np.array_equal(a, named_arrays(loaded)[n])]
+    assert moved == ["blocks.attention_norm.weight", "blocks.attention_norm.bias", "blocks.mlp_norm.weight",
+                     "blocks.mlp_norm.bias", "norm.weight", "norm.bias"]  # fmt: skip
 
 
 @pytest.mark.slow

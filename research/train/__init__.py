@@ -20,6 +20,7 @@ from ._evaluate import (
     padded_batches,
 )
 from ._fit import add_standard_hooks, fit
+from ._frozen import Frozen, check_trainable, only_trainable, trainable_pattern
 from ._global_batch import GlobalBatch, Metrics, example_keys
 from ._hooks import Checkpoint, EarlyStopping, Evaluate, NonFiniteGuard, Profile, ShowProgress, Track
 from ._keys import random_normal
@@ -44,6 +45,7 @@ __all__ = [
     "Evaluate",
     "Evaluator",
     "FitResult",
+    "Frozen",
     "GlobalBatch",
     "InPrecision",
     "LowPrecision",
@@ -61,6 +63,7 @@ __all__ = [
     "add_standard_hooks",
     "batch_evaluator",
     "check_micro_batch_loss",
+    "check_trainable",
     "classification_loss",
     "classification_metrics",
     "combined_evaluator",
@@ -74,8 +77,10 @@ __all__ = [
     "forward",
     "mean_of_sums",
     "model_evaluator",
+    "only_trainable",
     "padded_batches",
     "random_normal",
     "take_step",
     "train_step",
+    "trainable_pattern",
 ]
