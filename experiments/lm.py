@@ -9,6 +9,7 @@ the trained model writes after the start of the held-out text (`research.nn.gene
 
 import dataclasses
 import functools
+import re
 from pathlib import Path
 
 import equinox as eqx
@@ -26,7 +27,7 @@ from research.data import (
     split_held_out,
 )
 from research.experiment import Setup, run_experiment
-from research.nn import LanguageModel, build_model, load_gpt2
+from research.nn import LanguageModel, LoRA, build_model, linear_layers, load_gpt2
 from research.tools.sample import sample_bytes
 from research.train import (
     FitResult,
@@ -95,6 +96,16 @@ class Config(TrainConfig):
         "(norm, blocks.mlp_, ...); the rest keeps its weights and takes no optimizer state",
         check=lambda value: None if value else "must name what trains (all: everything)",
     )
+    lora_rank: int = option(
+        0,
+        "adapt the blocks' linear layers with low-rank updates of this rank, which alone train (LoRA; 0: off); "
+        "merged into the weights on export",
+        check=non_negative,
+    )
+    lora_targets: str = option(
+        "attention|mlp_", "a regular expression searched in the linear layers' names: those --lora-rank adapts"
+    )
+    lora_alpha: float = option(16.0, "LoRA's updates are scaled by --lora-alpha / --lora-rank", check=positive)
     init_from: str | None = option(
         None,
         "start from a GPT-2 saved by Hugging Face transformers (a save_pretrained directory): its shape and weights "
@@ -117,28 +128,35 @@ DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config)}
 def build_state(config: Config) -> TrainState:
     """The step-0 model and optimizer of a config."""
     model_key, train_key = jax.random.split(jax.random.key(config.training.seed))
+    model = base_model(config, model_key)
+    if config.lora_rank:
+        lora_key = jax.random.fold_in(model_key, 1)
+        model = LoRA(model, config.lora_rank, config.lora_targets, config.lora_alpha, key=lora_key)
+    adamw = optax.adamw(learning_rate(config), weight_decay=config.weight_decay)
+    optimizer = optax.chain(optax.clip_by_global_norm(1.0), adamw)
+    if pattern := trained_pattern(config):
+        optimizer = only_trainable(optimizer, pattern)
+    return TrainState.create(model, optimizer, key=train_key)
+
+
+def base_model(config: Config, key: PRNGKeyArray) -> LanguageModel:
+    """The language model of a config before any adapter: --init-from's, or one drawn with `key`."""
     # Its own precision policy (the matmul weights cast inside its call) also serves sampling after training.
     compute_dtype = "bfloat16" if config.training.precision == "bf16" else "float32"
     if config.init_from is not None:
-        model = load_gpt2(config.init_from).with_compute_dtype(compute_dtype).with_remat(config.remat)
-    else:
-        model, _ = build_model(
-            "lm",
-            key=model_key,
-            context=config.context,
-            vocab=256 if (tokenizer := text_tokenizer(config)) is None else tokenizer.vocab,
-            dim=config.dim,
-            depth=config.depth,
-            heads=config.heads,
-            tied=not config.untied,
-            remat=config.remat,
-            compute_dtype=compute_dtype,
-        )
-    adamw = optax.adamw(learning_rate(config), weight_decay=config.weight_decay)
-    optimizer = optax.chain(optax.clip_by_global_norm(1.0), adamw)
-    if pattern := trainable_pattern(config.trainable):
-        optimizer = only_trainable(optimizer, pattern)
-    return TrainState.create(model, optimizer, key=train_key)
+        return load_gpt2(config.init_from).with_compute_dtype(compute_dtype).with_remat(config.remat)
+    return build_model(
+        "lm",
+        key=key,
+        context=config.context,
+        vocab=256 if (tokenizer := text_tokenizer(config)) is None else tokenizer.vocab,
+        dim=config.dim,
+        depth=config.depth,
+        heads=config.heads,
+        tied=not config.untied,
+        remat=config.remat,
+        compute_dtype=compute_dtype,
+    )[0]
 
 
 def learning_rate(config: Config) -> optax.Schedule:
@@ -155,8 +173,10 @@ def setup(config: Config) -> Setup:
     if config.init_from is not None:
         model = _checked_initial_model(config, tokenizer)
     else:
-        model = eqx.filter_eval_shape(build_state, config).model  # shapes only: nothing drawn
-    if pattern := trainable_pattern(config.trainable):
+        model = eqx.filter_eval_shape(base_model, config, jax.random.key(0))  # shapes only: nothing drawn
+    if config.lora_rank:
+        _check_lora(config, model)
+    elif pattern := trainable_pattern(config.trainable):
         check_trainable(model, pattern, config.trainable)
     train, held_out = split_held_out(read_text_bytes(config.text, max_bytes=config.text_bytes), config.held_out)
     train, val = split_held_out(train, config.val_fraction)
@@ -174,11 +194,30 @@ def setup(config: Config) -> Setup:
         train_data=train_data,
         eval_data=_evaluation_windows(held_out, config.context),
         num_steps=config.steps,
-        step=SupervisedStep(Frozen(loss, pattern) if (pattern := trainable_pattern(config.trainable)) else loss),
+        step=SupervisedStep(Frozen(loss, pattern) if (pattern := trained_pattern(config)) else loss),
         lr_schedule=learning_rate(config),
         evaluator=evaluator,
         val_data=_evaluation_windows(val, config.context) if config.val_fraction else None,
     )
+
+
+def trained_pattern(config: Config) -> str:
+    """What trains, as a pattern of parameter names ("": everything): LoRA's adapters alone, or --trainable's."""
+    return r"^adapters\." if config.lora_rank else trainable_pattern(config.trainable)
+
+
+def _check_lora(config: Config, model: LanguageModel) -> None:
+    if config.trainable != "all":
+        raise ConfigError(f"--lora-rank trains its adapters alone: drop --trainable {config.trainable}")
+    if config.lora_rank > config.dim and config.init_from is None:
+        raise ConfigError(f"--lora-rank {config.lora_rank} is above --dim {config.dim}: a low-rank update is smaller")
+    try:
+        chosen = [name for name in linear_layers(model) if re.search(config.lora_targets, name)]
+    except re.error as e:
+        raise ConfigError(f"--lora-targets {config.lora_targets!r} is not a regular expression: {e}") from None
+    if not chosen:
+        names = ", ".join(linear_layers(model))
+        raise ConfigError(f"--lora-targets {config.lora_targets!r} finds no linear layer (they are: {names})")
 
 
 def _checked_initial_model(config: Config, tokenizer: TextTokenizer | None) -> LanguageModel:
@@ -210,7 +249,8 @@ def main(config: Config) -> dict:
     trained: dict[str, LanguageModel] = {}  # the final model (the EMA's with --ema-decay), to sample from
 
     def throughput(result: FitResult) -> dict:
-        trained["model"] = result.state.model if result.state.ema is None else result.state.ema.average[0]
+        model = result.state.model if result.state.ema is None else result.state.ema.average[0]
+        trained["model"] = model.merged() if isinstance(model, LoRA) else model
         return {"bytes_per_s": (result.steps_per_s or 0.0) * bytes_per_step}
 
     summary = run_experiment("lm", config, setup(config), summary_extra=throughput)

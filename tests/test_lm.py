@@ -27,7 +27,7 @@ from research.data import (
 )
 from research.errors import ConfigError
 from research.experiment import load_experiment, load_run
-from research.nn import DecoderBlock, LanguageModel, build_model, causal_attention, named_arrays
+from research.nn import DecoderBlock, LanguageModel, LoRA, build_model, causal_attention, named_arrays
 from research.train import (
     Frozen,
     GlobalBatch,
@@ -205,6 +205,32 @@ def test_frozen_parameters_keep_their_weights_and_take_no_optimizer_state(getkey
         check_trainable(tiny_model(getkey()), pattern, "head")  # a tied head is the embedding
     with pytest.raises(ConfigError, match="is not a regular expression"):
         trainable_pattern("blocks.(")
+
+
+def test_lora_starts_as_its_base_model_and_trains_its_adapters_alone(getkey):
+    """`LoRA`: at initialisation the adapted model computes the base's logits to the bit; one step moves the
+    adapters' `b` alone (the base keeps its bits); Adam keeps moments for the adapters alone; `merged()` is a
+    LanguageModel whose weights hold the update."""
+    model, batch = tiny_model(getkey()), tiny_batch(8)
+    adapted = LoRA(model, 2, "mlp_in|query_proj", key=getkey())
+    assert sorted(adapted.adapters) == ["blocks.attention.query_proj", "blocks.mlp_in"]
+    assert adapted.adapters["blocks.mlp_in"].a.shape == (2, 2, 16)  # depth, rank, fan in: one a block
+    tokens = batch.inputs[0]
+    np.testing.assert_array_equal(eqx.filter_jit(adapted)(tokens), eqx.filter_jit(model)(tokens))
+    optimizer = only_trainable(optax.adam(1e-2), r"^adapters\.")
+    state = TrainState.create(adapted, optimizer, key=getkey())
+    adapter_bytes = sum(x.nbytes for x in jax.tree.leaves(adapted.adapters))
+    assert sum(x.nbytes for x in jax.tree.leaves(state.opt_state)) == 2 * adapter_bytes + 4
+    new, _ = eqx.filter_jit(lambda s, b: train_step(s, b, Frozen(NextTokenLoss(), r"^adapters\.")))(state, batch)
+    before, after = named_arrays(adapted), named_arrays(new.model)
+    moved = [name for name in before if not np.array_equal(before[name], after[name])]
+    assert moved == ["adapters.blocks.attention.query_proj.b", "adapters.blocks.mlp_in.b"]
+    merged = new.model.merged()
+    assert isinstance(merged, LanguageModel)
+    update = new.model.adapters["blocks.mlp_in"].delta()
+    np.testing.assert_allclose(merged.blocks.mlp_in.weight, model.blocks.mlp_in.weight + update, rtol=1e-6)
+    with pytest.raises(ValueError, match="LoRA targets 'conv' find no linear layer"):
+        LoRA(model, 2, "conv", key=getkey())
 
 
 @pytest.mark.slow

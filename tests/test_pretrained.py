@@ -289,3 +289,57 @@ def test_lm_refuses_an_init_from_the_other_options_contradict(tmp_path, monkeypa
     with pytest.raises(SystemExit):  # a GPT-2's 97 tokens and no tokenizer to read the text with
         main_entry(lm.main, lm.Config, ["--text", "text.txt", "--init-from", str(directory), "--context", "32"])
     assert "97 tokens and no tokenizer.json to read text: give --tokenizer" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_lora_fine_tuned_gpt2_exports_merged_to_a_directory_transformers_loads(tmp_path, monkeypatch, capsys):
+    """`lm --init-from DIR --lora-rank 4` trains its adapters alone; `scripts/export --format hf` merges them
+    into the weights: transformers loads the directory with no adapter code and computes the run's logits."""
+    from research.cli import main_entry
+    from research.experiment import load_experiment, load_run
+    from research.tools import export
+
+    monkeypatch.chdir(tmp_path)
+    vocab = bpe_tokenizer(tmp_path / "gpt2")
+    directory, theirs = gpt2(tmp_path, vocab_size=vocab)
+    (tmp_path / "text.py").write_text(TEXT)
+    lm = load_experiment("lm")
+    flags = ["--text", "text.py", "--init-from", str(directory), "--context", "32", "--batch-size", "4", "--lr", "0.01"]
+    flags += ["--steps", "4", "--steps-per-call", "2", "--log-every", "2", "--lora-rank", "4", "--no-progress"]
+    main_entry(lm.main, lm.Config, [*flags, "--run-dir", "lora"])
+    run = load_run("lora")
+    assert sorted(run.model.adapters) == [
+        f"blocks.{layer}" for layer in ("attention.key_proj", "attention.output_proj", "attention.query_proj",
+                                        "attention.value_proj", "mlp_in", "mlp_out")
+    ]  # fmt: skip
+    base, initial = named_arrays(run.model.model), named_arrays(load_gpt2(directory))
+    assert all(np.array_equal(base[name], initial[name]) for name in initial)  # the GPT-2 itself did not train
+    export.main(["lora", "--format", "hf"])
+    assert "written to lora/hf" in capsys.readouterr().err
+    assert (tmp_path / "lora/hf/tokenizer.json").read_text() == (directory / "tokenizer.json").read_text()
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "lora/hf").eval()
+    tokens = TOKENS % vocab
+    merged = our_logits(run.model.merged(), tokens)
+    np.testing.assert_allclose(their_logits(loaded, tokens), merged, atol=1e-5, rtol=0)
+    assert np.abs(merged - their_logits(theirs, tokens)).max() > 1e-3  # the adapters moved it
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--lora-rank", "2", "--trainable", "head"], "--lora-rank trains its adapters alone: drop --trainable head"),
+        (["--lora-rank", "2", "--lora-targets", "conv"], "--lora-targets 'conv' finds no linear layer"),
+        (["--lora-rank", "2", "--lora-targets", "("], "--lora-targets '\\(' is not a regular expression"),
+    ],
+)
+def test_lm_refuses_lora_options_that_cannot_work(tmp_path, monkeypatch, capsys, flags, message):
+    from research.cli import main_entry
+    from research.experiment import load_experiment
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "text.txt").write_text(TEXT)
+    lm = load_experiment("lm")
+    with pytest.raises(SystemExit) as exit:
+        main_entry(lm.main, lm.Config, ["--text", "text.txt", "--dim", "16", "--heads", "2", "--no-progress", *flags])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit.value.code == 2 and len(err) == 1 and re.search(message, err[0]), err

@@ -17,6 +17,7 @@ from ._gru import GRUClassifier
 from ._image_resnet import ImageBlock, ImageResNet
 from ._lm import DecoderBlock, LanguageModel, LastTokenClassifier, cast_floating, causal_attention
 from ._logistic import Logistic
+from ._lora import Adapter, LoRA, linear_layers
 from ._masked import Masked
 from ._mlp import ACTIVATIONS, MLP, LinearSigmoid
 from ._pretrained import load_gpt2, load_vit, save_gpt2, save_vit
@@ -31,6 +32,7 @@ __all__ = [
     "ACTIVATIONS",
     "BatchNorm",
     "CNN1d",
+    "Adapter",
     "DecoderBlock",
     "EncoderBlock",
     "Discriminator",
@@ -44,6 +46,7 @@ __all__ = [
     "MLP",
     "Masked",
     "LinearMapObserver",
+    "LoRA",
     "LinearSigmoid",
     "ResNet1d",
     "ResidualBlock",
@@ -59,6 +62,7 @@ __all__ = [
     "conv1d_as_matmul",
     "conv2d_as_matmul",
     "generate",
+    "linear_layers",
     "load_gpt2",
     "load_vit",
     "load_weights",

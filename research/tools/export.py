@@ -1,23 +1,28 @@
 """The weights of a trained run in the format the rest of the field exchanges them in.
 
-    scripts/export RUN_DIR [--format safetensors|npz] [--ema] [-o FILE]
+    scripts/export RUN_DIR [--format safetensors|npz|hf] [--ema] [-o FILE]
 
 Writes the model's arrays (`--ema`: the EMA model's) of the run's newest valid checkpoint under their
 names (`research.nn.array_names`: `blocks.0.conv1.weight`, ...), a stateful model's state (BatchNorm's
 running statistics) under `state.` and theirs, and in the metadata the experiment, the step, the model's
 class and the run's config (JSON). `research.nn.load_weights(FILE, model, state)` loads it back into a
-model built with that config; the `safetensors` library (or `np.load`) reads it anywhere.
+model built with that config; the `safetensors` library (or `np.load`) reads it anywhere. A model trained
+with LoRA adapters (`--lora-rank`) is written with them merged into its weights: the base model's.
+`--format hf` writes an `lm` run's model as a GPT-2 directory that `transformers` loads, with the run's
+tokenizer.json.
 """
 
 import json
+import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from ..errors import ResearchInputError
-from ..experiment import load_run
+from ..experiment import load_experiment, load_run
 from ..messages import messages_to_stderr
-from ..nn import save_weights
+from ..nn import LanguageModel, LoRA, save_gpt2, save_weights
 from ._runs import Parser, UsageError, fail
 
 
@@ -33,6 +38,12 @@ def export_weights(
         raise UsageError(
             f"{run.path} is a population of models: export one member's run (scripts/sweep --vmapped "
             "writes one a member)"
+        )
+    if isinstance(model, LoRA):  # the adapters merged into the weights: the base model's class and names
+        model = model.merged()
+    if format == "hf":
+        return _export_hugging_face(
+            run, model, Path(out) if out is not None else run.path / f"hf{'-ema' if ema else ''}"
         )
     metadata = {
         "format": "research weights 1",
@@ -50,18 +61,34 @@ def export_weights(
     return out
 
 
+def _export_hugging_face(run: Any, model: Any, out: Path) -> Path:
+    """A directory `transformers` loads (`save_pretrained`'s layout): a language model as a GPT-2, with the
+    tokenizer.json its run read text with."""
+    if not isinstance(model, LanguageModel):
+        raise UsageError(
+            f"--format hf: {run.path} holds a {type(model).__name__}; only language models (lm) go out as GPT-2"
+        )
+    save_gpt2(model, out)
+    tokenizer = load_experiment("lm").text_tokenizer(run.config)
+    if tokenizer is not None:
+        shutil.copyfile(tokenizer.path, out / "tokenizer.json")
+    return out
+
+
 def _parser() -> Parser:
     parser = Parser(
         prog="export",
-        usage="scripts/export RUN_DIR [--format safetensors|npz] [--ema] [-o FILE]",
-        description="Write a trained run's weights under their names, with its config, to a safetensors or .npz file.",
+        usage="scripts/export RUN_DIR [--format safetensors|npz|hf] [--ema] [-o FILE]",
+        description="Write a trained run's weights under their names, with its config, to a safetensors or .npz file; "
+        "or a language model as a Hugging Face GPT-2 directory.",
     )
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (with config.json and a checkpoint)")
     parser.add_argument(
         "--format",
-        choices=("safetensors", "npz"),
+        choices=("safetensors", "npz", "hf"),
         default="safetensors",
-        help="safetensors (the default) or numpy's .npz",
+        help="safetensors (the default), numpy's .npz, or hf: an lm run's model as a directory transformers loads "
+        "(GPT2LMHeadModel.from_pretrained; default RUN_DIR/hf[-ema])",
     )
     parser.add_argument("--ema", action="store_true", help="the EMA model's weights (a run with --ema-decay)")
     parser.add_argument("-o", "--out", default=None, help="the file to write (default: RUN_DIR/model[-ema].FORMAT)")

@@ -27,7 +27,7 @@ from ..data import TextTokenizer
 from ..experiment import load_experiment, load_run
 from ..judge import sample_images
 from ..messages import messages_to_stderr
-from ..nn import LanguageModel, generate
+from ..nn import LanguageModel, LoRA, generate
 from ..report import save_image_grid
 from ..typing import PRNGKeyArray
 from ._runs import Parser, UsageError, fail, open_runs
@@ -101,6 +101,8 @@ def load_language_run(run_dir: str | Path, *, ema: bool = False) -> tuple[Langua
     model = run.ema_model if ema else run.model
     if model is None:
         raise UsageError(f"--ema: the run in {run.path} kept no EMA of its weights (it trained without --ema-decay)")
+    if isinstance(model, LoRA):
+        model = model.merged()
     if not isinstance(model, LanguageModel):
         raise UsageError(f"{run.path} holds a {type(model).__name__}, not a LanguageModel")
     return model, load_experiment("lm").text_tokenizer(run.config)
