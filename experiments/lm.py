@@ -160,8 +160,9 @@ def base_model(config: Config, key: PRNGKeyArray) -> LanguageModel:
 
 
 def learning_rate(config: Config) -> optax.Schedule:
+    warmup = max(config.steps // 20, 1) if config.steps > 1 else 0  # one step: no warmup, or no decay would be left
     return optax.warmup_cosine_decay_schedule(
-        0.0, config.training.lr, max(config.steps // 20, 1), config.steps, end_value=config.training.lr / 10
+        0.0, config.training.lr, warmup, config.steps, end_value=config.training.lr / 10
     )
 
 

@@ -130,6 +130,15 @@ def test_bf16_computes_the_matrix_products_in_bf16_and_the_rest_in_float32(getke
     assert not np.array_equal(logits, eqx.filter_jit(model)(tokens))
 
 
+def test_the_learning_rate_warms_up_then_decays_at_any_number_of_steps():
+    lm = load_experiment("lm")
+    for steps in (1, 2, 40):
+        schedule = lm.learning_rate(lm.Config(steps=steps))
+        rates = [float(schedule(i)) for i in range(steps + 1)]
+        assert all(np.isfinite(rates)) and max(rates) == pytest.approx(3e-3) and rates[-1] == pytest.approx(3e-4)
+    assert lm.learning_rate(lm.Config(steps=40))(2) == pytest.approx(3e-3)  # the peak after 2 warmup steps
+
+
 def test_text_windows_split_and_file_order(tmp_path):
     data = np.arange(50, dtype=np.uint8)
     inputs, labels = next_byte_windows(data, 8)
