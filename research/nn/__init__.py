@@ -26,7 +26,7 @@ from ._resnet import ResidualBlock, ResNet1d
 from ._taps import LinearMapObserver, observed_linear_map, observing_linear_maps
 from ._transformer import TransformerBlock, TransformerClassifier
 from ._vit import EncoderBlock, VisionTransformer
-from ._weights import array_names, load_weights, named_arrays, read_weights, save_weights
+from ._weights import array_names, load_weights, named_arrays, path_name, read_weights, save_weights
 
 __all__ = [
     "ACTIVATIONS",
@@ -70,9 +70,10 @@ __all__ = [
     "named_arrays",
     "observed_linear_map",
     "observing_linear_maps",
+    "path_name",
     "read_weights",
+    "register_model",
     "save_gpt2",
     "save_vit",
-    "register_model",
     "save_weights",
 ]

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from ..typing import Array, Float, PRNGKeyArray
-from ._weights import _dotted
+from ._weights import path_name
 
 
 class Adapter(eqx.Module):
@@ -28,7 +28,7 @@ def linear_layers(model: Any) -> dict[str, eqx.nn.Linear]:
     """Every `eqx.nn.Linear` of `model` by its name (`blocks.mlp_in`, ...)."""
     is_linear = lambda x: isinstance(x, eqx.nn.Linear)  # noqa: E731
     leaves = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_linear)[0]
-    return {".".join(_dotted(path)): x for path, x in leaves if is_linear(x)}
+    return {path_name(path): x for path, x in leaves if is_linear(x)}
 
 
 def _at(model: Any, name: str) -> Any:

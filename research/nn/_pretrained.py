@@ -21,7 +21,7 @@ import numpy as np
 from ..errors import CheckpointError
 from ._lm import LanguageModel
 from ._vit import VisionTransformer
-from ._weights import _dotted, named_arrays
+from ._weights import named_arrays, path_name
 
 Model = TypeVar("Model", LanguageModel, VisionTransformer)
 # What a GPT-2 config must say for the LanguageModel to compute what `transformers` does: field, value.
@@ -195,10 +195,10 @@ def load_gpt2(directory: str | Path) -> LanguageModel:
 def _with_arrays(skeleton: Model, arrays: dict[str, jax.Array]) -> Model:
     """`skeleton` (shapes only) with `arrays` in place, each under its `array_names` name."""
     is_shape = lambda x: isinstance(x, jax.ShapeDtypeStruct)  # noqa: E731
-    names = [".".join(_dotted(p)) for p, _ in jax.tree_util.tree_flatten_with_path(skeleton, is_leaf=is_shape)[0]]
+    names = [path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(skeleton, is_leaf=is_shape)[0]]
     if sorted(n for n in names if n in arrays) != sorted(arrays):  # a bug in the name map, not in the file
         raise AssertionError(f"the name map misses {sorted(set(arrays) - set(names))}")
-    fill = lambda path, x: arrays[".".join(_dotted(path))] if is_shape(x) else x  # noqa: E731
+    fill = lambda path, x: arrays[path_name(path)] if is_shape(x) else x  # noqa: E731
     return jax.tree_util.tree_map_with_path(fill, skeleton, is_leaf=is_shape)
 
 

@@ -32,6 +32,11 @@ def _dotted(path: tuple[Any, ...]) -> list[str]:
     return [_key_text(key) for key in path]
 
 
+def path_name(path: tuple[Any, ...]) -> str:
+    """The name of the leaf at a `jax.tree_util` key path, as `array_names` gives it (`blocks.mlp_in.weight`)."""
+    return ".".join(_dotted(path))
+
+
 def array_names(tree: Any) -> list[str]:
     """The name of every array leaf of `tree`, in the order of `jax.tree.leaves(eqx.filter(tree, eqx.is_array))`."""
     arrays = eqx.filter(tree, eqx.is_array)

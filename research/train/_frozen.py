@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import optax
 
 from ..errors import ConfigError
-from ..nn._weights import _dotted
+from ..nn import path_name
 from ..typing import PRNGKeyArray, PyTree
 from ._global_batch import LossFn
 from ._precision import LowPrecision
@@ -34,7 +34,7 @@ def check_trainable(model: Any, pattern: str, flag: str) -> None:
     `eqx.filter_eval_shape`), naming them."""
     floating = lambda x: isinstance(x, jax.ShapeDtypeStruct | jax.Array) and jnp.issubdtype(x.dtype, jnp.inexact)  # noqa: E731
     leaves = jax.tree_util.tree_flatten_with_path(model, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))[0]
-    names = [".".join(_dotted(path)) for path, x in leaves if floating(x)]
+    names = [path_name(path) for path, x in leaves if floating(x)]
     if not any(re.search(pattern, name) for name in names):
         shown = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
         raise ConfigError(f"--trainable {flag} finds no parameter of the model (its names: {shown})")
@@ -46,7 +46,7 @@ def _labelled(tree: PyTree, pattern: str, trained: Any, frozen: Any) -> PyTree:
     def label(path: tuple, x: Any) -> Any:
         if not eqx.is_array(x):
             return x
-        return trained(x) if re.search(pattern, ".".join(_dotted(path))) else frozen(x)
+        return trained(x) if re.search(pattern, path_name(path)) else frozen(x)
 
     return jax.tree_util.tree_map_with_path(label, tree)
 
