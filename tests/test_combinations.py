@@ -60,6 +60,10 @@ class Experiment:
 
 GENERATIVE = ("--features", "4", "--batch-size", "16", "--steps-per-call", "2", "--log-every", "2", "--eval-every", "2")
 METALEARN_MEMBERS = ("--start-lrs", "1.5", "0.15", "0.5", "1.0")
+LM = tuple(
+    "--dim 16 --depth 1 --heads 2 --context 16 --batch-size 8 --steps-per-call 2 --log-every 2 --eval-every 2 "
+    "--text-bytes 20000".split()
+)
 LOTTERY = tuple("--rounds 1 --schedule-length 2 --hidden 4 --steps 2 --steps-per-call 2 --log-every 2".split())
 EXPERIMENTS = {  # state_passing is no training run
     "xor": Experiment(
@@ -147,6 +151,22 @@ EXPERIMENTS = {  # state_passing is no training run
         phases=("fresh", "resumed"),
         ema_everywhere=False,
         timeout=120,  # compiling the ResNet's train and evaluation steps beside the 4-device worker took > 45 s
+    ),
+    # the byte LM on the first 20 KB of the standard library's source (no file to make), training its norms alone
+    # (--trainable: the rest keeps its bits, no optimizer state), then with LoRA adapters (fresh runs: the
+    # adapters are the same step); --init-from is tests/test_pretrained.py's (it needs a transformers checkpoint)
+    "lm": Experiment(
+        ("--steps", "4", *LM, "--trainable", "norm"),
+        ("--steps", "8", *LM, "--trainable", "norm"),
+        tracked=False,
+        timeout=90,
+    ),
+    "lm_lora": Experiment(
+        ("--steps", "4", *LM, "--lora-rank", "2"),
+        ("--steps", "8", *LM, "--lora-rank", "2"),
+        script="lm",
+        phases=("fresh",),
+        timeout=90,
     ),
     "ensemble": Experiment(
         ("--num-members", "2", "--hidden", "8", "--epochs", "1", "--batch-size", "1000"),
