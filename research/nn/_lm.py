@@ -46,13 +46,14 @@ def causal_attention(
     kernel (`jax.nn.dot_product_attention`, which skips the masked half and keeps no [tokens, tokens]
     matrix); elsewhere, and where cuDNN refuses the head width or layout, `attention` under a causal mask.
     The two agree to float rounding (tests/test_lm.py)."""
-    if jax.default_backend() == "gpu" and query.dtype in (jnp.bfloat16, jnp.float16):
-        try:
-            return jax.nn.dot_product_attention(query, keys, values, is_causal=True, implementation="cudnn")
-        except (NotImplementedError, RuntimeError, ValueError):  # no cuDNN, or a head width or layout it lacks
-            pass
     tokens = query.shape[0]
-    return attention(query, keys, values, jnp.tril(jnp.ones((tokens, tokens), bool)))
+    causal_mask = jnp.tril(jnp.ones((tokens, tokens), bool))
+    if jax.default_backend() != "gpu" or query.dtype not in (jnp.bfloat16, jnp.float16):
+        return attention(query, keys, values, causal_mask)
+    try:
+        return jax.nn.dot_product_attention(query, keys, values, is_causal=True, implementation="cudnn")
+    except (NotImplementedError, RuntimeError, ValueError):  # no cuDNN, or a head width or layout it lacks
+        return attention(query, keys, values, causal_mask)
 
 
 def split_heads(linear: eqx.nn.Linear, h: Float[Array, "tokens dim"], heads: int) -> Float[Array, "tokens {heads} _"]:
