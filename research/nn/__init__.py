@@ -8,6 +8,7 @@ DDPM noise-prediction U-Net), and `linear_sigmoid`.
 `generate(model, prompt, length, key=...)` samples from an `lm` with a key-value cache.
 """
 
+from ._actor_critic import ActorCritic
 from ._batch_norm import BatchNorm
 from ._cnn import CNN1d
 from ._conv import conv1d_as_matmul, conv2d_as_matmul
@@ -29,6 +30,7 @@ from ._vit import EncoderBlock, VisionTransformer
 from ._weights import array_names, load_weights, named_arrays, path_name, read_weights, save_weights
 
 __all__ = [
+    "ActorCritic",
     "ACTIVATIONS",
     "BatchNorm",
     "CNN1d",
