@@ -1,7 +1,8 @@
 """Image classification on your own data: MNIST-style IDX files, CIFAR-10/100 binary batches, a folder of
-images per class, or a .npz (`--data PATH`; `research.data.read_image_data`). A ResNet for 28-32 px
-images (`research.nn.ImageResNet`, BatchNorm through explicit state), random crops and flips drawn on the
-device per example, label smoothing, SGD with Nesterov momentum or AdamW under a warmup + cosine schedule.
+images per class, a Hugging Face datasets directory, or a .npz (`--data PATH`;
+`research.data.read_image_data`). A ResNet for 28-32 px images (`research.nn.ImageResNet`, BatchNorm
+through explicit state), random crops and flips drawn on the device per example, label smoothing, SGD with
+Nesterov momentum or AdamW under a warmup + cosine schedule.
 
     ./scripts/run images --data ~/data/cifar-10-batches-bin --flip --epochs 30
 """
@@ -77,8 +78,9 @@ class Config(TrainConfig):
     loader: Literal["device", "torch", "grain"] = option(
         "device",
         "device: the images on the device, batches gathered there; torch: a torch DataLoader; grain: "
-        "Grain. Both stream the images from disk (an uncompressed IDX or .npy file memory-mapped: a data "
-        "set larger than memory), each process reading only its rows of every batch",
+        "Grain. Both stream the images from disk (an uncompressed IDX or .npy file, or a datasets directory's "
+        "Arrow files, memory-mapped: a data set larger than memory), each process reading only its rows of every "
+        "batch",
     )
     workers: int = option(
         2,

@@ -2,9 +2,11 @@
 
 By default it reads the first `--text-bytes` of this Python's standard library source (`*.py`, in
 sorted order), holds out the last `--held-out` of the bytes, and learns to predict each next byte
-of non-overlapping `--context`-byte windows. It reports held-out bits per byte beside two yardsticks
-on the same bytes (byte frequencies, zlib -9) and the training throughput in bytes/s, then prints what
-the trained model writes after the start of the held-out text (`research.nn.generate`).
+of non-overlapping `--context`-byte windows (`--text` takes a file, a folder, or a Hugging Face datasets
+directory: its `--text-column`, a row a line, a DatasetDict's test split held out). It reports held-out
+bits per byte beside two yardsticks on the same bytes (byte frequencies, zlib -9) and the training
+throughput in bytes/s, then prints what the trained model writes after the start of the held-out text
+(`research.nn.generate`).
 """
 
 import dataclasses
@@ -21,7 +23,9 @@ from research.cli import ConfigError, TrainConfig, Training, group, main_entry, 
 from research.data import (
     DeviceLoader,
     TextTokenizer,
+    is_datasets_directory,
     next_byte_windows,
+    read_datasets_text,
     read_text_bytes,
     reference_bits_per_byte,
     split_held_out,
@@ -70,8 +74,12 @@ class Config(TrainConfig):
     heads: int = option(4, "attention heads (must divide --dim)", check=positive)
     untied: bool = option(False, "give the output head its own weights instead of the token embedding's")
     text: str | None = option(
-        None, "a file or a folder (all its files, sorted) to learn; default: the Python standard library's *.py source"
+        None,
+        "a file or a folder (all its files, sorted) to learn, or a Hugging Face datasets directory (save_to_disk) "
+        "whose --text-column it learns (a DatasetDict: its train split, its test split held out); default: the "
+        "Python standard library's *.py source",
     )
+    text_column: str = option("text", "the column of text of a datasets directory --text (a row a line)")
     text_bytes: int = option(16_000_000, "read at most this many bytes of the text", check=positive)
     held_out: float = option(0.05, "fraction of the bytes (the last ones) held out for evaluation", check=_fraction)
     val_fraction: float = option(
@@ -179,7 +187,7 @@ def setup(config: Config) -> Setup:
         _check_lora(config, model)
     elif pattern := trainable_pattern(config.trainable):
         check_trainable(model, pattern, config.trainable)
-    train, held_out = split_held_out(read_text_bytes(config.text, max_bytes=config.text_bytes), config.held_out)
+    train, held_out = text_splits(config)
     train, val = split_held_out(train, config.val_fraction)
     bytes_per_token, evaluator = 1.0, evaluate_language_model
     if tokenizer is not None:
@@ -200,6 +208,18 @@ def setup(config: Config) -> Setup:
         evaluator=evaluator,
         val_data=_evaluation_windows(val, config.context) if config.val_fraction else None,
     )
+
+
+def text_splits(config: Config) -> tuple[np.ndarray, np.ndarray]:
+    """(training bytes, held-out bytes) of --text: a datasets directory's train and test splits
+    (`research.data.read_datasets_text`), else the last --held-out of a file's or a folder's bytes."""
+    if config.text is not None and is_datasets_directory(config.text):
+        return read_datasets_text(
+            config.text, column=config.text_column, max_bytes=config.text_bytes, held_out=config.held_out
+        )
+    if config.text_column != DEFAULTS["text_column"]:
+        raise ConfigError(f"--text-column names a column of a datasets directory; --text {config.text} is not one")
+    return split_held_out(read_text_bytes(config.text, max_bytes=config.text_bytes), config.held_out)
 
 
 def trained_pattern(config: Config) -> str:
@@ -257,7 +277,7 @@ def main(config: Config) -> dict:
     summary = run_experiment("lm", config, setup(config), summary_extra=throughput)
     tokenizer = text_tokenizer(config)
     if jax.process_index() == 0:
-        train, held_out = split_held_out(read_text_bytes(config.text, max_bytes=config.text_bytes), config.held_out)
+        train, held_out = text_splits(config)
         reference = reference_bits_per_byte(train, held_out)
         print(
             f"lm: held-out {summary['test_bits_per_byte']:.3f} bits/byte (same bytes: byte frequencies "

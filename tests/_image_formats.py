@@ -75,3 +75,31 @@ def write_formats(root: Path, train: Batch, test: Batch) -> dict[str, Path]:
     paths["npz"] = root / "digits.npz"
     np.savez(paths["npz"], x_train=train.inputs, y_train=train.labels, x_test=test.inputs, y_test=test.labels)
     return paths
+
+
+DATASETS_KINDS = ("image", "array", "list")
+
+
+def write_datasets(path: Path, train: Batch, test: Batch, kind: str = "image") -> Path:
+    """The images as a Hugging Face datasets directory (`DatasetDict.save_to_disk`), made with
+    `datasets.Dataset.from_dict`: `kind` "image" PNGs in an `Image` column and the labels a `ClassLabel`;
+    "array" an `Array3D` column and a `ClassLabel`; "list" lists of lists of uint8 and integer labels, as
+    `from_dict` infers them from the arrays. The training split in three shards: three Arrow files."""
+    import datasets
+    from PIL import Image
+
+    def split(part: Batch) -> "datasets.Dataset":
+        labels = datasets.ClassLabel(names=[str(d) for d in range(10)])
+        if kind == "list":
+            return datasets.Dataset.from_dict({"image": part.inputs, "label": part.labels})
+        if kind == "array":
+            features = datasets.Features({"image": datasets.Array3D(part.inputs.shape[1:], "uint8"), "label": labels})
+            return datasets.Dataset.from_dict({"image": part.inputs, "label": part.labels}, features=features)
+        features = datasets.Features({"image": datasets.Image(), "label": labels})
+        pictures = [Image.fromarray(image[..., 0] if image.shape[-1] == 1 else image) for image in part.inputs]
+        return datasets.Dataset.from_dict({"image": pictures, "label": part.labels}, features=features)
+
+    datasets.disable_progress_bars()
+    splits = {"train": split(train), "test": split(test)}
+    datasets.DatasetDict(splits).save_to_disk(str(path), num_shards={"train": 3, "test": 1})
+    return path

@@ -1,9 +1,10 @@
 """Datasets (XOR, MNIST-1D, byte-level text, modular addition), readers of image data in standard formats
-(IDX, CIFAR binary, an image folder, .npz), label noise, numpy collation, a torch DataLoader builder and a
-device-resident loader."""
+(IDX, CIFAR binary, an image folder, a Hugging Face datasets directory, .npz) and of a datasets directory's
+text, label noise, numpy collation, a torch DataLoader builder and a device-resident loader."""
 
 from ._augment import random_crop_flip
 from ._grain import GrainLoader
+from ._hf_datasets import ArrowImages, is_datasets_directory, read_datasets_images, read_datasets_text
 from ._images import (
     FORMATS_HELP,
     ImageData,
@@ -25,6 +26,7 @@ from ._loaders import (
     Dataset,
     DeviceLoader,
     HostLoader,
+    RowArray,
     TorchLoader,
     as_batch,
     check_rows,
@@ -65,6 +67,7 @@ __all__ = [
     "MNIST1D_TRAIN_SIZE",
     "MNIST1D_TRAIN_SPLIT",
     "ArrayDataset",
+    "ArrowImages",
     "Batch",
     "BatchOrder",
     "DataError",
@@ -72,6 +75,7 @@ __all__ = [
     "DeviceLoader",
     "GrainLoader",
     "HostLoader",
+    "RowArray",
     "TorchLoader",
     "TextTokenizer",
     "XORDataset",
@@ -84,6 +88,7 @@ __all__ = [
     "epoch_seed",
     "eval_loader",
     "generate_mnist1d",
+    "is_datasets_directory",
     "load_mnist1d",
     "make_dataloader",
     "modular_addition",
@@ -92,6 +97,8 @@ __all__ = [
     "random_crop_flip",
     "read_array",
     "read_cifar",
+    "read_datasets_images",
+    "read_datasets_text",
     "read_idx",
     "read_idx_directory",
     "read_image_data",

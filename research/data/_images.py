@@ -1,12 +1,14 @@
 """Image classification data in the formats it comes in, read into arrays: IDX files (MNIST,
-Fashion-MNIST, KMNIST), CIFAR-10 and CIFAR-100 binary batches, a folder of images per class, a `.npz`.
+Fashion-MNIST, KMNIST), CIFAR-10 and CIFAR-100 binary batches, a folder of images per class, a Hugging Face
+`datasets` directory (`research.data.read_datasets_images`), a `.npz`.
 
 `read_image_data(path)` tells the format from the path and returns an `ImageData`: `uint8` images
 `[examples, height, width, channels]` and `int32` labels for the training and the test set. Nothing is
 unpickled (`np.load(..., allow_pickle=False)`); a damaged or inconsistent file is refused with a
 `DataError` that names it: a wrong magic number, a truncated record, a label out of range, images of
-different sizes. Uncompressed IDX files (and the `.npy` files of `read_array`) can be memory-mapped, so
-a data set larger than memory streams from disk (`research.data.StreamingLoader`).
+different sizes. Uncompressed IDX files (and the `.npy` files of `read_array`, and a datasets directory's
+Arrow files) can be memory-mapped, so a data set larger than memory streams from disk (`TorchLoader`,
+`GrainLoader`).
 """
 
 import dataclasses
@@ -20,13 +22,14 @@ from jaxtyping import Shaped
 
 from ..errors import DataError
 from ..typing import typecheck
-from ._loaders import Batch
+from ._loaders import Batch, RowArray
 
-Format = Literal["idx", "cifar", "folder", "npz", "npy"]
+Format = Literal["idx", "cifar", "folder", "datasets", "npz", "npy"]
 FORMATS_HELP = (
     "an IDX directory (MNIST-style *-images-idx3-ubyte[.gz] and *-labels-idx1-ubyte[.gz]), a CIFAR-10 "
     "or CIFAR-100 binary directory (data_batch_*.bin + test_batch.bin, or train.bin + test.bin), an image "
-    "folder (DIR/train/<class>/*.png|jpg, DIR/test/<class>/...), a .npz with x_train, y_train, x_test, "
+    "folder (DIR/train/<class>/*.png|jpg, DIR/test/<class>/...), a Hugging Face datasets directory "
+    "(DatasetDict.save_to_disk: train and test splits of images and labels), a .npz with x_train, y_train, x_test, "
     "y_test, or a directory of those four as .npy files"
 )
 NPY_FILES = ("x_train.npy", "y_train.npy", "x_test.npy", "y_test.npy")
@@ -48,7 +51,8 @@ class ImageData:
     **Fields:**
 
     - `train`, `test`: `Batch(inputs, labels)`: `uint8` images `[examples, height, width, channels]`
-      (memory-mapped for an uncompressed IDX file read with `mmap=True`) and `int32` labels.
+      (memory-mapped for an uncompressed IDX file read with `mmap=True`; for a datasets directory so
+      read, `ArrowImages`) and `int32` labels.
     - `classes`: the class names (an image folder's directories, CIFAR's meta file) or `"0"`, `"1"`, ...
     - `format`: which reader read it; `path`: what it read.
     """
@@ -81,11 +85,11 @@ class ImageData:
         return tuple(self.train.inputs.shape[1:])  # type: ignore[return-value]
 
 
-def _size(images: np.ndarray) -> str:
+def _size(images: RowArray) -> str:
     return "x".join(map(str, images.shape[1:]))
 
 
-def _check_images(images: np.ndarray, where: str) -> None:
+def _check_images(images: RowArray, where: str) -> None:
     if images.dtype != np.uint8 or images.ndim != 4:
         raise DataError(
             f"{where}: expected uint8 images [examples, height, width, channels], got {images.dtype} "
@@ -103,6 +107,8 @@ def detect_format(path: str | Path) -> Format:
             return "npz"
         raise DataError(f"--data {path}: a file, but not a .npz; it takes {FORMATS_HELP}")
     names = {p.name for p in path.iterdir()}
+    if "dataset_dict.json" in names or {"state.json", "dataset_info.json"} <= names:  # before "folder": train/
+        return "datasets"
     if any(_IDX_NAME.match(name) for name in names):
         return "idx"
     if "x_train.npy" in names:
@@ -116,8 +122,8 @@ def detect_format(path: str | Path) -> Format:
 
 def read_image_data(path: str | Path, *, mmap: bool = False) -> ImageData:
     """The training and test images of `path`, in whichever format it is (`detect_format`); `mmap`:
-    memory-map uncompressed IDX files and .npy files instead of reading them (a data set larger than
-    memory streams from disk through `TorchLoader` or `GrainLoader`)."""
+    memory-map uncompressed IDX files, .npy files and a datasets directory's Arrow files instead of reading
+    them (a data set larger than memory streams from disk through `TorchLoader` or `GrainLoader`)."""
     path = Path(path)
     format = detect_format(path)
     if format == "idx":
@@ -128,6 +134,10 @@ def read_image_data(path: str | Path, *, mmap: bool = False) -> ImageData:
         return read_cifar(path)
     if format == "folder":
         return read_image_folder(path)
+    if format == "datasets":
+        from ._hf_datasets import read_datasets_images  # it imports ImageData from here
+
+        return read_datasets_images(path, mmap=mmap)
     return read_npz(path)
 
 

@@ -41,6 +41,27 @@ class Dataset(Protocol):
     def __getitem__(self, index: int) -> Any: ...
 
 
+@runtime_checkable
+class RowArray(Protocol):
+    """What a host loader reads examples from: an array along its first axis, indexed by an int or an
+    array of rows (`np.asarray` of it reads it whole). A numpy array is one, a memory-mapped file too,
+    and so is `ArrowImages`: the images of a Hugging Face datasets directory, read from its Arrow files
+    by rows."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def dtype(self) -> np.dtype: ...
+
+    @property
+    def ndim(self) -> int: ...
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: Any) -> Any: ...
+
+
 # What `fit` and `evaluate` take besides a `DeviceLoader`: a torch DataLoader of numpy batches
 # (annotated structurally, so that importing this module does not import torch).
 HostLoader = Iterable
@@ -300,18 +321,18 @@ class DeviceLoader:
 
 class ArrayDataset:
     """Examples `(inputs[i], labels[i])` of two arrays (in memory, or memory-mapped: a data set larger than
-    memory) as a map-style dataset for a torch DataLoader; `rows`: only those rows of the arrays, in that
-    order (a training set less its validation rows, without copying a memory-mapped file). A batch is read
-    in one indexing (`__getitems__`); `dataset_arrays` reads the arrays whole."""
+    memory; `inputs` any `RowArray`) as a map-style dataset for a torch DataLoader; `rows`: only those rows
+    of the arrays, in that order (a training set less its validation rows, without copying a memory-mapped
+    file). A batch is read in one indexing (`__getitems__`); `dataset_arrays` reads the arrays whole."""
 
-    def __init__(self, inputs: np.ndarray, labels: np.ndarray, rows: np.ndarray | None = None):
+    def __init__(self, inputs: RowArray, labels: np.ndarray, rows: np.ndarray | None = None):
         if len(inputs) != len(labels):
             raise DataError(f"inputs and labels differ in length: {len(inputs)} vs {len(labels)}")
         self.rows = rows
         self._inputs, self._labels = inputs, labels
 
     @property
-    def inputs(self) -> np.ndarray:
+    def inputs(self) -> RowArray:
         return self._inputs if self.rows is None else self._inputs[self.rows]
 
     @property
