@@ -2,9 +2,9 @@
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from ..services import RunDir
 
@@ -46,3 +46,16 @@ class Parser(argparse.ArgumentParser):
 def fail(prog: str, error: Exception) -> NoReturn:
     print(f"{prog}: error: {error}", file=sys.stderr)
     raise SystemExit(2)
+
+
+def within(low: int | float, high: int | float, kind: type) -> Callable[[str], Any]:
+    """An argparse `type`: `kind(text)`, refused unless `low <= value <= high`."""
+
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if not low <= value <= high:
+            raise ValueError(text)
+        return value
+
+    parse.__name__ = f"{kind.__name__} in {low}..{high}"  # argparse names the type in its message
+    return parse

@@ -16,14 +16,13 @@ import numpy as np
 from ..experiment import load_experiment, load_run
 from ..messages import messages_to_stderr
 from ..population import member, num_members
-from ._runs import Parser, UsageError, fail
-from .sample import _within
+from ._runs import Parser, UsageError, fail, within
 
 
 def _parser() -> Parser:
     parser = Parser(prog="scripts/rollout", description="Play a trained run's policy and print its returns.")
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a ppo run directory (with config.json and a checkpoint)")
-    parser.add_argument("--episodes", type=_within(1, 10**6, int), default=100, help="episodes to play (default 100)")
+    parser.add_argument("--episodes", type=within(1, 10**6, int), default=100, help="episodes to play (default 100)")
     parser.add_argument("--seed", type=int, default=0, help="the seed of the episodes (default 0)")
     parser.add_argument("--sample", action="store_true", help="sample the policy's actions instead of the greedy ones")
     parser.add_argument("--ema", action="store_true", help="the EMA policy (a run with --ema-decay)")

@@ -15,7 +15,7 @@ writes `--count` images drawn with the keys of `--seed` as one PNG grid (`-o`, d
 import dataclasses
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ from ..messages import messages_to_stderr
 from ..nn import LanguageModel, LoRA, generate
 from ..report import save_image_grid
 from ..typing import PRNGKeyArray
-from ._runs import Parser, UsageError, fail, open_runs
+from ._runs import Parser, UsageError, fail, open_runs, within
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,17 +124,6 @@ def draw_images(run_dir: str | Path, count: int, *, seed: int = 0, ema: bool = F
     return sample_images(module.sampler(run.config), model, model_state, count, seed=seed)
 
 
-def _within(low: int | float, high: int | float, kind: type) -> Callable[[str], Any]:
-    def parse(text: str) -> Any:
-        value = kind(text)
-        if not low <= value <= high:
-            raise ValueError(text)
-        return value
-
-    parse.__name__ = f"{kind.__name__} in {low}..{high}"  # argparse names the type in its message
-    return parse
-
-
 TEXT_OPTIONS = ("prompt", "bytes", "temperature", "top_k")
 IMAGE_OPTIONS = ("count", "out")
 
@@ -155,26 +144,26 @@ def _parser() -> Parser:
     )
     parser.add_argument(
         "--bytes",
-        type=_within(1, 10**9, int),
+        type=within(1, 10**9, int),
         default=None,
         help="bytes to generate, tokens of a run with a tokenizer (default 256)",
     )
     parser.add_argument(
         "--temperature",
-        type=_within(0, float("inf"), float),
+        type=within(0, float("inf"), float),
         default=None,
         help="sampling temperature; 0: always the most likely byte (default 0.8)",
     )
     parser.add_argument(
         "--top-k",
-        type=_within(0, 10**7, int),
+        type=within(0, 10**7, int),
         default=None,
         help="sample among the K most likely bytes or tokens; 0: all of them (default 40)",
     )
     parser.add_argument("--seed", type=int, default=0, help="the sampling key's seed (default 0)")
     parser.add_argument("--ema", action="store_true", help="the EMA model (a run with --ema-decay)")
     parser.add_argument(
-        "--count", type=_within(1, 10**5, int), default=None, help="images to draw, of an image run (default 64)"
+        "--count", type=within(1, 10**5, int), default=None, help="images to draw, of an image run (default 64)"
     )
     parser.add_argument(
         "-o", "--out", default=None, help="the PNG file of an image run's grid (default: RUN_DIR/sample-seed<S>.png)"
