@@ -20,6 +20,7 @@ CASES = {
     "i": "gpt",
     "j": "deterministic",
     "k": "generative",
+    "l": "ppo",
 }
 
 
@@ -52,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         _mlp,
         _per_example,
         _population,
+        _ppo,
         _report,
         _xor,
     )
@@ -68,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         "gpt": _gpt,
         "deterministic": _deterministic,
         "generative": _generative,
+        "ppo": _ppo,
     }
     start = time.perf_counter()
     info = _report.machine()
@@ -87,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
             continue
         if name == "generative" and not _frameworks.have_sklearn():
             skipped[case] = "skipped: scikit-learn (its bundled digits) is not installed (the `dev` extra)"
+            print(f"case ({case}) {name}: {skipped[case]}", file=sys.stderr)
+            continue
+        if name == "ppo" and _ppo.missing():
+            skipped[case] = f"skipped: {_ppo.missing()} is not installed (the `rl` and `bench` extras)"
             print(f"case ({case}) {name}: {skipped[case]}", file=sys.stderr)
             continue
         case_start = time.perf_counter()

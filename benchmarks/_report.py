@@ -202,6 +202,17 @@ def targets(results: dict) -> list[tuple[str, str, str, bool | None]]:
                 r <= 1.0,
             )
         )
+    for label, timings in results.get("ppo", {}).get("populations", {}).items():
+        ours, peer = _find(timings, "ours"), _find(timings, "rejax")
+        r = peer.median / ours.median
+        rows.append(
+            (
+                f"(l) PPO on CartPole-v1, {label}: environment steps a second vs rejax (issue 43)",
+                ">= 1x as fast",
+                f"{r:.2f}x as fast ({1 / ours.median:,.0f} vs {1 / peer.median:,.0f} a second)",
+                r >= 1,
+            )
+        )
     return rows
 
 
@@ -391,6 +402,8 @@ def write_markdown(path: Path, results: dict, info: dict, quick: bool, seconds: 
         lines += _deterministic_section(results["deterministic"])
     if "generative" in results:
         lines += _generative_section(results["generative"])
+    if "ppo" in results:
+        lines += _ppo_section(results["ppo"])
     lines += ["", findings.strip(), ""]
     path.write_text("\n".join(lines))
 
@@ -535,6 +548,43 @@ def _generative_section(k: dict) -> list[str]:
     return lines
 
 
+def _ppo_section(l_: dict) -> list[str]:
+    r = l_["recipe"]
+    lines = [
+        "",
+        "## (l) PPO through the engine against rejax's PPO",
+        "",
+        "`experiments/ppo.py` through the engine as `run_experiment` drives it (`compiled_trainer(step, state)"
+        ".run`, 10 PPO iterations a call; a population is `--population 16`, the engine's vmapped step) against "
+        "rejax 0.1.3's `PPO.train` under `jax.jit` (a population: `jax.jit(jax.vmap(train))` over 16 seeds), "
+        f"training only, on gymnax's {r['env']} with the recipe both take: {r['num_envs']} environments, rollouts "
+        f"of {r['num_steps']} steps, {r['num_epochs']} epochs of {r['num_minibatches']} minibatches, gamma "
+        f"{r['gamma']:g}, GAE lambda {r['gae_lambda']:g}, clip {r['clip_eps']:g}, entropy {r['ent_coef']:g}, value "
+        f"{r['vf_coef']:g}, gradients clipped at {r['max_grad_norm']:g}, Adam at a constant {r['learning_rate']:g}, "
+        f"{r['hidden']}x{r['hidden']} tanh policy and value networks. rejax's evaluation is switched off (a no-op "
+        "callback); ours also bootstraps truncated episodes (a second forward pass an environment step) and "
+        "keeps episode and update metrics on the device, which rejax does not; rejax clips gradients element by "
+        "element and updates the two networks apart (benchmarks/_ppo.py lists every difference). A sample is "
+        f"{l_['iterations']} iterations ({l_['iterations'] * r['num_envs'] * r['num_steps']:,} environment steps an "
+        "agent), continuing from the last sample; the rate counts every member's steps. Compiling the four "
+        f"candidates (and a first sample of each) took {l_['seconds']['compile']:.0f} s of this case. Return: "
+        "ours' mean training episode return over its last sample (rejax keeps none).",
+        "",
+        "| agents | candidate | environment steps a second (median) | IQR | x rejax | return |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for label, timings in l_["populations"].items():
+        base = _find(timings, "rejax").median
+        for t in timings:
+            q1, q3 = t.quartiles
+            ret = t.extra.get("episode_return")
+            lines.append(
+                f"| {label} | {t.name} | {1 / t.median:,.0f} | {1 / q3:,.0f} - {1 / q1:,.0f} | "
+                f"{base / t.median:.2f} | {'-' if ret is None else f'{ret:.1f}'} |"
+            )
+    return lines
+
+
 def write_chart(path: Path, results: dict) -> str | None:
     try:
         import matplotlib
@@ -563,11 +613,15 @@ def write_chart(path: Path, results: dict) -> str | None:
         ("generative", model, f"(k) {model} step (ms)", 1e3)
         for model in results.get("generative", {}).get("models", {})
     ]
+    panels += [
+        ("ppo", label, f"(l) PPO, {label}: us an environment step", 1e6)
+        for label in results.get("ppo", {}).get("populations", {})
+    ]
     if not panels:
         return None
     fig, axes = plt.subplots(len(panels), 1, figsize=(8, 2.2 * len(panels) + 0.5), squeeze=False)
     for ax, (case, key, title, scale) in zip(axes[:, 0], panels, strict=True):
-        nested = {"dp_sgd": "models", "population": "grids", "generative": "models"}
+        nested = {"dp_sgd": "models", "population": "grids", "generative": "models", "ppo": "populations"}
         timings = results[case][nested[case]][key] if case in nested else results[case][key]
         timings = timings["step"] if case == "generative" else timings
         medians = [t.median * scale for t in timings]

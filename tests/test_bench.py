@@ -64,3 +64,22 @@ def test_quick_generative_case_times_the_engine_against_hand_written_equinox(tmp
         for name, value in by_hand["losses"].items():
             assert math.isfinite(value) and math.isfinite(ours["losses"][name])
             assert 0.5 < ours["losses"][name] / value < 2, (model, name, ours["losses"], by_hand["losses"])
+
+
+@pytest.mark.slow
+def test_quick_ppo_case_times_the_engine_against_rejax(tmp_path):
+    """(l): PPO through the engine and rejax's PPO, one agent and 16, timed and reported; ours trains (a
+    finite, positive episode return)."""
+    pytest.importorskip("gymnax")
+    pytest.importorskip("rejax")
+    assert main(["--quick", "--cases", "l", "--out", str(tmp_path)]) == 0
+    report = (tmp_path / "benchmarks.md").read_text()
+    populations = json.loads((tmp_path / "benchmarks.json").read_text())["results"]["ppo"]["populations"]
+    assert "## (l) PPO through the engine against rejax's PPO" in report
+    assert set(populations) == {"1 agent", "16 agents"}
+    for label, rows in populations.items():
+        assert f"| (l) PPO on CartPole-v1, {label}: environment steps a second vs rejax (issue 43) |" in report
+        ours, peer = rows
+        assert ours["name"].startswith("ours") and peer["name"].startswith("rejax")
+        assert all(row["median"] > 0 and row["repeats"] >= 2 for row in rows)
+        assert math.isfinite(ours["episode_return"]) and ours["episode_return"] > 0
