@@ -35,7 +35,7 @@ from research.nn import ActorCritic
 from research.population import evaluate_members, stack_states
 from research.services import Headline, RunDir
 from research.state import EMA
-from research.train import AbstractTrainState, GlobalBatch, Step
+from research.train import AbstractTrainState, GlobalBatch, Step, tree_sum
 from research.typing import Array, Bool, Float, Int, KeyData, PRNGKeyArray, PyTree
 
 ENVIRONMENTS = ("CartPole-v1", "Acrobot-v1", "MountainCar-v0", "Pendulum-v1", "MountainCarContinuous-v0")
@@ -236,6 +236,14 @@ class PPOLoss(eqx.Module):
         return loss, (metrics, None)
 
 
+def global_mean_and_std(x: Float[Array, "envs time"]) -> tuple[Float[Array, ""], Float[Array, ""]]:
+    """The mean and standard deviation of the global batch's values, summed in one fixed order (`tree_sum`), so
+    that every placement's program rounds them alike (XLA's own reductions need not)."""
+    count = x.size
+    mean = tree_sum(x.reshape(-1)) / count
+    return mean, jnp.sqrt(tree_sum(((x - mean) ** 2).reshape(-1)) / count)
+
+
 def gathered(x: Array, axis_name: str | None) -> Array:
     """`x` (this device's rows) with every device's rows, in the global batch's order."""
     return x if axis_name is None else jax.lax.all_gather(x, axis_name, tiled=True)
@@ -266,7 +274,8 @@ class PPOStep(Step):
         rollout_key, update_key = jax.random.split(key)
         env_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(rollout_key, batch)  # an environment's own
         live = jax.tree.map(lambda x: x[batch], state.live)
-        transitions, live, finished = self.rollout(state.policy, live, env_keys)
+        invariant = global_batch.micro_batches is not None
+        transitions, live, finished = self.rollout(state.policy, live, env_keys, layout_invariant=invariant)
         policy, opt_state, metrics = self.update(state, transitions, batch, update_key, global_batch)
         every = gathered(batch, axis)
         lives = jax.tree.map(lambda whole, rows: whole.at[every].set(gathered(rows, axis)), state.live, live)
@@ -283,33 +292,38 @@ class PPOStep(Step):
         return new, {**metrics, **episodes}
 
     def rollout(
-        self, policy: ActorCritic, live: Live, keys: PRNGKeyArray
+        self, policy: ActorCritic, live: Live, keys: PRNGKeyArray, *, layout_invariant: bool = False
     ) -> tuple[Transitions, Live, tuple[Array, Array, Array]]:
         """`rollout_steps` steps of every environment of `live` (one key each) under `policy`: the transitions
         (with their advantages and value targets), the environments after them, and the episodes that ended
-        (a flag, the return and the length at each step)."""
+        (a flag, the return and the length at each step). `layout_invariant` (`--deterministic-reduction`): one
+        environment at a time (`lax.map`), so a device's share of them rounds as one device holding them all
+        does (XLA's CPU code for a matmul, an exp or a cos over 2 rows and over 8 need not)."""
         env, params = environment(self.env_name)
-        sample = jax.vmap(functools.partial(sample_action, policy))
-        log_probs = jax.vmap(functools.partial(log_prob, policy))
-        env_step = jax.vmap(env.step, in_axes=(0, 0, 0, None))
 
-        def one(live: Live, step_keys: PRNGKeyArray):
-            outputs, values = jax.vmap(policy)(live.observation)
-            action_keys, env_keys = jnp.swapaxes(jax.vmap(jax.random.split)(step_keys), 0, 1)
-            action = sample(outputs, action_keys)
-            observation, env_state, reward, terminated, truncated, info = env_step(
-                env_keys, live.env_state, env_action(env, params, action), params
+        def transition(live: Live, key: PRNGKeyArray):
+            """One step of one environment."""
+            action_key, env_key = jax.random.split(key)
+            output, value = policy(live.observation)
+            action = sample_action(policy, output, action_key)
+            observation, env_state, reward, terminated, truncated, info = env.step(
+                env_key, live.env_state, env_action(env, params, action), params
             )
             done = terminated | truncated
-            _, next_values = jax.vmap(policy)(info["final_observation"].astype(jnp.float32))
+            _, next_value = policy(info["final_observation"].astype(jnp.float32))
             ret, length = live.episode_return + reward, live.episode_length + 1
-            reward = reward.astype(jnp.float32)
-            row = (live.observation, action, log_probs(outputs, action), values, reward, next_values, terminated, done)
+            row = (live.observation, action, log_prob(policy, output, action), value)
+            row = (*row, reward.astype(jnp.float32), next_value, terminated, done)
             ended = (done, jnp.where(done, ret, 0.0), jnp.where(done, length, 0))
             after = Live(
                 env_state, observation.astype(jnp.float32), jnp.where(done, 0.0, ret), jnp.where(done, 0, length)
             )
             return after, (row, ended)
+
+        each = (lambda *xs: jax.lax.map(lambda x: transition(*x), xs)) if layout_invariant else jax.vmap(transition)
+
+        def one(live: Live, step_keys: PRNGKeyArray):
+            return each(live, step_keys)
 
         step_keys = jax.vmap(lambda k: jax.random.split(k, self.rollout_steps))(keys)
         live, (rows, ended) = jax.lax.scan(one, live, jnp.swapaxes(step_keys, 0, 1))
@@ -326,8 +340,8 @@ class PPOStep(Step):
         """`epochs` x `minibatches` updates; advantages normalised over the global rollout. Minibatch `m` of an
         epoch is every environment's time steps `order[m * n : (m + 1) * n]` of its own random order (from its
         index), so the global batch's minibatches do not depend on which device holds which environment."""
-        advantages = gathered(transitions.advantage, global_batch.axis_name)
-        normalised = (transitions.advantage - jnp.mean(advantages)) / (jnp.std(advantages) + 1e-8)
+        mean, std = global_mean_and_std(gathered(transitions.advantage, global_batch.axis_name))
+        normalised = (transitions.advantage - mean) * (1 / (std + 1e-8))  # a multiply: XLA rewrites some divides
         transitions = dataclasses.replace(transitions, advantage=normalised)
         envs, length, share = batch.shape[0], self.rollout_steps, self.rollout_steps // self.minibatches
 

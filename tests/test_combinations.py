@@ -19,6 +19,7 @@ and a new worker carries on with the runs after it. Each combination is a test o
 
 import concurrent.futures
 import dataclasses
+import importlib.util
 import itertools
 import json
 import math
@@ -56,6 +57,7 @@ class Experiment:
     phases: tuple[str, ...] | None = None  # the PHASES it runs; None: all
     pairwise: bool = True  # False: every EMA on every placement (one variant is refused: a second a run)
     timeout: float = 45  # seconds for one run (a short run takes a few); then it counts as a hang
+    requires: str | None = None  # a module of an extra it needs (the grid leaves it out where that is missing)
 
 
 GENERATIVE = ("--features", "4", "--batch-size", "16", "--steps-per-call", "2", "--log-every", "2", "--eval-every", "2")
@@ -63,6 +65,10 @@ METALEARN_MEMBERS = ("--start-lrs", "1.5", "0.15", "0.5", "1.0")
 LM = tuple(
     "--dim 16 --depth 1 --heads 2 --context 16 --batch-size 8 --steps-per-call 2 --log-every 2 --eval-every 2 "
     "--text-bytes 20000".split()
+)
+PPO = tuple(  # 8 environments (micro-batches and parts divide them), 16 steps each a rollout: 128 a step
+    "--batch-size 8 --rollout-steps 16 --minibatches 2 --epochs 2 --eval-episodes 4 --steps-per-call 2 "
+    "--log-every 2 --eval-every 2".split()
 )
 LOTTERY = tuple("--rounds 1 --schedule-length 2 --hidden 4 --steps 2 --steps-per-call 2 --log-every 2".split())
 EXPERIMENTS = {  # state_passing is no training run
@@ -212,6 +218,9 @@ EXPERIMENTS = {  # state_passing is no training run
         phases=("fresh", "resumed-finished"),
         pairwise=False,
     ),
+    # a step that makes its own data: each device steps its share of the environments, which live in the train
+    # state (a resume continues their episodes); 4 steps, then 8
+    "ppo": Experiment(("--env-steps", "512", *PPO), ("--env-steps", "1024", *PPO), requires="gymnax", timeout=90),
 }
 PLACEMENTS = {  # the first is the reference the others must match
     "1dev": (),
@@ -328,6 +337,7 @@ COMBINATIONS = [
         LOADERS if experiment.has_loader else list(LOADERS)[:1],
         experiment.phases or PHASES,
     )
+    if experiment.requires is None or importlib.util.find_spec(experiment.requires)
     if (experiment.ema_everywhere or ema == "noema" or placement == next(iter(PLACEMENTS)))
     and pairwise(name, placement, ema, loader)
 ] + [

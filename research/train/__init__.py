@@ -25,7 +25,7 @@ from ._global_batch import GlobalBatch, Metrics, example_keys
 from ._hooks import Checkpoint, EarlyStopping, Evaluate, NonFiniteGuard, Profile, ShowProgress, Track
 from ._keys import random_normal
 from ._language import NextTokenLoss, evaluate_language_model
-from ._micro import check_micro_batch_loss
+from ._micro import check_micro_batch_loss, tree_sum
 from ._precision import InPrecision, LowPrecision, Precision
 from ._state import (
     SupervisedStep,
@@ -82,5 +82,6 @@ __all__ = [
     "random_normal",
     "take_step",
     "train_step",
+    "tree_sum",
     "trainable_pattern",
 ]
