@@ -512,9 +512,31 @@ def last_returns(records: list[dict[str, Any]], prefix: str = "train/") -> float
     return None
 
 
+def draw_returns(axes: Any, records: list[dict[str, Any]], config: Config, title: str) -> None:
+    """The training episodes' mean return (each agent's) and the greedy policy's at each evaluation, against
+    environment steps, on `axes` (a matplotlib `Axes`)."""
+    steps_a_step = config.training.batch_size * config.rollout_steps
+    for name, style in (("train/", "-"), ("test/", "o")):
+        key = f"{name}member_episode_return" if name == "train/" else f"{name}member_return"
+        key = key if config.population > 1 else key.replace("member_", "")
+        rows = [r for r in records if key in r]
+        values = np.asarray([r[key] for r in rows], dtype=float).reshape(len(rows), -1)
+        label = "training episodes" if name == "train/" else "greedy policy"
+        for k in range(values.shape[1]):
+            x = np.asarray([r["step"] for r in rows]) * steps_a_step
+            axes.plot(x, values[:, k], style, color=f"C{k}", alpha=0.8, markersize=3, label=None if k else label)
+    axes.set(title=title, xlabel="environment steps", ylabel="episode return")
+    axes.legend(loc="lower right", fontsize=8)
+
+
 def summarize(config: Config, run: RunDir, summary: dict[str, Any]) -> dict[str, Any]:
-    """`last_100_return` (each member's as `member_last_100_return`)."""
+    """`last_100_return` (each member's as `member_last_100_return`), and `returns.png` (`draw_returns`)."""
+    from matplotlib.figure import Figure  # imported here: only needed at the end of a run
+
     records = run.read_metrics()
+    figure = Figure(figsize=(6, 4), layout="constrained", dpi=110)
+    draw_returns(figure.subplots(), records, config, config.env)
+    figure.savefig(run.path / "returns.png")
     if config.population == 1:
         return {f"last_{LAST_EPISODES}_return": last_returns(records)}
     members = [
