@@ -2,7 +2,7 @@
 (IDX, CIFAR binary, an image folder, a Hugging Face datasets directory, .npz) and of a datasets directory's
 text, label noise, numpy collation, a torch DataLoader builder and a device-resident loader."""
 
-from ._augment import random_crop_flip
+from ._augment import colour_jitter, random_crop_flip, random_resized_crop
 from ._grain import GrainLoader
 from ._hf_datasets import ArrowImages, is_datasets_directory, read_datasets_images, read_datasets_text
 from ._images import (
@@ -81,6 +81,7 @@ __all__ = [
     "XORDataset",
     "as_batch",
     "check_rows",
+    "colour_jitter",
     "corrupt_labels",
     "dataset_arrays",
     "take_rows",
@@ -95,6 +96,7 @@ __all__ = [
     "next_byte_windows",
     "numpy_collate",
     "random_crop_flip",
+    "random_resized_crop",
     "read_array",
     "read_cifar",
     "read_datasets_images",

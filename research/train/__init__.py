@@ -6,6 +6,7 @@ several processes) and `research.services` (checkpoints, the run directory, sign
 both usable without the engine.
 """
 
+from ._batch_loss import AbstractBatchLoss, batch_loss_value_and_grad, nt_xent
 from ._compiled import compiled_trainer
 from ._engine import Engine, FitResult, StepInfo
 from ._evaluate import (
@@ -27,6 +28,7 @@ from ._keys import random_normal
 from ._language import NextTokenLoss, evaluate_language_model
 from ._micro import check_micro_batch_loss, tree_sum
 from ._precision import InPrecision, LowPrecision, Precision
+from ._probe import encoded, knn_accuracy, linear_probe_accuracy, probe_evaluator
 from ._state import (
     SupervisedStep,
     TrainState,
@@ -38,6 +40,7 @@ from ._state import (
 from ._step import AbstractTrainState, Step, take_step
 
 __all__ = [
+    "AbstractBatchLoss",
     "AbstractTrainState",
     "Checkpoint",
     "EarlyStopping",
@@ -62,12 +65,14 @@ __all__ = [
     "TrainState",
     "add_standard_hooks",
     "batch_evaluator",
+    "batch_loss_value_and_grad",
     "check_micro_batch_loss",
     "check_trainable",
     "classification_loss",
     "classification_metrics",
     "combined_evaluator",
     "compiled_trainer",
+    "encoded",
     "evaluate",
     "evaluate_batches",
     "evaluate_language_model",
@@ -75,10 +80,14 @@ __all__ = [
     "example_keys",
     "fit",
     "forward",
+    "knn_accuracy",
+    "linear_probe_accuracy",
     "mean_of_sums",
     "model_evaluator",
+    "nt_xent",
     "only_trainable",
     "padded_batches",
+    "probe_evaluator",
     "random_normal",
     "take_step",
     "train_step",

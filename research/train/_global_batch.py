@@ -154,7 +154,24 @@ class GlobalBatch:
         `grad_accum`: take it in that many parts of the batch this step sees (of each micro-batch, under
         micro-batches), one after another in a `jax.lax.scan`: the same gradient (to float rounding) with the
         activation memory of one part. Part `k` holds rows `k, k + grad_accum, ...`, which keeps the rows
-        where a sharded batch has them; each example keeps its key in the global batch."""
+        where a sharded batch has them; each example keeps its key in the global batch.
+
+        A loss over the whole batch (`research.train.AbstractBatchLoss`: a contrastive loss, no mean of
+        per-example terms) is the loss of the whole global batch too: its embeddings are gathered from every
+        device (and micro-batch, and part) and its gradient pulled back through each one's rows (`_batch_loss.py`)."""
+        from ._batch_loss import AbstractBatchLoss, batch_loss_value_and_grad  # it builds on this module
+
+        if isinstance(loss_fn, AbstractBatchLoss):
+            return batch_loss_value_and_grad(
+                loss_fn,
+                model,
+                model_state,
+                batch,
+                key,
+                axis_name=self.axis_name,
+                micro_batches=self.micro_batches,
+                grad_accum=grad_accum,
+            )
         if self.micro_batches is None:
             return loss_value_and_grad(
                 loss_fn, model, model_state, batch, key, axis_name=self.axis_name, grad_accum=grad_accum

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from ..errors import ConfigError
 from ..nn import cast_floating
 from ..typing import Array, Float, PRNGKeyArray, PyTree
+from ._batch_loss import AbstractBatchLoss
 from ._global_batch import LossFn, Metrics
 
 Precision = Literal["float32", "bf16"]
@@ -64,7 +65,8 @@ class InPrecision(eqx.Module):
     precision: Precision = eqx.field(static=True)
 
     def __check_init__(self) -> None:
-        if any(hasattr(self.loss_fn, name) for name in ("value_and_grad", "micro_batch_sums")):
+        own_way = isinstance(self.loss_fn, AbstractBatchLoss)
+        if own_way or any(hasattr(self.loss_fn, name) for name in ("value_and_grad", "micro_batch_sums")):
             raise ConfigError(
                 f"--precision {self.precision}: the loss {type(self.loss_fn).__name__} takes its gradients its own "
                 "way; train it in float32"
