@@ -66,6 +66,10 @@ LM = tuple(
     "--dim 16 --depth 1 --heads 2 --context 16 --batch-size 8 --steps-per-call 2 --log-every 2 --eval-every 2 "
     "--text-bytes 20000".split()
 )
+CONTRASTIVE = tuple(
+    "--features 4 --blocks 1 --projection 8 --batch-size 64 --steps-per-call 2 --log-every 2 --eval-every 2 "
+    "--neighbours 5".split()
+)
 PPO = tuple(  # 8 environments (micro-batches and parts divide them), 16 steps each a rollout: 128 a step
     "--batch-size 8 --rollout-steps 16 --minibatches 2 --epochs 2 --eval-episodes 4 --steps-per-call 2 "
     "--log-every 2 --eval-every 2".split()
@@ -198,6 +202,16 @@ EXPERIMENTS = {  # state_passing is no training run
         digits8=True,
         emas=("ema-det",),
         tracked=False,
+        timeout=120,
+    ),
+    # SimCLR: NT-Xent over the two views of every image of the GLOBAL batch (no mean of per-example terms: the
+    # embeddings gathered from every device, micro-batch and part), evaluated by a linear probe and k-NN on the
+    # frozen encoder; as gan, on every placement the variant that must match one device to the bit
+    "contrastive": Experiment(
+        ("--epochs", "1", *CONTRASTIVE),
+        ("--epochs", "2", *CONTRASTIVE),
+        digits8=True,
+        emas=("ema-det",),
         timeout=120,
     ),
     # four members (one unrolled run each) spread over sharded4's mesh; pmap and --deterministic-reduction (no rows
