@@ -11,7 +11,6 @@ throughput in bytes/s, then prints what the trained model writes after the start
 
 import dataclasses
 import functools
-import re
 from pathlib import Path
 
 import equinox as eqx
@@ -19,7 +18,17 @@ import jax
 import numpy as np
 import optax
 
-from research.cli import ConfigError, TrainConfig, Training, group, main_entry, non_negative, option, positive
+from research.cli import (
+    ConfigError,
+    FineTuning,
+    TrainConfig,
+    Training,
+    group,
+    main_entry,
+    non_negative,
+    option,
+    positive,
+)
 from research.data import (
     DeviceLoader,
     TextTokenizer,
@@ -31,7 +40,7 @@ from research.data import (
     split_held_out,
 )
 from research.experiment import Setup, run_experiment
-from research.nn import LanguageModel, LoRA, build_model, linear_layers, load_gpt2
+from research.nn import LanguageModel, LoRA, build_model, load_gpt2
 from research.tools.sample import sample_bytes
 from research.train import (
     FitResult,
@@ -39,10 +48,11 @@ from research.train import (
     NextTokenLoss,
     SupervisedStep,
     TrainState,
-    check_trainable,
+    check_fine_tuning,
     evaluate_language_model,
     only_trainable,
-    trainable_pattern,
+    trained_pattern,
+    with_adapters,
 )
 from research.typing import PRNGKeyArray
 
@@ -59,6 +69,21 @@ class LMTraining(Training):
     )
     steps_per_call: int = option(50, "training steps per compiled call", check=positive)
     log_every: int = option(100, "steps between logged training metrics", check=positive, resumable=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class LMFineTuning(FineTuning):
+    init_from: str | None = option(
+        None,
+        "start from a GPT-2 saved by Hugging Face transformers (a save_pretrained directory): its shape and weights "
+        "(--dim, --depth, --heads, --untied then keep their defaults), and its tokenizer",
+    )
+    trainable: str = option(
+        "all",
+        "what trains: all, head (an --untied head), or a regular expression searched in the parameters' names "
+        "(norm, blocks.mlp_, ...); the rest keeps its weights and takes no optimizer state",
+        check=lambda value: None if value else "must name what trains (all: everything)",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,35 +123,16 @@ class Config(TrainConfig):
         "read the text as the tokens of a Hugging Face tokenizer (a tokenizer.json, or a directory with one) "
         "instead of bytes; default: --init-from's tokenizer.json where it has one",
     )
-    trainable: str = option(
-        "all",
-        "what trains: all, head (an --untied head), or a regular expression searched in the parameters' names "
-        "(norm, blocks.mlp_, ...); the rest keeps its weights and takes no optimizer state",
-        check=lambda value: None if value else "must name what trains (all: everything)",
-    )
-    lora_rank: int = option(
-        0,
-        "adapt the blocks' linear layers with low-rank updates of this rank, which alone train (LoRA; 0: off); "
-        "merged into the weights on export",
-        check=non_negative,
-    )
-    lora_targets: str = option(
-        "attention|mlp_", "a regular expression searched in the linear layers' names: those --lora-rank adapts"
-    )
-    lora_alpha: float = option(16.0, "LoRA's updates are scaled by --lora-alpha / --lora-rank", check=positive)
-    init_from: str | None = option(
-        None,
-        "start from a GPT-2 saved by Hugging Face transformers (a save_pretrained directory): its shape and weights "
-        "(--dim, --depth, --heads, --untied then keep their defaults), and its tokenizer",
-    )
+    fine_tuning: LMFineTuning = group(LMFineTuning)
 
 
 def text_tokenizer(config: Config) -> TextTokenizer | None:
     """The tokenizer the text is read with (`--tokenizer`, else `--init-from`'s), or None: bytes."""
     if config.tokenizer is not None:
         return TextTokenizer(config.tokenizer)
-    if config.init_from is not None and (Path(config.init_from) / "tokenizer.json").is_file():
-        return TextTokenizer(config.init_from)
+    init_from = config.fine_tuning.init_from
+    if init_from is not None and (Path(init_from) / "tokenizer.json").is_file():
+        return TextTokenizer(init_from)
     return None
 
 
@@ -136,13 +142,10 @@ DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config)}
 def build_state(config: Config) -> TrainState:
     """The step-0 model and optimizer of a config."""
     model_key, train_key = jax.random.split(jax.random.key(config.training.seed))
-    model = base_model(config, model_key)
-    if config.lora_rank:
-        lora_key = jax.random.fold_in(model_key, 1)
-        model = LoRA(model, config.lora_rank, config.lora_targets, config.lora_alpha, key=lora_key)
+    model = with_adapters(base_model(config, model_key), config.fine_tuning, key=jax.random.fold_in(model_key, 1))
     adamw = optax.adamw(learning_rate(config), weight_decay=config.weight_decay)
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), adamw)
-    if pattern := trained_pattern(config):
+    if pattern := trained_pattern(config.fine_tuning):
         optimizer = only_trainable(optimizer, pattern)
     return TrainState.create(model, optimizer, key=train_key)
 
@@ -151,8 +154,8 @@ def base_model(config: Config, key: PRNGKeyArray) -> LanguageModel:
     """The language model of a config before any adapter: --init-from's, or one drawn with `key`."""
     # Its own precision policy (the matmul weights cast inside its call) also serves sampling after training.
     compute_dtype = "bfloat16" if config.training.precision == "bf16" else "float32"
-    if config.init_from is not None:
-        return load_gpt2(config.init_from).with_compute_dtype(compute_dtype).with_remat(config.remat)
+    if config.fine_tuning.init_from is not None:
+        return load_gpt2(config.fine_tuning.init_from).with_compute_dtype(compute_dtype).with_remat(config.remat)
     return build_model(
         "lm",
         key=key,
@@ -179,14 +182,11 @@ def setup(config: Config) -> Setup:
     if config.dim % config.heads:
         raise ConfigError(f"--heads {config.heads} must divide --dim {config.dim}")
     tokenizer = text_tokenizer(config)
-    if config.init_from is not None:
+    if config.fine_tuning.init_from is not None:
         model = _checked_initial_model(config, tokenizer)
     else:
         model = eqx.filter_eval_shape(base_model, config, jax.random.key(0))  # shapes only: nothing drawn
-    if config.lora_rank:
-        _check_lora(config, model)
-    elif pattern := trainable_pattern(config.trainable):
-        check_trainable(model, pattern, config.trainable)
+    check_fine_tuning(model, config.fine_tuning)
     train, held_out = text_splits(config)
     train, val = split_held_out(train, config.val_fraction)
     bytes_per_token, evaluator = 1.0, evaluate_language_model
@@ -203,7 +203,7 @@ def setup(config: Config) -> Setup:
         train_data=train_data,
         eval_data=_evaluation_windows(held_out, config.context),
         num_steps=config.steps,
-        step=SupervisedStep(Frozen(loss, pattern) if (pattern := trained_pattern(config)) else loss),
+        step=SupervisedStep(Frozen(loss, pattern) if (pattern := trained_pattern(config.fine_tuning)) else loss),
         lr_schedule=learning_rate(config),
         evaluator=evaluator,
         val_data=_evaluation_windows(val, config.context) if config.val_fraction else None,
@@ -222,40 +222,22 @@ def text_splits(config: Config) -> tuple[np.ndarray, np.ndarray]:
     return split_held_out(read_text_bytes(config.text, max_bytes=config.text_bytes), config.held_out)
 
 
-def trained_pattern(config: Config) -> str:
-    """What trains, as a pattern of parameter names ("": everything): LoRA's adapters alone, or --trainable's."""
-    return r"^adapters\." if config.lora_rank else trainable_pattern(config.trainable)
-
-
-def _check_lora(config: Config, model: LanguageModel) -> None:
-    if config.trainable != "all":
-        raise ConfigError(f"--lora-rank trains its adapters alone: drop --trainable {config.trainable}")
-    if config.lora_rank > config.dim and config.init_from is None:
-        raise ConfigError(f"--lora-rank {config.lora_rank} is above --dim {config.dim}: a low-rank update is smaller")
-    try:
-        chosen = [name for name in linear_layers(model) if re.search(config.lora_targets, name)]
-    except re.error as e:
-        raise ConfigError(f"--lora-targets {config.lora_targets!r} is not a regular expression: {e}") from None
-    if not chosen:
-        names = ", ".join(linear_layers(model))
-        raise ConfigError(f"--lora-targets {config.lora_targets!r} finds no linear layer (they are: {names})")
-
-
 def _checked_initial_model(config: Config, tokenizer: TextTokenizer | None) -> LanguageModel:
     """--init-from's model, refused (before any work) where the other options contradict it."""
     shaped = [f"--{name}" for name in ("dim", "depth", "heads", "untied") if getattr(config, name) != DEFAULTS[name]]
+    init_from = config.fine_tuning.init_from
     if shaped:
-        raise ConfigError(f"--init-from takes the model's shape from {config.init_from}: drop {', '.join(shaped)}")
-    model = load_gpt2(config.init_from)  # also refuses a damaged or foreign checkpoint
+        raise ConfigError(f"--init-from takes the model's shape from {init_from}: drop {', '.join(shaped)}")
+    model = load_gpt2(init_from)  # also refuses a damaged or foreign checkpoint
     if config.context > model.context:
-        raise ConfigError(f"--context {config.context} is longer than {config.init_from}'s {model.context} positions")
+        raise ConfigError(f"--context {config.context} is longer than {init_from}'s {model.context} positions")
     if tokenizer is None and model.vocab != 256:
         raise ConfigError(
-            f"--init-from {config.init_from}: {model.vocab} tokens and no tokenizer.json to read text: give --tokenizer"
+            f"--init-from {init_from}: {model.vocab} tokens and no tokenizer.json to read text: give --tokenizer"
         )
     if tokenizer is not None and tokenizer.vocab > model.vocab:
         raise ConfigError(
-            f"--tokenizer {tokenizer.path} has {tokenizer.vocab} tokens, more than {config.init_from}'s {model.vocab}"
+            f"--tokenizer {tokenizer.path} has {tokenizer.vocab} tokens, more than {init_from}'s {model.vocab}"
         )
     return model
 

@@ -1,10 +1,12 @@
 """Typed experiment configs: option groups held as fields.
 
-An option group (`Training`, `Checkpointing`, `Devices`, `EMA`, `Tracking`) is a frozen dataclass of
-options, each declared with `option(...)`. An experiment's config holds the groups it can honour as
-fields and adds its own options: `RunConfig` holds the two every run takes (`training`,
+An option group (`Training`, `Checkpointing`, `Devices`, `EMA`, `Tracking`, `FineTuning`) is a frozen
+dataclass of options, each declared with `option(...)`. An experiment's config holds the groups it can
+honour as fields and adds its own options: `RunConfig` holds the two every run takes (`training`,
 `checkpointing`), `WithDevices`, `WithEMA` and `WithTracking` add one group each, and `TrainConfig`
-holds all five. To change a group's defaults, an experiment subclasses the group and holds that:
+holds those five; an experiment that fine-tunes a pretrained model holds `FineTuning` itself
+(`fine_tuning: FineTuning = group(FineTuning)`; `research.train.check_fine_tuning` and its neighbours
+read it). To change a group's defaults, an experiment subclasses the group and holds that:
 
     @dataclasses.dataclass(frozen=True)
     class XorTraining(Training):
@@ -400,7 +402,36 @@ class Tracking(Options):
     )
 
 
-GROUPS: tuple[type[Options], ...] = (Training, Checkpointing, Devices, EMA, Tracking)
+def _names_what_trains(value: str) -> str | None:
+    return None if value else "must name what trains (all: everything)"
+
+
+@dataclasses.dataclass(frozen=True)
+class FineTuning(Options):
+    """Where the model starts and what of it trains: a pretrained model, part of it, or low-rank adapters."""
+
+    init_from: str | None = option(
+        None, "start from a pretrained model: a Hugging Face save_pretrained directory, or a run of this experiment"
+    )
+    trainable: str = option(
+        "all",
+        "what trains: all, head (the output layer), or a regular expression searched in the parameters' names "
+        "(norm, blocks.mlp_, ...); the rest keeps its weights and takes no optimizer state",
+        check=_names_what_trains,
+    )
+    lora_rank: int = option(
+        0,
+        "adapt the blocks' linear layers with low-rank updates of this rank, which alone train (LoRA; 0: off); "
+        "merged into the weights on export",
+        check=non_negative,
+    )
+    lora_targets: str = option(
+        "attention|mlp_", "a regular expression searched in the linear layers' names: those --lora-rank adapts"
+    )
+    lora_alpha: float = option(16.0, "LoRA's updates are scaled by --lora-alpha / --lora-rank", check=positive)
+
+
+GROUPS: tuple[type[Options], ...] = (Training, Checkpointing, Devices, EMA, Tracking, FineTuning)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,6 +20,7 @@ from ._evaluate import (
     model_evaluator,
     padded_batches,
 )
+from ._fine_tuning import check_fine_tuning, trained_pattern, with_adapters
 from ._fit import add_standard_hooks, fit
 from ._frozen import Frozen, check_trainable, only_trainable, trainable_pattern
 from ._global_batch import GlobalBatch, Metrics, example_keys
@@ -66,6 +67,7 @@ __all__ = [
     "add_standard_hooks",
     "batch_evaluator",
     "batch_loss_value_and_grad",
+    "check_fine_tuning",
     "check_micro_batch_loss",
     "check_trainable",
     "classification_loss",
@@ -93,4 +95,6 @@ __all__ = [
     "train_step",
     "tree_sum",
     "trainable_pattern",
+    "trained_pattern",
+    "with_adapters",
 ]
