@@ -280,10 +280,39 @@ VIT_BLOCK = {  # GPT-2's `h.{i}` is ViT's `encoder.layer.{i}`: its tensor -> our
 }
 
 
+def _image_statistics(directory: Path, channels: int) -> tuple[list[float], list[float]]:
+    """The per-channel mean and std of the image processor saved beside the model (`preprocessor_config.json`;
+    without one, `ViTImageProcessor`'s defaults: 0.5 and 0.5), refused unless it rescales 0-255 to 0-1."""
+    path = directory / "preprocessor_config.json"
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        return [0.5] * channels, [0.5] * channels
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    if not config.get("do_rescale", True) or abs(config.get("rescale_factor", 1 / 255) - 1 / 255) > 1e-9:
+        raise CheckpointError(f"{path}: only an image processor that rescales by 1/255 is read here")
+    if not config.get("do_normalize", True):
+        return [0.0] * channels, [1.0] * channels
+    statistics = []
+    for field in ("image_mean", "image_std"):
+        value = config.get(field, 0.5)
+        values = [value] * channels if isinstance(value, int | float) else value
+        numbers = isinstance(values, list) and all(isinstance(v, int | float) for v in values)
+        if not numbers or len(values) != channels:
+            raise CheckpointError(f"{path}: {field} must be a number or {channels} numbers, got {value!r}")
+        statistics.append([float(v) for v in values])
+    if min(statistics[1]) <= 0:
+        raise CheckpointError(f"{path}: image_std must be positive, got {statistics[1]}")
+    return statistics[0], statistics[1]
+
+
 def load_vit(directory: str | Path) -> VisionTransformer:
     """The image classifier that `transformers` saved in `directory` (`ViTForImageClassification.save_pretrained`)
     as a float32 `VisionTransformer`: the logits `transformers` computes of `pixel_values`, given the same
-    images height x width x channels, to float rounding.
+    images height x width x channels, to float rounding. A `uint8` image is preprocessed as the image processor
+    saved beside it does (`preprocessor_config.json`'s `image_mean` and `image_std`; without one,
+    `ViTImageProcessor`'s 0.5 and 0.5), resized to nothing: its size must be the model's.
 
     **Raises:** `CheckpointError` in one line, as `load_gpt2`'s.
     """
@@ -294,6 +323,7 @@ def load_vit(directory: str | Path) -> VisionTransformer:
     if dim % config["num_attention_heads"] or image % patch:
         raise CheckpointError(f"{directory}: num_attention_heads must divide hidden_size, patch_size image_size")
     classes = len(config.get("id2label") or {}) or config.get("num_labels") or 2
+    mean, std = _image_statistics(directory, channels)
     tensors = _tensors(directory, "vit.")
     shapes = {"layernorm_before": (dim,), "layernorm_after": (dim,), "intermediate.dense": (inner, dim)}
     shapes |= {"output.dense": (dim, inner)}
@@ -332,7 +362,7 @@ def load_vit(directory: str | Path) -> VisionTransformer:
     def build() -> VisionTransformer:
         return VisionTransformer(
             image, patch, channels, classes, dim, depth, config["num_attention_heads"], inner,
-            config.get("layer_norm_eps", 1e-12), key=jax.random.key(0),
+            config.get("layer_norm_eps", 1e-12), mean, std, key=jax.random.key(0),
         )  # fmt: skip
 
     return _with_arrays(eqx.filter_eval_shape(build), {name: jnp.asarray(a) for name, a in arrays.items()})
@@ -340,7 +370,9 @@ def load_vit(directory: str | Path) -> VisionTransformer:
 
 def save_vit(model: VisionTransformer, directory: str | Path) -> None:
     """Write `model` to `directory` as `transformers` saves a ViT image classifier, so that
-    `ViTForImageClassification.from_pretrained(directory)` computes its logits."""
+    `ViTForImageClassification.from_pretrained(directory)` computes its logits, with the image processor that
+    makes its `pixel_values` of `uint8` images as the model does (`preprocessor_config.json`:
+    `ViTImageProcessor.from_pretrained(directory)`)."""
     from safetensors.numpy import save_file
 
     directory = Path(directory)
@@ -383,3 +415,15 @@ def save_vit(model: VisionTransformer, directory: str | Path) -> None:
         **VIT_FIXED,
     }
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    processor = {
+        "image_processor_type": "ViTImageProcessor",
+        "do_resize": True,
+        "size": {"height": model.image_size, "width": model.image_size},
+        "resample": 2,  # bilinear
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": list(model.mean),
+        "image_std": list(model.std),
+    }
+    (directory / "preprocessor_config.json").write_text(json.dumps(processor, indent=2) + "\n")

@@ -3,11 +3,13 @@ that its checkpoints load into it (`research.nn.load_vit`): image patches embedd
 learned positions, pre-norm encoder blocks stacked and run with `lax.scan`, a final norm, a linear head on the
 class token."""
 
+from collections.abc import Sequence
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from ..typing import Array, Float, PRNGKeyArray, PyTree, typecheck
+from ..typing import Array, Float, Integer, PRNGKeyArray, PyTree, typecheck
 
 
 class EncoderBlock(eqx.Module):
@@ -37,8 +39,9 @@ class EncoderBlock(eqx.Module):
 
 
 class VisionTransformer(eqx.Module):
-    """ONE image in (`height x width x channels`, floats as the checkpoint's preprocessing makes them), class
-    logits out.
+    """ONE image in (`height x width x channels`), class logits out. A float image is taken as the checkpoint's
+    image processor makes it (`transformers`' `pixel_values`, channels last); a `uint8` image (0-255, as
+    `research.data` reads images) is preprocessed as that processor does: `(x / 255 - mean) / std` per channel.
 
     **Arguments:**
 
@@ -49,6 +52,8 @@ class VisionTransformer(eqx.Module):
     - `dim`, `depth`, `heads`, `mlp_dim`: token width, number of blocks, attention heads (dividing `dim`),
       hidden width of each block's MLP (default `4 * dim`).
     - `eps`: the layer norms' epsilon (1e-12 in Hugging Face's ViT configs).
+    - `mean`, `std`: per-channel statistics (0-1 units) a `uint8` image is normalised by (default 0.5 and 0.5,
+      `ViTImageProcessor`'s).
     - `key`: initialisation key.
     """
 
@@ -62,6 +67,8 @@ class VisionTransformer(eqx.Module):
     patch: int = eqx.field(static=True)
     channels: int = eqx.field(static=True)
     classes: int = eqx.field(static=True)
+    mean: tuple[float, ...] = eqx.field(static=True)
+    std: tuple[float, ...] = eqx.field(static=True)
 
     def __init__(
         self,
@@ -74,6 +81,8 @@ class VisionTransformer(eqx.Module):
         heads: int = 4,
         mlp_dim: int | None = None,
         eps: float = 1e-12,
+        mean: Sequence[float] | None = None,
+        std: Sequence[float] | None = None,
         *,
         key: PRNGKeyArray,
     ):
@@ -91,14 +100,30 @@ class VisionTransformer(eqx.Module):
         self.norm = eqx.nn.LayerNorm(dim, eps=eps)
         self.head = eqx.nn.Linear(dim, classes, key=head_key)
         self.image_size, self.patch, self.channels, self.classes = image_size, patch, channels, classes
+        self.mean = tuple(float(m) for m in (mean if mean is not None else (0.5,) * channels))
+        self.std = tuple(float(s) for s in (std if std is not None else (0.5,) * channels))
+
+    def __check_init__(self):
+        if len(self.mean) != self.channels or len(self.std) != self.channels:
+            raise ValueError(
+                f"VisionTransformer takes one mean and one std a channel ({self.channels}); got "
+                f"{len(self.mean)} and {len(self.std)}"
+            )
+        if min(self.std) <= 0:
+            raise ValueError(f"VisionTransformer std must be positive, got {self.std}")
 
     @typecheck
     def __call__(
         self,
-        x: Float[Array, "{self.image_size} {self.image_size} {self.channels}"],
+        x: Integer[Array, "{self.image_size} {self.image_size} {self.channels}"]
+        | Float[Array, "{self.image_size} {self.image_size} {self.channels}"],
         *,
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, " {self.classes}"]:
+        if jnp.issubdtype(x.dtype, jnp.integer):
+            mean, std = (jnp.asarray(s, jnp.float32).reshape(1, 1, -1) for s in (self.mean, self.std))
+            x = (x.astype(jnp.float32) / 255 - mean) / std
+        x = x.astype(self.patch_embedding.weight.dtype)  # computing in bf16 (research.train.LowPrecision)
         side, p = self.image_size // self.patch, self.patch
         patches = x.reshape(side, p, side, p, self.channels).transpose(0, 2, 4, 1, 3).reshape(side * side, -1)
         tokens = jnp.concatenate([self.class_token[None], jax.vmap(self.patch_embedding)(patches)]) + self.positions
