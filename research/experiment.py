@@ -1,8 +1,10 @@
 """What every experiment script does around the engine: the run directory, resume, the standard hooks,
-the summary; and `load_run`, which rebuilds a run's trained model from its directory."""
+the summary; `load_run`, which rebuilds a run's trained model from its directory; and `initial_model`, the
+model `--init-from` starts a run from (a pretrained checkpoint, or another run's)."""
 
 import dataclasses
 import importlib.util
+import json
 import logging
 import sys
 import time
@@ -35,6 +37,7 @@ from .config import (
 from .curves import CurvePool
 from .data import DeviceLoader, GrainLoader, HostLoader, TorchLoader
 from .errors import CheckpointError, Preempted
+from .nn import LoRA
 from .parallel import Placement, bytes_on_first_device, check_device_count, make_placement, population_placement
 from .population import evaluate_population
 from .progress import Progress
@@ -656,3 +659,28 @@ def load_run(run_dir: str | Path, **overrides: Any) -> LoadedRun:
         checkpoint=checkpoint,
         summary=summary,
     )
+
+
+def initial_model(init_from: str | Path, experiment: str, read_pretrained: Callable[[Path], Any]) -> tuple[Any, Any]:
+    """The model and model state (`None` for a stateless model) that `--init-from PATH` starts a run of
+    `experiment` from: a run directory of `experiment` (its trained model, from `load_run`, with any LoRA
+    adapters merged into its weights; not its EMA's), else a pretrained checkpoint that `read_pretrained(PATH)`
+    reads (a Hugging Face directory: `research.nn.load_vit`, `load_gpt2`; stateless).
+
+    **Raises:** `ConfigError` in one line when PATH is a run of another experiment, or a population's;
+    `CheckpointError` when it holds no checkpoint `load_run` or `read_pretrained` can read.
+    """
+    path = Path(init_from)
+    try:
+        saved = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        saved = None
+    if not isinstance(saved, dict) or "experiment" not in saved:  # no run of ours: a Hugging Face config.json
+        return read_pretrained(path), None
+    if saved["experiment"] != experiment:
+        raise ConfigError(f"--init-from {path} is a run of {saved['experiment']}, not of {experiment}")
+    run = load_run(path)
+    if run.setup.population:
+        raise ConfigError(f"--init-from {path} is a population of models: start from one member's run")
+    model = run.model.merged() if isinstance(run.model, LoRA) else run.model
+    return model, run.model_state

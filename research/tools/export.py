@@ -9,7 +9,8 @@ class and the run's config (JSON). `research.nn.load_weights(FILE, model, state)
 model built with that config; the `safetensors` library (or `np.load`) reads it anywhere. A model trained
 with LoRA adapters (`--lora-rank`) is written with them merged into its weights: the base model's.
 `--format hf` writes an `lm` run's model as a GPT-2 directory that `transformers` loads, with the run's
-tokenizer.json.
+tokenizer.json, and an `images` run's ViT (`--model vit`, `--init-from`) as a ViT image classifier with its
+image processor (`ViTForImageClassification`, `ViTImageProcessor`).
 """
 
 import json
@@ -22,7 +23,7 @@ from typing import Any
 from ..errors import ResearchInputError
 from ..experiment import load_experiment, load_run
 from ..messages import messages_to_stderr
-from ..nn import LanguageModel, LoRA, save_gpt2, save_weights
+from ..nn import LanguageModel, LoRA, VisionTransformer, save_gpt2, save_vit, save_weights
 from ._runs import Parser, UsageError, fail
 
 
@@ -63,10 +64,14 @@ def export_weights(
 
 def _export_hugging_face(run: Any, model: Any, out: Path) -> Path:
     """A directory `transformers` loads (`save_pretrained`'s layout): a language model as a GPT-2, with the
-    tokenizer.json its run read text with."""
+    tokenizer.json its run read text with; a ViT as a ViT image classifier, with its image processor."""
+    if isinstance(model, VisionTransformer):
+        save_vit(model, out)
+        return out
     if not isinstance(model, LanguageModel):
         raise UsageError(
-            f"--format hf: {run.path} holds a {type(model).__name__}; only language models (lm) go out as GPT-2"
+            f"--format hf: {run.path} holds a {type(model).__name__}; only language models (lm, as GPT-2) and "
+            "ViTs (images --model vit, as ViTForImageClassification) go out to transformers"
         )
     save_gpt2(model, out)
     tokenizer = load_experiment("lm").text_tokenizer(run.config)
@@ -80,15 +85,15 @@ def _parser() -> Parser:
         prog="export",
         usage="scripts/export RUN_DIR [--format safetensors|npz|hf] [--ema] [-o FILE]",
         description="Write a trained run's weights under their names, with its config, to a safetensors or .npz file; "
-        "or a language model as a Hugging Face GPT-2 directory.",
+        "or a language model or a ViT as a Hugging Face directory.",
     )
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (with config.json and a checkpoint)")
     parser.add_argument(
         "--format",
         choices=("safetensors", "npz", "hf"),
         default="safetensors",
-        help="safetensors (the default), numpy's .npz, or hf: an lm run's model as a directory transformers loads "
-        "(GPT2LMHeadModel.from_pretrained; default RUN_DIR/hf[-ema])",
+        help="safetensors (the default), numpy's .npz, or hf: an lm run's model or an images run's ViT as a directory "
+        "transformers loads (GPT2LMHeadModel, ViTForImageClassification.from_pretrained; default RUN_DIR/hf[-ema])",
     )
     parser.add_argument("--ema", action="store_true", help="the EMA model's weights (a run with --ema-decay)")
     parser.add_argument("-o", "--out", default=None, help="the file to write (default: RUN_DIR/model[-ema].FORMAT)")
