@@ -2,7 +2,8 @@
 
 Each combination of the grid below is one short invocation of the experiment script's entry point.
 It must either finish (exit 0) or refuse in one line (exit 2, exactly one line on stderr, no
-checkpoint written); never a traceback, never a hang. Resuming a finished run (`--resume auto`, as a
+checkpoint written); never a traceback, never a hang; and each experiment's first fresh run on one device
+must finish. Resuming a finished run (`--resume auto`, as a
 requeued job does) prints its summary and touches none of its files. A run that finishes with `--ema-decay` must
 report the model without the EMA too (test_raw_*); one that finishes on 4 devices must have compiled
 its computations for 4 devices and give the final train loss and test metrics of the same run on 1
@@ -50,6 +51,7 @@ class Experiment:
     data_dir: bool = False  # reads MNIST-1D from --data-dir (tests/conftest.py's generated directory)
     images: bool = False  # reads --data: a .npz of 256 + 64 of scikit-learn's digits (tests/_image_formats.py)
     digits8: bool = False  # reads --data: the same digits 8x8 grey, as scikit-learn ships them
+    init_from: str | None = None  # starts from one of PRETRAINED's checkpoints (--init-from; made by transformers)
     ema_everywhere: bool = True  # else --ema-decay on the first placement only (each placement compiles anew)
     emas: tuple[str, ...] | None = None  # the EMAS variants it runs on every placement; None: all
     tracked: bool = True  # runs once more with every tracker (the trackers do not depend on the step)
@@ -75,6 +77,27 @@ PPO = tuple(  # 8 environments (micro-batches and parts divide them), 16 steps e
     "--log-every 2 --eval-every 2".split()
 )
 LOTTERY = tuple("--rounds 1 --schedule-length 2 --hidden 4 --steps 2 --steps-per-call 2 --log-every 2".split())
+VIT = ("--batch-size", "64", "--optimizer", "adamw", "--lr", "0.01")
+GPT2 = tuple(
+    "--context 16 --batch-size 8 --steps-per-call 2 --log-every 2 --eval-every 2 --text-bytes 20000 "
+    "--lora-rank 2".split()
+)
+# Tiny checkpoints that transformers saves (random weights, nothing downloaded), for --init-from: {name: config}
+PRETRAINED = {
+    # 32x32 RGB as the digits are, 4 patches a side; 5 classes, so the 10 digits get a new head (zeros)
+    "vit": {
+        "model_type": "vit",
+        "hidden_size": 16,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "intermediate_size": 32,
+        "image_size": 32,
+        "patch_size": 8,
+        "num_labels": 5,
+    },
+    # byte-level: 256 tokens, read as bytes without a tokenizer.json
+    "gpt2": {"model_type": "gpt2", "n_embd": 16, "n_layer": 1, "n_head": 2, "n_positions": 32, "vocab_size": 256},
+}
 EXPERIMENTS = {  # state_passing is no training run
     "xor": Experiment(
         ("--epochs", "1", "--train-size", "256", "--test-size", "64", "--batch-size", "32"),
@@ -164,7 +187,7 @@ EXPERIMENTS = {  # state_passing is no training run
     ),
     # the byte LM on the first 20 KB of the standard library's source (no file to make), training its norms alone
     # (--trainable: the rest keeps its bits, no optimizer state), then with LoRA adapters (fresh runs: the
-    # adapters are the same step); --init-from is tests/test_pretrained.py's (it needs a transformers checkpoint)
+    # adapters are the same step); --init-from is lm_gpt2's, below
     "lm": Experiment(
         ("--steps", "4", *LM, "--trainable", "norm"),
         ("--steps", "8", *LM, "--trainable", "norm"),
@@ -235,6 +258,38 @@ EXPERIMENTS = {  # state_passing is no training run
     # a step that makes its own data: each device steps its share of the environments, which live in the train
     # state (a resume continues their episodes); 4 steps, then 8
     "ppo": Experiment(("--env-steps", "512", *PPO), ("--env-steps", "1024", *PPO), requires="gymnax", timeout=90),
+    # a transformers ViT fine-tuned on the digits: its (new) head alone, fresh and resumed (the resumed run reads the
+    # checkpoint again); then through LoRA adapters on its blocks, the new head training beside them (fresh runs)
+    "images_vit": Experiment(
+        ("--epochs", "1", *VIT, "--trainable", "head"),
+        ("--epochs", "2", *VIT, "--trainable", "head"),
+        images=True,
+        init_from="vit",
+        script="images",
+        phases=("fresh", "resumed"),
+        timeout=90,
+        requires="transformers",
+    ),
+    "images_vit_lora": Experiment(
+        ("--epochs", "1", *VIT, "--lora-rank", "2"),
+        ("--epochs", "2", *VIT, "--lora-rank", "2"),
+        images=True,
+        init_from="vit",
+        script="images",
+        phases=("fresh",),
+        timeout=90,
+        requires="transformers",
+    ),
+    # a transformers GPT-2 (bytes as its tokens) fine-tuned through LoRA on the standard library's first 20 KB
+    "lm_gpt2": Experiment(
+        ("--steps", "4", *GPT2),
+        ("--steps", "8", *GPT2),
+        init_from="gpt2",
+        script="lm",
+        phases=("fresh", "resumed"),
+        timeout=90,
+        requires="transformers",
+    ),
 }
 PLACEMENTS = {  # the first is the reference the others must match
     "1dev": (),
@@ -304,11 +359,18 @@ class Combination:
         return dataclasses.replace(self, placement=next(iter(PLACEMENTS)), tracker="untracked")
 
     @property
+    def must_train(self) -> bool:
+        """The first fresh run of an experiment (one device, its first EMA variant and loader, untracked), which
+        must train: an entry whose flags are all refused (an option renamed) would otherwise pass unseen."""
+        first = (next(iter(PLACEMENTS)), (EXPERIMENTS[self.experiment].emas or list(EMAS))[0], next(iter(LOADERS)))
+        return (self.placement, self.ema, self.loader, self.phase, self.tracker) == (*first, "fresh", "untracked")
+
+    @property
     def checks_trackers(self) -> bool:  # the last phase of a tracked series, whose run directory is complete
         phases = [p for p in EXPERIMENTS[self.experiment].phases or PHASES if p in TRACKED_PHASES]
         return self.tracker != "untracked" and self.phase == phases[-1]
 
-    def argv(self, root: Path, data_dir: Path, images: Path, digits8: Path) -> list[str]:
+    def argv(self, root: Path, data_dir: Path, images: Path, digits8: Path, pretrained: dict[str, Path]) -> list[str]:
         experiment = EXPERIMENTS[self.experiment]
         return [
             *PHASES[self.phase](experiment),
@@ -319,6 +381,7 @@ class Combination:
             *(("--data-dir", str(data_dir)) if experiment.data_dir else ()),
             *(("--data", str(images)) if experiment.images else ()),
             *(("--data", str(digits8)) if experiment.digits8 else ()),
+            *(("--init-from", str(pretrained[experiment.init_from])) if experiment.init_from else ()),
             "--run-dir",
             str(root / "runs" / self.run_name),
             *COMMON,
@@ -442,7 +505,24 @@ def _tail(path: Path, lines: int = 15) -> str:
 
 
 @pytest.fixture(scope="session")
-def combination_results(request, tmp_path_factory, mnist1d_dir, digits_formats) -> dict[str, dict]:
+def pretrained(tmp_path_factory) -> dict[str, Path]:
+    """PRETRAINED's checkpoints, each saved by transformers (`save_pretrained`) in a directory: {name: directory};
+    none without transformers (the entries that read them require it)."""
+    if importlib.util.find_spec("transformers") is None:
+        return {}
+    import torch
+    import transformers
+
+    root = tmp_path_factory.mktemp("pretrained")
+    kinds = {"vit": transformers.ViTForImageClassification, "gpt2": transformers.GPT2LMHeadModel}
+    for name, fields in PRETRAINED.items():
+        torch.manual_seed(0)
+        kinds[fields["model_type"]](transformers.AutoConfig.for_model(**fields)).save_pretrained(root / name)
+    return {name: root / name for name in PRETRAINED}
+
+
+@pytest.fixture(scope="session")
+def combination_results(request, tmp_path_factory, mnist1d_dir, digits_formats, pretrained) -> dict[str, dict]:
     """The result of every combination this session selected (and the 1-device runs they compare with),
     run in one worker per device count."""
     selected = {
@@ -473,7 +553,7 @@ def combination_results(request, tmp_path_factory, mnist1d_dir, digits_formats) 
                 "id": c.id,
                 "script": EXPERIMENTS[c.experiment].script or c.experiment,
                 "timeout": EXPERIMENTS[c.experiment].timeout,
-                "argv": c.argv(root, mnist1d_dir, images, digits8),
+                "argv": c.argv(root, mnist1d_dir, images, digits8, pretrained),
             }
             for c in needed
             if c.devices == devices
@@ -500,7 +580,7 @@ def problems(combination: Combination, results: dict[str, dict]) -> list[str]:
         where = f" (at {Path(frames[-1][0]).name}:{frames[-1][1]} in {frames[-1][2]})" if frames else ""
         return [f"traceback, exit {status}: {last_line}{where}"]
     if status == 2:
-        found = []
+        found = [f"refused where it must train: {last_line}"] if combination.must_train else []
         if len(stderr) != 1:
             found.append(f"exit 2 with {len(stderr)} lines on stderr, not 1: {last_line}")
         if result["checkpoints_after"] != result["checkpoints_before"]:
