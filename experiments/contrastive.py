@@ -174,7 +174,8 @@ def optimizer(lr: float, weight_decay: float, num_steps: int) -> optax.GradientT
 def build_state(config: Config, images: np.ndarray, num_steps: int) -> TrainState:
     model_key, head_key, train_key = jax.random.split(jax.random.key(config.training.seed), 3)
     _, height, width, channels = images.shape
-    pixels = images.reshape(-1, channels) / 255
+    # normalise by the pixels' per-channel statistics, of at most ~4,096 images (a large set is not copied whole)
+    pixels = images[:: max(1, len(images) // 4096)].reshape(-1, channels) / 255
     axis_name = batch_axis_name(config.devices.parallel, config.devices.deterministic_reduction)
     hidden = 4 * config.features
     encoder, model_state = eqx.nn.make_with_state(ImageResNet)(
