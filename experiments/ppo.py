@@ -302,36 +302,35 @@ class PPOStep(Step):
         env, params = environment(self.env_name)
 
         def transition(live: Live, key: PRNGKeyArray):
-            """One step of one environment."""
+            """One step of one environment (its values come after the rollout, all at once)."""
             action_key, env_key = jax.random.split(key)
-            output, value = policy(live.observation)
+            output = policy.act(live.observation)
             action = sample_action(policy, output, action_key)
             observation, env_state, reward, terminated, truncated, info = env.step(
                 env_key, live.env_state, env_action(env, params, action), params
             )
             done = terminated | truncated
-            _, next_value = policy(info["final_observation"].astype(jnp.float32))
             ret, length = live.episode_return + reward, live.episode_length + 1
-            row = (live.observation, action, log_prob(policy, output, action), value)
-            row = (*row, reward.astype(jnp.float32), next_value, terminated, done)
+            final = info["final_observation"].astype(jnp.float32)  # before an ended episode's reset
+            row = (live.observation, action, log_prob(policy, output, action), reward.astype(jnp.float32), final)
             ended = (done, jnp.where(done, ret, 0.0), jnp.where(done, length, 0))
             after = Live(
                 env_state, observation.astype(jnp.float32), jnp.where(done, 0.0, ret), jnp.where(done, 0, length)
             )
-            return after, (row, ended)
+            return after, (row, (terminated, done), ended)
 
-        each = (lambda *xs: jax.lax.map(lambda x: transition(*x), xs)) if layout_invariant else jax.vmap(transition)
-
-        def one(live: Live, step_keys: PRNGKeyArray):
-            return each(live, step_keys)
-
+        each = (lambda fn: lambda *xs: jax.lax.map(lambda x: fn(*x), xs)) if layout_invariant else jax.vmap
         step_keys = jax.vmap(lambda k: jax.random.split(k, self.rollout_steps))(keys)
-        live, (rows, ended) = jax.lax.scan(one, live, jnp.swapaxes(step_keys, 0, 1))
-        rows, ended = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), (rows, ended))  # environments first
-        _, _, _, values, rewards, next_values, terminated, done = rows
+        live, (rows, ends, ended) = jax.lax.scan(each(transition), live, jnp.swapaxes(step_keys, 0, 1))
+        rows, ends, ended = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), (rows, ends, ended))  # environments first
+        observations, actions, log_probs, rewards, finals = rows
+        values = each(jax.vmap(policy.value))(observations)  # one product over every step of the rollout
+        next_values = each(jax.vmap(policy.value))(finals)
+        terminated, done = ends
         advantage, target = jax.vmap(gae, in_axes=(0, 0, 0, 0, 0, None, None))(
             rewards, values, next_values, terminated, done, self.gamma, self.gae_lambda
         )
+        rows = (observations, actions, log_probs, values, rewards, next_values, terminated, done)
         return Transitions(*rows, advantage, target), live, ended
 
     def update(

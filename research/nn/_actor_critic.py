@@ -67,3 +67,13 @@ class ActorCritic(eqx.Module):
     ) -> tuple[Float[Array, " actions"], Float[Array, ""]]:
         """`(logits or the Gaussian's mean, value)` of one observation."""
         return self.actor(observation), self.critic(observation)[0]
+
+    @typecheck
+    def act(self, observation: Float[Array, " observation"]) -> Float[Array, " actions"]:
+        """The policy's output alone (logits, or the Gaussian's mean): what acting needs."""
+        return self.actor(observation)
+
+    @typecheck
+    def value(self, observation: Float[Array, " observation"]) -> Float[Array, ""]:
+        """The value estimate alone."""
+        return self.critic(observation)[0]
