@@ -54,23 +54,18 @@ def test_it_needs_data(capsys):
 
 @pytest.mark.slow
 def test_a_short_run_learns_features_a_probe_reads_better_than_the_initial_encoders(digits, tmp_path):
-    """10 epochs of a small encoder (8 channels, one block a stage) on the digits: the probe's and the
-    k-NN's test accuracy rise well above the encoder's at initialisation; every evaluation logs both."""
+    """4 epochs (44 steps) of a small encoder (8 channels, one block a stage) on the digits: the probe's and the
+    k-NN's test accuracy rise well above the encoder's at initialisation (83.6% and 75.0% here, 91.7% and 92.5%
+    after); every evaluation logs both."""
     run = tmp_path / "run"
-    assert (
-        run_entry(
-            ["--data", str(digits), *SMALL, "--epochs", "10", "--eval-every", "55", "--run-dir", str(run)],
-            "contrastive",
-        )
-        == 0
-    )
+    argv = ["--data", str(digits), *SMALL, "--epochs", "4", "--eval-every", "22", "--log-every", "11"]
+    assert run_entry([*argv, "--run-dir", str(run)], "contrastive") == 0
     summary = RunDir(run).read_summary()
-    assert summary["test_probe_accuracy"] > summary["probe_accuracy_init"] + 0.02
-    assert summary["test_knn_accuracy"] > summary["knn_accuracy_init"] + 0.05
-    assert summary["test_probe_accuracy"] > 0.93
+    assert summary["test_probe_accuracy"] > summary["probe_accuracy_init"] + 0.05
+    assert summary["test_knn_accuracy"] > summary["knn_accuracy_init"] + 0.1
     records = RunDir(run).read_metrics()
-    assert [r["step"] for r in records if "test/probe_accuracy" in r] == [55, 110]
+    assert [r["step"] for r in records if "test/probe_accuracy" in r] == [22, 44]
     losses = [r["train/loss"] for r in records if "train/loss" in r]
-    assert losses[-1] < losses[0] - 0.5  # NT-Xent of 256 views starts near log(255) = 5.5
+    assert len(losses) == 4 and losses[-1] < losses[0] - 0.3  # NT-Xent of 256 views starts near log(255) = 5.5
     views = matplotlib.image.imread(run / "views.png")
     assert views.shape[0] < views.shape[1]  # 3 rows of 8: the images and two views of each
