@@ -64,6 +64,8 @@ def test_nt_xent_is_the_loss_written_out_view_by_view(views):
     # Two copies of each embedding: every view's nearest other view is its pair.
     twins = np.repeat(np.random.default_rng(1).normal(size=(6, 1, 5)), 2, axis=1).astype(np.float32)
     assert float(nt_xent(jnp.asarray(twins), 0.3)[1]["pair_accuracy"]) == 1.0
+    with pytest.raises(ValueError, match="at least 2 a row, got 1"):
+        nt_xent(jnp.asarray(embeddings[:, :1]), 0.3)
 
 
 def _mlp_and_batch():

@@ -78,6 +78,8 @@ def nt_xent(embeddings: Float[Array, "batch views dim"], temperature: float) -> 
     Written to round the same way in every program XLA compiles it into (`research.train._micro`): a multiply
     by `rsqrt` rather than a divide by the norm, multiplies by Python constants rather than divides."""
     examples, views, dim = embeddings.shape
+    if views < 2:
+        raise ValueError(f"nt_xent compares views of the same example: it needs at least 2 a row, got {views}")
     z = embeddings.reshape(examples * views, dim)
     z = z * jax.lax.rsqrt(jnp.maximum(jnp.sum(z * z, axis=1, keepdims=True), 1e-12))
     logits = (z @ z.T) * (1.0 / temperature)
