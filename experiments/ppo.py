@@ -6,8 +6,8 @@ the rollout; a clipped value loss; an entropy bonus; the learning rate annealed 
 The step makes its own data: its batch is the indices of its environments (which the placement splits
 over the devices: each device steps its own environments), and the environments' states live in the train
 state between steps, so `--resume` continues every episode where it stopped. A minibatch is every
-environment's transitions at `rollout-steps / minibatches` time steps (each environment's own random
-order), so the loss is a mean over the batch's rows (environments) like any other, and a gradient of the
+environment's transitions at `rollout-steps / minibatches` time steps (the epoch's random order of time
+steps), so the loss is a mean over the batch's rows (environments) like any other, and a gradient of the
 global batch is the same whatever device holds which environment.
 
 Metrics: `train/episode_return` and `train/episode_length`, the mean of the episodes that finished in each
@@ -337,23 +337,18 @@ class PPOStep(Step):
         self, state: PPOState, transitions: Transitions, batch: Array, key: PRNGKeyArray, global_batch: GlobalBatch
     ) -> tuple[ActorCritic, PyTree, dict[str, Array]]:
         """`epochs` x `minibatches` updates; advantages normalised over the global rollout. Minibatch `m` of an
-        epoch is every environment's time steps `order[m * n : (m + 1) * n]` of its own random order (from its
-        index), so the global batch's minibatches do not depend on which device holds which environment."""
+        epoch is every environment's time steps `order[m * n : (m + 1) * n]` of the epoch's random order of time
+        steps, so the global batch's minibatches do not depend on which device holds which environment."""
         mean, std = global_mean_and_std(gathered(transitions.advantage, global_batch.axis_name))
         normalised = (transitions.advantage - mean) * (1 / (std + 1e-8))  # a multiply: XLA rewrites some divides
         transitions = dataclasses.replace(transitions, advantage=normalised)
-        envs, length, share = batch.shape[0], self.rollout_steps, self.rollout_steps // self.minibatches
+        share = self.rollout_steps // self.minibatches
+        orders = jax.vmap(lambda k: jax.random.permutation(k, self.rollout_steps))(jax.random.split(key, self.epochs))
+        times = orders[:, : share * self.minibatches].reshape(self.epochs * self.minibatches, share)
 
-        def orders(epoch_key: PRNGKeyArray) -> Int[Array, "envs time"]:
-            return jax.vmap(lambda i: jax.random.permutation(jax.random.fold_in(epoch_key, i), length))(batch)
-
-        times = jax.vmap(orders)(jax.random.split(key, self.epochs))[..., : share * self.minibatches]
-        times = times.reshape(self.epochs, envs, self.minibatches, share).swapaxes(1, 2)
-        times = times.reshape(self.epochs * self.minibatches, envs, share)
-
-        def one(carry, time: Int[Array, "envs share"]):
+        def one(carry, time: Int[Array, " share"]):
             policy, opt_state = carry
-            minibatch = jax.tree.map(lambda x: jax.vmap(lambda rows, t: rows[t])(x, time), transitions)
+            minibatch = jax.tree.map(lambda x: x[:, time], transitions)
             (_, (metrics, _)), grads = global_batch.value_and_grad(
                 self.loss, policy, None, minibatch, key, grad_accum=self.grad_accum
             )
@@ -457,7 +452,7 @@ def ppo_optimizer(lr: float, max_grad_norm: float, updates_a_step: int, anneal_s
     parts = [optax.clip_by_global_norm(max_grad_norm), optax.inject_hyperparams(optax.adam)(learning_rate=lr, eps=1e-5)]
     if anneal_steps is not None:
         parts.append(optax.scale_by_schedule(lambda count: 1.0 - (count // updates_a_step) / anneal_steps))
-    return optax.chain(*parts)
+    return optax.flatten(optax.chain(*parts))  # one vector: a few operations an update, not a few a leaf
 
 
 def num_steps(config: Config) -> int:
