@@ -24,9 +24,9 @@ What differs, beyond key handling (so the two do not produce equal numbers):
   `skip_initial_evaluation`. The engine's evaluation is a hook, which this loop does not run.
 - rejax 0.1.3 unpacks gymnax's old 5-tuple `step`; gymnax 1.0 returns `terminated` and `truncated`
   apart, so rejax's environment is wrapped to return `terminated | truncated` as its `done` (one `or`).
-- Ours does more work an environment step: a second forward pass on the true next observation (gymnax's
-  `final_observation`), so an episode cut at 500 steps bootstraps from its value where rejax treats every
-  end as terminal; and the episodes' returns and lengths, the updates' KL, clip fraction, entropy and
+- Ours does more work: the values of the true next observations (gymnax's `final_observation`, one more
+  critic product over the rollout), so an episode cut at 500 steps bootstraps from its value where rejax
+  treats every end as terminal; and the episodes' returns and lengths, the updates' KL, clip fraction, entropy and
   gradient norm, accumulated on the device as metrics (rejax keeps none).
 - Updates: ours takes one gradient of the joint loss through both networks with one optimizer (clipping
   the global norm, Adam eps 1e-5); rejax takes the policy's and the value network's gradients apart, each
