@@ -327,6 +327,10 @@ WORKERS_AT_ONCE = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
 # ------------------------------------------------------------------------------------------------------
 
 WORKER = Path(__file__).parent / "_combination_worker.py"
+# Each compiled program holds memory maps of its code, and a process may hold 65,530 of them (Linux's
+# vm.max_map_count): a worker running ~100 runs ran out ("LLVM compilation error: Cannot allocate memory", then
+# SIGSEGV), so a worker takes this many runs and the next one the rest.
+RUNS_A_WORKER = 40
 
 
 @dataclasses.dataclass(frozen=True)
@@ -440,7 +444,7 @@ def run_worker(runs: list[dict], devices: int, root: Path) -> dict[str, dict]:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     results: dict[str, dict] = {}
     for attempt in itertools.count():
-        remaining = [r for r in runs if r["id"] not in results]
+        remaining = [r for r in runs if r["id"] not in results][:RUNS_A_WORKER]
         if not remaining:
             return results
         spec, out, log = (root / f"worker{devices}-{attempt}.{ext}" for ext in ("json", "jsonl", "log"))
