@@ -45,6 +45,16 @@ def pytest_sessionfinish(session, exitstatus):
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _compiled_programs_freed_after_each_file():
+    """Each compiled program keeps memory maps of its code until it is freed, and a process may hold 65,530 maps
+    (Linux's vm.max_map_count): a pytest worker that ran hundreds of tests' programs hit it (an abort inside
+    XLA, "Cannot allocate memory"). JAX's caches are emptied after each test file; the persistent compilation
+    cache above still spares the next file most of the recompiling."""
+    yield
+    jax.clear_caches()
+
+
 @pytest.fixture
 def getkey():
     """`getkey()` returns a fresh PRNG key on every call, deterministic per test."""
