@@ -276,7 +276,7 @@ class PPOStep(Step):
         live = jax.tree.map(lambda x: x[batch], state.live)
         invariant = global_batch.micro_batches is not None
         transitions, live, finished = self.rollout(state.policy, live, env_keys, layout_invariant=invariant)
-        policy, opt_state, metrics = self.update(state, transitions, batch, update_key, global_batch)
+        policy, opt_state, metrics = self.update(state, transitions, update_key, global_batch)
         every = gathered(batch, axis)
         lives = jax.tree.map(lambda whole, rows: whole.at[every].set(gathered(rows, axis)), state.live, live)
         ema = None if state.ema is None else state.ema.update((policy, None))[0]
@@ -334,7 +334,7 @@ class PPOStep(Step):
         return Transitions(*rows, advantage, target), live, ended
 
     def update(
-        self, state: PPOState, transitions: Transitions, batch: Array, key: PRNGKeyArray, global_batch: GlobalBatch
+        self, state: PPOState, transitions: Transitions, key: PRNGKeyArray, global_batch: GlobalBatch
     ) -> tuple[ActorCritic, PyTree, dict[str, Array]]:
         """`epochs` x `minibatches` updates; advantages normalised over the global rollout. Minibatch `m` of an
         epoch is every environment's time steps `order[m * n : (m + 1) * n]` of the epoch's random order of time
