@@ -122,7 +122,7 @@ def lm_step(shape: dict, steps: int) -> dict:
         "shape": shape,
         "parameters": parameters,
         "compile_s": round(compile_seconds, 2),
-        "step_s": round(1 / rate, 5),
+        "step_s": float(f"{1 / rate:.6g}"),  # six significant digits, however short the step
         "tokens_per_s": round(tokens_per_s),
         "peak_memory_gib": round(stats["peak_bytes_in_use"] / 2**30, 2) if "peak_bytes_in_use" in stats else None,
         "xla_temp_gib": round(compiled.memory_analysis().temp_size_in_bytes / 2**30, 3),
