@@ -39,7 +39,7 @@ from research.data import (
     reference_bits_per_byte,
     split_held_out,
 )
-from research.experiment import Setup, run_experiment
+from research.experiment import Setup, initial_model, run_experiment, saved_run_config
 from research.nn import LanguageModel, LoRA, build_model, load_gpt2
 from research.tools.sample import sample_bytes
 from research.train import (
@@ -75,8 +75,9 @@ class LMTraining(Training):
 class LMFineTuning(FineTuning):
     init_from: str | None = option(
         None,
-        "start from a GPT-2 saved by Hugging Face transformers (a save_pretrained directory): its shape and weights "
-        "(--dim, --depth, --heads, --untied then keep their defaults), and its tokenizer",
+        "start from a GPT-2 saved by Hugging Face transformers (a save_pretrained directory) or from an lm run (its "
+        "trained model, not its EMA's): its shape and weights (--dim, --depth, --heads, --untied then keep their "
+        "defaults), and its tokenizer",
     )
     trainable: str = option(
         "all",
@@ -127,13 +128,16 @@ class Config(TrainConfig):
 
 
 def text_tokenizer(config: Config) -> TextTokenizer | None:
-    """The tokenizer the text is read with (`--tokenizer`, else `--init-from`'s), or None: bytes."""
+    """The tokenizer the text is read with (`--tokenizer`, else `--init-from`'s: the tokenizer.json of a
+    Hugging Face directory, the one a run of ours read its text with), or None: bytes."""
     if config.tokenizer is not None:
         return TextTokenizer(config.tokenizer)
     init_from = config.fine_tuning.init_from
-    if init_from is not None and (Path(init_from) / "tokenizer.json").is_file():
-        return TextTokenizer(init_from)
-    return None
+    if init_from is None:
+        return None
+    if (source := saved_run_config(init_from, "lm")) is not None:
+        return text_tokenizer(source)
+    return TextTokenizer(init_from) if (Path(init_from) / "tokenizer.json").is_file() else None
 
 
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config)}
@@ -155,7 +159,8 @@ def base_model(config: Config, key: PRNGKeyArray) -> LanguageModel:
     # Its own precision policy (the matmul weights cast inside its call) also serves sampling after training.
     compute_dtype = "bfloat16" if config.training.precision == "bf16" else "float32"
     if config.fine_tuning.init_from is not None:
-        return load_gpt2(config.fine_tuning.init_from).with_compute_dtype(compute_dtype).with_remat(config.remat)
+        model = initial_model(config.fine_tuning.init_from, "lm", load_gpt2)[0]
+        return model.with_compute_dtype(compute_dtype).with_remat(config.remat)
     return build_model(
         "lm",
         key=key,
@@ -228,7 +233,7 @@ def _checked_initial_model(config: Config, tokenizer: TextTokenizer | None) -> L
     init_from = config.fine_tuning.init_from
     if shaped:
         raise ConfigError(f"--init-from takes the model's shape from {init_from}: drop {', '.join(shaped)}")
-    model = load_gpt2(init_from)  # also refuses a damaged or foreign checkpoint
+    model = initial_model(init_from, "lm", load_gpt2)[0]  # also refuses a damaged or foreign checkpoint
     if config.context > model.context:
         raise ConfigError(f"--context {config.context} is longer than {init_from}'s {model.context} positions")
     if tokenizer is None and model.vocab != 256:

@@ -661,6 +661,26 @@ def load_run(run_dir: str | Path, **overrides: Any) -> LoadedRun:
     )
 
 
+def saved_run_config(path: str | Path, experiment: str) -> RunConfig | None:
+    """The config a run directory of `experiment` was started with (rebuilt through the experiment script's
+    `Config`, nothing loaded), or `None` where `path` holds no run of ours (a Hugging Face directory has a
+    config.json of its own).
+
+    **Raises:** `ConfigError` in one line when `path` is a run of another experiment.
+    """
+    try:
+        saved = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(saved, dict) or "experiment" not in saved:
+        return None
+    if saved["experiment"] != experiment:
+        raise ConfigError(f"--init-from {path} is a run of {saved['experiment']}, not of {experiment}")
+    config_class = load_experiment(experiment).Config
+    untracked = _untracked(config_class, saved["config"])
+    return _rebuild_config(config_class, saved["config"], Path(path) / "config.json", untracked)
+
+
 def initial_model(init_from: str | Path, experiment: str, read_pretrained: Callable[[Path], Any]) -> tuple[Any, Any]:
     """The model and model state (`None` for a stateless model) that `--init-from PATH` starts a run of
     `experiment` from: a run directory of `experiment` (its trained model, from `load_run`, with any LoRA
@@ -671,14 +691,8 @@ def initial_model(init_from: str | Path, experiment: str, read_pretrained: Calla
     `CheckpointError` when it holds no checkpoint `load_run` or `read_pretrained` can read.
     """
     path = Path(init_from)
-    try:
-        saved = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        saved = None
-    if not isinstance(saved, dict) or "experiment" not in saved:  # no run of ours: a Hugging Face config.json
+    if saved_run_config(path, experiment) is None:  # no run of ours: a Hugging Face directory
         return read_pretrained(path), None
-    if saved["experiment"] != experiment:
-        raise ConfigError(f"--init-from {path} is a run of {saved['experiment']}, not of {experiment}")
     run = load_run(path)
     if run.setup.population:
         raise ConfigError(f"--init-from {path} is a population of models: start from one member's run")

@@ -270,6 +270,7 @@ def test_lm_fine_tunes_a_gpt2_on_its_tokens_and_samples_from_the_run(tmp_path, m
         (["--dim", "32"], "--init-from takes the model's shape from .*: drop --dim"),
         (["--context", "64"], "--context 64 is longer than .*'s 48 positions"),
         (["--tokenizer", "none"], "none: no tokenizer.json"),
+        (["--init-from", "xor"], "--init-from xor is a run of xor, not of lm"),
     ],
 )
 def test_lm_refuses_an_init_from_the_other_options_contradict(tmp_path, monkeypatch, capsys, flags, message):
@@ -279,6 +280,8 @@ def test_lm_refuses_an_init_from_the_other_options_contradict(tmp_path, monkeypa
     monkeypatch.chdir(tmp_path)
     directory, _ = gpt2(tmp_path)  # no tokenizer.json beside it
     (tmp_path / "text.txt").write_text(TEXT)
+    (tmp_path / "xor").mkdir()
+    (tmp_path / "xor/config.json").write_text(json.dumps({"experiment": "xor", "config": {}}))
     lm = load_experiment("lm")
     capsys.readouterr()  # transformers' own lines, saving the model
     with pytest.raises(SystemExit) as exit:
@@ -322,6 +325,17 @@ def test_a_lora_fine_tuned_gpt2_exports_merged_to_a_directory_transformers_loads
     merged = our_logits(run.model.merged(), tokens)
     np.testing.assert_allclose(their_logits(loaded, tokens), merged, atol=1e-5, rtol=0)
     assert np.abs(merged - their_logits(theirs, tokens)).max() > 1e-3  # the adapters moved it
+
+    # The run itself is a starting point: its adapters merged, and the tokenizer it read its text with
+    config = lm.Config.from_options(text="text.py", init_from="lora", context=32)
+    assert lm.text_tokenizer(config).path == directory / "tokenizer.json"
+    start = named_arrays(lm.setup(config).build_state().model)
+    assert jax.tree.all(jax.tree.map(np.array_equal, start, named_arrays(run.model.merged())))
+    again = ["--text", "text.py", "--init-from", "lora", "--context", "32", "--batch-size", "4", "--steps", "2"]
+    again += ["--steps-per-call", "2", "--trainable", "norm", "--no-progress", "--run-dir", "again"]
+    main_entry(lm.main, lm.Config, again)
+    tuned = named_arrays(load_run("again").model)
+    assert sorted(n for n in start if not np.array_equal(start[n], tuned[n])) == sorted(n for n in start if "norm" in n)
 
 
 @pytest.mark.parametrize(
