@@ -1,5 +1,6 @@
 import dataclasses
 import importlib.util
+import inspect
 import json
 import re
 import shutil
@@ -25,6 +26,7 @@ from research.cli import (
     tracking_of,
 )
 from research.config import option_fields, resumable_options
+from research.experiment import experiment_names, load_experiment
 
 ROOT = Path(__file__).parent.parent
 
@@ -318,3 +320,11 @@ def test_resuming_a_finished_run_from_the_shell_exits_0(tmp_path):
     result = subprocess.run([*command, "--resume"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "xor: test accuracy" in result.stdout and stamps(tmp_path) == before
+
+
+def test_no_line_of_an_experiments_description_starts_with_a_flag():
+    """tyro's help breaks the description's paragraph before a line that starts with `--flag`."""
+    configs = [getattr(load_experiment(name), "Config", None) for name in experiment_names()]
+    docs = [inspect.cleandoc(vars(config)["__doc__"]) for config in configs if config is not None]
+    assert len(docs) > 10
+    assert not [line for doc in docs for line in doc.splitlines() if line.startswith("-")]
