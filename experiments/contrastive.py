@@ -33,6 +33,8 @@ import optax
 from research.cli import ConfigError, TrainConfig, Training, group, main_entry, non_negative, option, positive
 from research.data import (
     FORMATS_HELP,
+    IMAGE_COLUMN_HELP,
+    LABEL_COLUMN_HELP,
     DeviceLoader,
     colour_jitter,
     random_crop_flip,
@@ -80,6 +82,8 @@ class Config(TrainConfig):
     headline: ClassVar[Headline] = Headline("probe_accuracy")
     training: ContrastiveTraining = group(ContrastiveTraining)
     data: str | None = option(None, f"the images: {FORMATS_HELP} (default: none; required)")
+    image_column: str | None = option(None, IMAGE_COLUMN_HELP)
+    label_column: str | None = option(None, LABEL_COLUMN_HELP)
     epochs: int = option(100, "passes over the training images", check=positive, resumable=True)
     temperature: float = option(0.2, "NT-Xent's temperature", check=positive)
     features: int = option(16, "channels of the ResNet's first stage (then twice, four times)", check=positive)
@@ -201,7 +205,7 @@ def setup(config: Config) -> Setup:
         raise ConfigError(f"--data names the images to train on: {FORMATS_HELP}")
     if config.crop_scale > 1:
         raise ConfigError(f"--crop-scale is a fraction of the image's area, at most 1 (got {config.crop_scale})")
-    data = read_image_data(config.data)
+    data = read_image_data(config.data, image_column=config.image_column, label_column=config.label_column)
     train, test = data.train, data.test
     if config.training.batch_size > len(train.inputs):
         raise ConfigError(f"--batch-size {config.training.batch_size} is more than the {len(train.inputs)} images")

@@ -24,7 +24,7 @@ import numpy as np
 import optax
 
 from research.cli import EMA, ConfigError, TrainConfig, Training, group, main_entry, option, positive, unit_interval
-from research.data import FORMATS_HELP, DeviceLoader, read_image_data
+from research.data import FORMATS_HELP, IMAGE_COLUMN_HELP, LABEL_COLUMN_HELP, DeviceLoader, read_image_data
 from research.experiment import Setup, run_experiment
 from research.judge import draw_samples, frechet_evaluator, load_judge, real_frechet_distance
 from research.nn import UNet
@@ -57,6 +57,8 @@ class Config(TrainConfig):
     training: DiffusionTraining = group(DiffusionTraining)
     ema: DiffusionEMA = group(DiffusionEMA)
     data: str | None = option(None, f"the images: {FORMATS_HELP} (default: none; required)")
+    image_column: str | None = option(None, IMAGE_COLUMN_HELP)
+    label_column: str | None = option(None, LABEL_COLUMN_HELP)
     steps: int = option(10000, "training steps", check=positive, resumable=True)
     features: int = option(32, "channels of the U-Net's first level (doubled at each level below)", check=positive)
     levels: int = option(2, "resolutions below the input's the U-Net goes down to", check=positive)
@@ -175,7 +177,7 @@ def setup(config: Config) -> Setup:
         raise ConfigError(
             f"--sample-steps {config.sample_steps} is more than --diffusion-steps {config.diffusion_steps}"
         )
-    data = read_image_data(config.data)
+    data = read_image_data(config.data, image_column=config.image_column, label_column=config.label_column)
     image_shape = data.train.inputs.shape[1:]
     height, width, _ = image_shape
     if height % 2**config.levels or width % 2**config.levels:

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import optax
 
 from research.cli import ConfigError, TrainConfig, Training, group, main_entry, option, positive, unit_interval
-from research.data import FORMATS_HELP, DeviceLoader, read_image_data
+from research.data import FORMATS_HELP, IMAGE_COLUMN_HELP, LABEL_COLUMN_HELP, DeviceLoader, read_image_data
 from research.experiment import Setup, run_experiment
 from research.judge import draw_samples, frechet_evaluator, load_judge, real_frechet_distance
 from research.nn import Discriminator, Generator
@@ -61,6 +61,8 @@ class Config(TrainConfig):
     headline: ClassVar[Headline] = Headline("fid", goal="min", percent=False)
     training: GanTraining = group(GanTraining)
     data: str | None = option(None, f"the images: {FORMATS_HELP} (default: none; required)")
+    image_column: str | None = option(None, IMAGE_COLUMN_HELP)
+    label_column: str | None = option(None, LABEL_COLUMN_HELP)
     steps: int = option(3000, "generator updates", check=positive, resumable=True)
     latent: int = option(64, "size of the generator's latent vector", check=positive)
     features: int = option(32, "channels of both networks' widest-resolution layer", check=positive)
@@ -274,7 +276,7 @@ def setup(config: Config) -> Setup:
     """The state and the data of a run, without training (`scripts/show_jaxpr gan --data PATH` uses it)."""
     if config.data is None:
         raise ConfigError(f"--data names the images to train on: {FORMATS_HELP}")
-    data = read_image_data(config.data)
+    data = read_image_data(config.data, image_column=config.image_column, label_column=config.label_column)
     image_shape = data.train.inputs.shape[1:]
     height, width, _ = image_shape
     if height % 4 or width % 4:

@@ -38,6 +38,8 @@ from research.cli import (
 )
 from research.data import (
     FORMATS_HELP,
+    IMAGE_COLUMN_HELP,
+    LABEL_COLUMN_HELP,
     ArrayDataset,
     Batch,
     GrainLoader,
@@ -102,6 +104,8 @@ class Config(TrainConfig):
 
     training: ImagesTraining = group(ImagesTraining)
     data: str | None = option(None, f"the images: {FORMATS_HELP} (default: none; required)")
+    image_column: str | None = option(None, IMAGE_COLUMN_HELP)
+    label_column: str | None = option(None, LABEL_COLUMN_HELP)
     epochs: int = option(30, "passes over the training set", check=positive, resumable=True)
     optimizer: Literal["sgd", "adamw"] = option(
         "sgd", "sgd: Nesterov momentum 0.9 with L2 weight decay; adamw: decoupled weight decay"
@@ -357,7 +361,9 @@ def setup(config: Config) -> Setup:
     """The state and the data of a run, without training (`scripts/show_jaxpr images --data PATH` uses it)."""
     if config.data is None:
         raise ConfigError(f"--data names the images to train on: {FORMATS_HELP}")
-    data = read_image_data(config.data, mmap=config.loader != "device")
+    data = read_image_data(
+        config.data, mmap=config.loader != "device", image_column=config.image_column, label_column=config.label_column
+    )
     kept, held_out = validation_rows(len(data.train.labels), config.val_size)
     statistics = channel_statistics(data.train.inputs, kept)
     if config.fine_tuning.init_from is not None:

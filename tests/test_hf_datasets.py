@@ -196,6 +196,50 @@ def test_a_damaged_or_unexpected_directory_is_refused_in_one_line_naming_it(tmp_
         assert message in str(info.value) and "\n" not in str(info.value), str(info.value)
 
 
+def test_columns_are_chosen_by_name_where_several_could_serve(tmp_path, digits_datasets):
+    """CIFAR-100's layout (an image column beside two ClassLabel columns) needs --label-column; a column
+    named that is not there, or a column option for another format, is refused in one line."""
+    _, _, _, npz = digits_datasets
+    grey = np.arange(4 * 8 * 8, dtype=np.uint8).reshape(4, 8, 8)
+    features = datasets.Features(
+        {
+            "img": datasets.Array2D((8, 8), "uint8"),
+            "picture": datasets.Array2D((8, 8), "uint8"),
+            "fine_label": datasets.ClassLabel(names=list("abcd")),
+            "coarse_label": datasets.ClassLabel(names=["x", "y"]),
+        }
+    )
+    columns = {"img": grey, "picture": 255 - grey, "fine_label": [0, 1, 2, 3], "coarse_label": [0, 0, 1, 1]}
+    path = _save(tmp_path / "d", columns, columns, features)
+    with pytest.raises(DataError, match=r"train: no label column .*coarse_label \(ClassLabel\); name one with"):
+        read_image_data(path)
+    data = read_image_data(path, label_column="coarse_label")
+    assert data.classes == ("x", "y") and data.image_shape == (8, 8, 1)
+    np.testing.assert_array_equal(data.train.labels, [0, 0, 1, 1])
+    np.testing.assert_array_equal(data.test.inputs[..., 0], grey)  # `img`, by its name
+    data = read_image_data(path, mmap=True, image_column="picture", label_column="fine_label")
+    assert data.classes == tuple("abcd")
+    np.testing.assert_array_equal(np.asarray(data.train.inputs)[..., 0], 255 - grey)
+    with pytest.raises(DataError, match=r"train: no image column \(expected a column 'pixels'\); it has img"):
+        read_image_data(path, image_column="pixels", label_column="fine_label")
+    for flags in ({"label_column": "label"}, {"image_column": "image"}):
+        with pytest.raises(DataError) as info:
+            read_image_data(npz, **flags)
+        assert str(info.value) == (
+            "--image-column and --label-column name columns of a Hugging Face datasets directory; "
+            f"--data {npz} is not one (its format: npz)"
+        )
+
+
+@pytest.mark.parametrize("experiment", ["images", "contrastive", "diffusion", "gan"])
+def test_every_experiment_on_images_takes_the_column_options(digits_datasets, capsys, experiment):
+    _, _, _, npz = digits_datasets
+    capsys.readouterr()
+    assert run_entry(["--data", str(npz), "--label-column", "label", "--no-progress"], experiment) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].endswith(f"--data {npz} is not one (its format: npz)"), err
+
+
 def test_without_datasets_a_datasets_directory_is_refused_naming_the_install(digits_datasets, monkeypatch, capsys):
     _, _, paths, _ = digits_datasets
     monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` raises ImportError
@@ -256,7 +300,7 @@ def test_images_trains_on_a_datasets_directory_as_on_the_npz(digits_datasets, tm
 
     expected = metrics("npz", npz)
     assert len(expected) >= 4 and expected[-1]["step"] == 1437 // 32
-    assert metrics("datasets", paths["image"]) == expected
+    assert metrics("datasets", paths["image"], "--image-column", "image", "--label-column", "label") == expected
     assert metrics("torch", paths["image"], "--loader", "torch", "--workers", "0") == expected
     cut = RunDir(tmp_path / "grain")
     assert metrics("grain", paths["array"], "--loader", "grain") == expected

@@ -7,6 +7,8 @@ from ._grain import GrainLoader
 from ._hf_datasets import ArrowImages, is_datasets_directory, read_datasets_images, read_datasets_text
 from ._images import (
     FORMATS_HELP,
+    IMAGE_COLUMN_HELP,
+    LABEL_COLUMN_HELP,
     ImageData,
     detect_format,
     read_array,
@@ -58,6 +60,8 @@ from ._xor import XORDataset
 
 __all__ = [
     "FORMATS_HELP",
+    "IMAGE_COLUMN_HELP",
+    "LABEL_COLUMN_HELP",
     "ImageData",
     "MNIST1D_CLASSES",
     "MNIST1D_LENGTH",

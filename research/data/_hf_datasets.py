@@ -139,7 +139,8 @@ def _image_column(dataset: Any, where: Path, wanted: str | None) -> str:
     if wanted is None and (named or len(typed) == 1):
         return (named or typed)[0]
     expected = f"a column {wanted!r}" if wanted else "a column image or img, or one Image, Array2D or Array3D column"
-    raise DataError(f"{where}: no image column (expected {expected}); it has {_columns(dataset)}")
+    choose = "; name one with --image-column" if wanted is None else ""
+    raise DataError(f"{where}: no image column (expected {expected}); it has {_columns(dataset)}{choose}")
 
 
 def _label_column(dataset: Any, where: Path, wanted: str | None) -> str:
@@ -151,7 +152,8 @@ def _label_column(dataset: Any, where: Path, wanted: str | None) -> str:
     if wanted is None and ("label" in dataset.column_names or len(typed) == 1):
         return "label" if "label" in dataset.column_names else typed[0]
     expected = f"a column {wanted!r}" if wanted else "a column label, or one ClassLabel column"
-    raise DataError(f"{where}: no label column (expected {expected}); it has {_columns(dataset)}")
+    choose = "; name one with --label-column" if wanted is None else ""
+    raise DataError(f"{where}: no label column (expected {expected}); it has {_columns(dataset)}{choose}")
 
 
 def _class_names(feature: Any) -> tuple[str, ...]:

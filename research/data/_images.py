@@ -32,6 +32,14 @@ FORMATS_HELP = (
     "(DatasetDict.save_to_disk: train and test splits of images and labels), a .npz with x_train, y_train, x_test, "
     "y_test, or a directory of those four as .npy files"
 )
+IMAGE_COLUMN_HELP = (
+    "the images' column of a Hugging Face datasets directory --data (default: image or img, else its one Image, "
+    "Array2D or Array3D column)"
+)
+LABEL_COLUMN_HELP = (
+    "the labels' column of a Hugging Face datasets directory --data (default: label, else its one ClassLabel column; "
+    "CIFAR-100's fine_label or coarse_label)"
+)
 NPY_FILES = ("x_train.npy", "y_train.npy", "x_test.npy", "y_test.npy")
 IDX_TYPES = {
     0x08: np.uint8,
@@ -120,12 +128,21 @@ def detect_format(path: str | Path) -> Format:
     raise DataError(f"--data {path}: cannot tell its format; it takes {FORMATS_HELP}")
 
 
-def read_image_data(path: str | Path, *, mmap: bool = False) -> ImageData:
+def read_image_data(
+    path: str | Path, *, mmap: bool = False, image_column: str | None = None, label_column: str | None = None
+) -> ImageData:
     """The training and test images of `path`, in whichever format it is (`detect_format`); `mmap`:
     memory-map uncompressed IDX files, .npy files and a datasets directory's Arrow files instead of reading
-    them (a data set larger than memory streams from disk through `TorchLoader` or `GrainLoader`)."""
+    them (a data set larger than memory streams from disk through `TorchLoader` or `GrainLoader`);
+    `image_column`, `label_column`: a datasets directory's columns (`read_datasets_images`), refused for
+    another format."""
     path = Path(path)
     format = detect_format(path)
+    if format != "datasets" and (image_column is not None or label_column is not None):
+        raise DataError(
+            f"--image-column and --label-column name columns of a Hugging Face datasets directory; --data {path} "
+            f"is not one (its format: {format})"
+        )
     if format == "idx":
         return read_idx_directory(path, mmap=mmap)
     if format == "npy":
@@ -137,7 +154,7 @@ def read_image_data(path: str | Path, *, mmap: bool = False) -> ImageData:
     if format == "datasets":
         from ._hf_datasets import read_datasets_images  # it imports ImageData from here
 
-        return read_datasets_images(path, mmap=mmap)
+        return read_datasets_images(path, mmap=mmap, image_column=image_column, label_column=label_column)
     return read_npz(path)
 
 
