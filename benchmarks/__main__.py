@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"case ({case}) {name}: {skipped[case]}", file=sys.stderr)
             continue
         if name == "ppo" and _ppo.missing():
-            skipped[case] = f"skipped: {_ppo.missing()} is not installed (the `rl` and `bench` extras)"
+            skipped[case] = f"skipped: {_ppo.missing()} is not installed (the `rl` extra)"
             print(f"case ({case}) {name}: {skipped[case]}", file=sys.stderr)
             continue
         case_start = time.perf_counter()

@@ -204,6 +204,8 @@ def targets(results: dict) -> list[tuple[str, str, str, bool | None]]:
         )
     for label, timings in results.get("ppo", {}).get("populations", {}).items():
         ours, peer = _find(timings, "ours"), _find(timings, "rejax")
+        if peer is None:
+            continue
         r = peer.median / ours.median
         rows.append(
             (
@@ -567,7 +569,7 @@ def _ppo_section(l_: dict) -> list[str]:
         "keeps episode and update metrics on the device, which rejax does not; rejax clips gradients element by "
         "element and updates the two networks apart (benchmarks/_ppo.py lists every difference). A sample is "
         f"{l_['iterations']} iterations ({l_['iterations'] * r['num_envs'] * r['num_steps']:,} environment steps an "
-        "agent), continuing from the last sample; the rate counts every member's steps. Compiling the four "
+        "agent), continuing from the last sample; the rate counts every member's steps. Compiling the "
         f"candidates (and a first sample of each) took {l_['seconds']['compile']:.0f} s of this case. Return: "
         "ours' mean training episode return over its last sample (rejax keeps none).",
         "",
@@ -575,14 +577,16 @@ def _ppo_section(l_: dict) -> list[str]:
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for label, timings in l_["populations"].items():
-        base = _find(timings, "rejax").median
+        peer = _find(timings, "rejax")
         for t in timings:
             q1, q3 = t.quartiles
             ret = t.extra.get("episode_return")
             lines.append(
                 f"| {label} | {t.name} | {1 / t.median:,.0f} | {1 / q3:,.0f} - {1 / q1:,.0f} | "
-                f"{base / t.median:.2f} | {'-' if ret is None else f'{ret:.1f}'} |"
+                f"{'-' if peer is None else f'{peer.median / t.median:.2f}'} | {'-' if ret is None else f'{ret:.1f}'} |"
             )
+    if l_.get("peer"):
+        lines += ["", f"- {l_['peer']}"]
     return lines
 
 
