@@ -38,7 +38,7 @@ IMAGE_COLUMN_HELP = (
 )
 LABEL_COLUMN_HELP = (
     "the labels' column of a Hugging Face datasets directory --data (default: label, else its one ClassLabel column; "
-    "CIFAR-100's fine_label or coarse_label)"
+    "name one where several could serve, as CIFAR-100's fine_label and coarse_label)"
 )
 NPY_FILES = ("x_train.npy", "y_train.npy", "x_test.npy", "y_test.npy")
 IDX_TYPES = {
