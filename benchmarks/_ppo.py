@@ -69,7 +69,8 @@ POPULATIONS = (1, 16)
 
 
 def missing() -> str | None:
-    """ "gymnax" where it is not installed (the case cannot run); rejax alone missing leaves ours timed alone."""
+    """The package the case cannot run without, gymnax, where it is not installed (without rejax, the peer,
+    ours is timed alone)."""
     return None if importlib.util.find_spec("gymnax") else "gymnax"
 
 

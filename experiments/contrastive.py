@@ -75,9 +75,9 @@ class Config(TrainConfig):
     features of the labelled training images, measured on the test images. The loss is one of the whole
     global batch: --devices, --parallel and --deterministic-reduction change where it is computed, not
     what; --grad-accum and --micro-batches embed a part of the batch at a time, gather every part's
-    embeddings, and pull the loss's gradient back part by part (the gathered-embedding trick: the same loss and
-    gradient, BatchNorm's statistics aside, which each part computes on its own). DP-SGD does not apply (a
-    per-example clip is not defined for a loss of the whole batch); --precision bf16 is refused."""
+    embeddings, and pull the loss's gradient back part by part (the gathered-embedding trick: the same
+    loss and gradient, BatchNorm's statistics aside, which each part computes on its own). DP-SGD does not
+    apply (a per-example clip is not defined for a loss of the whole batch); --precision bf16 is refused."""
 
     headline: ClassVar[Headline] = Headline("probe_accuracy")
     training: ContrastiveTraining = group(ContrastiveTraining)
