@@ -423,7 +423,7 @@ def test_the_launcher_stops_every_process_when_one_fails(tmp_path, capfd):
         "time.sleep(120)\n"
     )
     start = time.monotonic()
-    assert launch(3, [str(script)]) == 3
+    assert launch(3, [str(script)], settle_seconds=1.0) == 3
     assert time.monotonic() - start < 60
     out, err = capfd.readouterr()
     assert sorted(out.splitlines()) == [f"started {i} 3 127.0.0.1" for i in range(3)]

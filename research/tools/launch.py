@@ -5,8 +5,8 @@
 Each process runs the experiment's script (`experiments/EXPERIMENT.py`, or a script path) with
 `JAX_COORDINATOR_ADDRESS=127.0.0.1:PORT`, `JAX_NUM_PROCESSES=N` and `JAX_PROCESS_ID=i`, which the
 experiment's `research.cli.main_entry` turns into `jax.distributed.initialize` with gloo collectives.
-When one process fails, the others are stopped and the launcher exits with that process's status;
-Ctrl-C stops them all.
+When one process fails, the others get up to 20 s to notice and exit on their own, are then
+stopped, and the launcher exits with the failed process's status; Ctrl-C stops them all.
 """
 
 import argparse
@@ -47,6 +47,14 @@ def _describe(status: int) -> str:
     return f"exited with status {status}"
 
 
+def settle(processes: list[subprocess.Popen], seconds: float) -> None:
+    """Wait up to `seconds` for every process to exit on its own: one blocked in a collective fails
+    as soon as its peer is gone, one still compiling reaches its next collective and fails there."""
+    deadline = time.monotonic() + seconds
+    while any(p.poll() is None for p in processes) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 def stop(processes: list[subprocess.Popen], grace_seconds: float = 5.0) -> None:
     for p in processes:
         if p.poll() is None:
@@ -60,22 +68,29 @@ def stop(processes: list[subprocess.Popen], grace_seconds: float = 5.0) -> None:
             p.wait()
 
 
-def launch(num_processes: int, command: list[str], *, port: int | None = None) -> int:
-    """Run `command` (an experiment and its flags) in `num_processes` processes; return the exit status."""
+def launch(num_processes: int, command: list[str], *, port: int | None = None, settle_seconds: float = 20.0) -> int:
+    """Run `command` (an experiment and its flags) in `num_processes` processes; return the exit status.
+    When one fails, the others get `settle_seconds` to notice the lost peer and exit on their own
+    (saying where they were) before they are terminated."""
     script = script_path(command[0])
     address = f"127.0.0.1:{port or free_port()}"
     processes: list[subprocess.Popen] = []
     forward = lambda number, frame: [p.send_signal(number) for p in processes if p.poll() is None]  # noqa: E731
     previous = {number: signal.signal(number, forward) for number in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return _watch(processes, script, command, address, num_processes)
+        return _watch(processes, script, command, address, num_processes, settle_seconds)
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)
 
 
 def _watch(
-    processes: list[subprocess.Popen], script: Path, command: list[str], address: str, num_processes: int
+    processes: list[subprocess.Popen],
+    script: Path,
+    command: list[str],
+    address: str,
+    num_processes: int,
+    settle_seconds: float,
 ) -> int:
     """Start the processes and wait: the first failure stops the others. SIGTERM and SIGINT are
     passed on to every process (they stop together, after a checkpoint, with 143 or 130)."""
@@ -107,6 +122,7 @@ def _watch(
                     + (f"; stopping process(es) {', '.join(map(str, running))}" if running else ""),
                     file=sys.stderr,
                 )
+                settle(processes, settle_seconds)
                 stop(processes)
                 return status if status > 0 else 128 - status
             if all(s == 0 for s in statuses):
