@@ -687,10 +687,14 @@ def initial_model(init_from: str | Path, experiment: str, read_pretrained: Calla
     adapters merged into its weights; not its EMA's), else a pretrained checkpoint that `read_pretrained(PATH)`
     reads (a Hugging Face directory: `research.nn.load_vit`, `load_gpt2`; stateless).
 
-    **Raises:** `ConfigError` in one line when PATH is a run of another experiment, or a population's;
-    `CheckpointError` when it holds no checkpoint `load_run` or `read_pretrained` can read.
+    **Raises:** `ConfigError` in one line when PATH is no directory, a run of another experiment, or a
+    population's; `CheckpointError` when it holds no checkpoint `load_run` or `read_pretrained` can read.
     """
     path = Path(init_from)
+    if not path.is_dir():
+        raise ConfigError(
+            f"--init-from {path}: no such directory (a run started from one reads it again to resume or to load)"
+        )
     if saved_run_config(path, experiment) is None:  # no run of ours: a Hugging Face directory
         return read_pretrained(path), None
     run = load_run(path)

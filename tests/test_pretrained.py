@@ -271,6 +271,7 @@ def test_lm_fine_tunes_a_gpt2_on_its_tokens_and_samples_from_the_run(tmp_path, m
         (["--context", "64"], "--context 64 is longer than .*'s 48 positions"),
         (["--tokenizer", "none"], "none: no tokenizer.json"),
         (["--init-from", "xor"], "--init-from xor is a run of xor, not of lm"),
+        (["--init-from", "gone"], "--init-from gone: no such directory"),  # moved since a run started from it
     ],
 )
 def test_lm_refuses_an_init_from_the_other_options_contradict(tmp_path, monkeypatch, capsys, flags, message):
