@@ -28,7 +28,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from research.cli import ConfigError, TrainConfig, Training, group, main_entry, non_negative, option, positive
+from research.cli import (
+    ConfigError,
+    TrainConfig,
+    Training,
+    closed_unit_interval,
+    group,
+    main_entry,
+    non_negative,
+    option,
+    positive,
+)
 from research.data import DeviceLoader
 from research.experiment import Setup, run_experiment
 from research.nn import ActorCritic
@@ -67,8 +77,8 @@ class Config(TrainConfig):
     rollout_steps: int = option(128, "steps each environment takes a rollout", check=positive)
     epochs: int = option(4, "passes over each rollout", check=positive)
     minibatches: int = option(4, "updates a pass (each on every environment's share of time steps)", check=positive)
-    gamma: float = option(0.99, "discount factor", check=positive)
-    gae_lambda: float = option(0.95, "GAE's lambda", check=non_negative)
+    gamma: float = option(0.99, "discount factor", check=closed_unit_interval)
+    gae_lambda: float = option(0.95, "GAE's lambda", check=closed_unit_interval)
     clip: float = option(0.2, "the clipped objective's ratio range (and the value loss's)", check=positive)
     entropy_coef: float = option(0.01, "weight of the entropy bonus", check=non_negative)
     value_coef: float = option(0.5, "weight of the value loss", check=non_negative)

@@ -63,6 +63,10 @@ def open_unit_interval(value: Any) -> str | None:
     return None if 0 < value < 1 else "must be in (0, 1)"
 
 
+def closed_unit_interval(value: Any) -> str | None:
+    return None if 0 <= value <= 1 else "must be in [0, 1]"
+
+
 def _tensorboard_installed(value: bool) -> str | None:
     return tensorboard_problem() if value else None
 

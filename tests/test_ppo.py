@@ -95,6 +95,7 @@ def test_the_initial_policy_is_near_uniform_and_its_values_near_zero():
         (["--minibatches", "3"], "--minibatches 3 must divide --rollout-steps 16"),
         (["--env-steps", "100"], "--env-steps 100 is less than one rollout"),
         (["--precision", "bf16"], "computes in float32 only"),
+        (["--gamma", "1.5"], "--gamma must be in [0, 1] (got 1.5)"),  # else its returns grow until a NaN loss
     ],
 )
 def test_bad_combinations_are_refused_in_one_line_before_any_work(tmp_path, args, message):
