@@ -38,6 +38,7 @@ def script_path(experiment: str) -> Path:
         raise SystemExit(2) from None
 
 
+SETTLE_SECONDS = 20.0  # what the others get to notice a failed process and exit on their own
 PREEMPTED = (143, 130)  # a process stopped by SIGTERM / SIGINT after its checkpoint
 
 
@@ -68,7 +69,9 @@ def stop(processes: list[subprocess.Popen], grace_seconds: float = 5.0) -> None:
             p.wait()
 
 
-def launch(num_processes: int, command: list[str], *, port: int | None = None, settle_seconds: float = 20.0) -> int:
+def launch(
+    num_processes: int, command: list[str], *, port: int | None = None, settle_seconds: float = SETTLE_SECONDS
+) -> int:
     """Run `command` (an experiment and its flags) in `num_processes` processes; return the exit status.
     When one fails, the others get `settle_seconds` to notice the lost peer and exit on their own
     (saying where they were) before they are terminated."""
@@ -139,7 +142,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="launch",
         usage="scripts/launch --num-processes N [--port PORT] -- EXPERIMENT [flags]",
-        description="Run an experiment in N local processes (jax.distributed over 127.0.0.1, gloo collectives).",
+        description="Run an experiment in N local processes (jax.distributed over 127.0.0.1, gloo collectives). "
+        f"When one fails, the others get {SETTLE_SECONDS:.0f} s to exit on their own, are then stopped, and "
+        "the launcher exits with the failed process's status.",
     )
     parser.add_argument("--num-processes", type=int, required=True, help="number of processes to start")
     parser.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
