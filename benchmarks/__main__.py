@@ -1,4 +1,4 @@
-"""`python -m benchmarks [--quick] [--cases a,b,c,d,e] [--out DIR]`: run the benchmark suite side by
+"""`python -m benchmarks [--quick] [--cases a,b,...] [--out DIR]`: run the benchmark suite side by
 side and write DIR/benchmarks.md, DIR/benchmarks.png and DIR/benchmarks.json."""
 
 import argparse
