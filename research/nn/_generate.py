@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..typing import Array, Float, Int, Integer, PRNGKeyArray, PyTree, Shaped, typecheck
-from ._lm import DecoderBlock, LanguageModel, attention, split_heads
+from ._lm import DecoderBlock, LanguageModel, attention
 
 START_TOKEN = 10  # b"\n": what an empty prompt starts from, as if the text began after a line break
 
@@ -37,8 +37,7 @@ def _block(
     """`DecoderBlock.__call__` for tokens at positions `start, start + 1, ...` that see the cached
     positions before them; also their own keys and values (for the cache)."""
     h = jax.vmap(block.attention_norm)(x).astype(keys.dtype)
-    heads = block.attention.num_heads
-    query, new_keys, new_values = (split_heads(p, h, heads) for p in block.projections())
+    query, new_keys, new_values = block.queries_keys_values(h)
     keys = jax.lax.dynamic_update_slice_in_dim(keys, new_keys, start, axis=0)
     values = jax.lax.dynamic_update_slice_in_dim(values, new_values, start, axis=0)
     positions = start + jnp.arange(x.shape[0])

@@ -3,15 +3,22 @@ classifier of token sequences read at the last token of one."""
 
 import copy
 import math
+from collections.abc import Callable
 from typing import Literal
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from ..typing import Array, Bool, Float, Int, PRNGKeyArray, PyTree, typecheck
 
 ComputeDtype = Literal["float32", "bfloat16"]
+
+# What a block keeps for its backward pass unless `remat` recomputes it whole: the outputs of its products and the
+# residual stream between its halves. The norms, casts and GELU are recomputed from them: cheap elementwise work
+# whose float32 and per-operation copies were two thirds of what a block saved (docs/benchmarks.md, the LM's anatomy).
+SAVED_FOR_BACKWARD = ("qkv", "attended", "residual", "mlp_hidden")
 
 
 def cast_floating(tree: PyTree, dtype: jnp.dtype) -> PyTree:
@@ -37,6 +44,25 @@ def attention(
     return jax.vmap(head, in_axes=1, out_axes=1)(query, keys, values)
 
 
+def _is_fused_attention(primitive: jax.extend.core.Primitive, *_, **__) -> bool:
+    """cuDNN's forward kernel, whose outputs (the attention and its softmax statistics) its backward reads."""
+    return primitive.name == "dot_product_attention_fwd_wrapper"
+
+
+def for_backward(layer: Callable, remat: bool) -> Callable:
+    """`layer` (a block's forward) keeping for the backward pass only its input (`remat`: recompute the rest) or
+    only `SAVED_FOR_BACKWARD` and the fused attention's outputs besides it (recompute the elementwise work)."""
+    if remat:
+        return jax.checkpoint(layer)
+    names = jax.checkpoint_policies.save_only_these_names(*SAVED_FOR_BACKWARD)
+    return jax.checkpoint(layer, policy=jax.checkpoint_policies.save_from_both_policies(names, _is_fused_attention))
+
+
+def fused_attention_available() -> bool:
+    """Whether `causal_attention` may take cuDNN's fused kernel: the computation runs on a GPU."""
+    return jax.default_backend() == "gpu"
+
+
 def causal_attention(
     query: Float[Array, "tokens heads qk_size"],
     keys: Float[Array, "tokens heads qk_size"],
@@ -48,16 +74,21 @@ def causal_attention(
     The two agree to float rounding (tests/test_lm.py)."""
     tokens = query.shape[0]
     causal_mask = jnp.tril(jnp.ones((tokens, tokens), bool))
-    if jax.default_backend() != "gpu" or query.dtype not in (jnp.bfloat16, jnp.float16):
-        return attention(query, keys, values, causal_mask)
-    try:
-        return jax.nn.dot_product_attention(query, keys, values, is_causal=True, implementation="cudnn")
-    except (NotImplementedError, RuntimeError, ValueError):  # no cuDNN, or a head width or layout it lacks
-        return attention(query, keys, values, causal_mask)
+    if fused_attention_available() and query.dtype in (jnp.bfloat16, jnp.float16):
+        try:
+            return jax.nn.dot_product_attention(query, keys, values, is_causal=True, implementation="cudnn")
+        except (NotImplementedError, RuntimeError, ValueError):  # no cuDNN, or a head width or layout it lacks
+            pass
+    return checkpoint_name(attention(query, keys, values, causal_mask), "attended")
 
 
-def split_heads(linear: eqx.nn.Linear, h: Float[Array, "tokens dim"], heads: int) -> Float[Array, "tokens {heads} _"]:
-    return jax.vmap(linear)(h).reshape(h.shape[0], heads, -1)
+def dense(
+    x: Float[Array, "tokens fan_in"], weight: Float[Array, "fan_out fan_in"], bias: Float[Array, " fan_out"] | None
+) -> Float[Array, "tokens fan_out"]:
+    """An `eqx.nn.Linear`'s product for all tokens at once, `x @ weight.T + bias`: the activations keep their layout
+    (a vmapped `Linear` computes `weight @ x`, whose activation-sized result is then transposed)."""
+    y = x @ weight.T
+    return y if bias is None else y + bias[None]
 
 
 class DecoderBlock(eqx.Module):
@@ -81,19 +112,25 @@ class DecoderBlock(eqx.Module):
 
     @typecheck
     def __call__(self, x: Float[Array, "tokens dim"]) -> Float[Array, "tokens dim"]:
-        attention, dtype = self.attention, self.mlp_in.weight.dtype
-        h = jax.vmap(self.attention_norm)(x).astype(dtype)
-        query, keys, values = (split_heads(p, h, attention.num_heads) for p in self.projections())
-        attended = causal_attention(query, keys, values).reshape(x.shape[0], -1)
-        x = x + jax.vmap(attention.output_proj)(attended).astype(x.dtype)
+        h = jax.vmap(self.attention_norm)(x).astype(self.mlp_in.weight.dtype)
+        attended = causal_attention(*self.queries_keys_values(h)).reshape(x.shape[0], -1)
+        projected = dense(attended, self.attention.output_proj.weight, self.attention.output_proj.bias)
+        x = checkpoint_name(x + projected.astype(x.dtype), "residual")
         return x + self.mlp(x)
 
-    def projections(self) -> tuple[eqx.nn.Linear, eqx.nn.Linear, eqx.nn.Linear]:
-        return self.attention.query_proj, self.attention.key_proj, self.attention.value_proj
+    def queries_keys_values(self, h: Float[Array, "tokens dim"]) -> tuple[Array, Array, Array]:
+        """The heads' queries, keys and values of normalised `h` (each `[tokens, heads, head width]`), from one
+        product with the three projections' weights side by side: one large matmul rather than three."""
+        projections = (self.attention.query_proj, self.attention.key_proj, self.attention.value_proj)
+        weight = jnp.concatenate([p.weight for p in projections])
+        bias = None if projections[0].bias is None else jnp.concatenate([p.bias for p in projections])
+        qkv = checkpoint_name(dense(h, weight, bias), "qkv")
+        return tuple(part.reshape(h.shape[0], self.attention.num_heads, -1) for part in jnp.split(qkv, 3, axis=-1))
 
     def mlp(self, x: Float[Array, "tokens dim"]) -> Float[Array, "tokens dim"]:
         h = jax.vmap(self.mlp_norm)(x).astype(self.mlp_in.weight.dtype)
-        return jax.vmap(self.mlp_out)(jax.nn.gelu(jax.vmap(self.mlp_in)(h))).astype(x.dtype)
+        hidden = checkpoint_name(dense(h, self.mlp_in.weight, self.mlp_in.bias), "mlp_hidden")
+        return dense(jax.nn.gelu(hidden), self.mlp_out.weight, self.mlp_out.bias).astype(x.dtype)
 
 
 class LanguageModel(eqx.Module):
@@ -114,7 +151,9 @@ class LanguageModel(eqx.Module):
     - `mlp_dim`: hidden width of each block's MLP (default `4 * dim`).
     - `tied`: the head is the transposed token embedding (no parameters of its own).
     - `attention_bias`: the attention's projections have biases (GPT-2's do: `research.nn.load_gpt2`).
-    - `remat`: rematerialise each block in the backward pass (`jax.checkpoint`): less memory, more compute.
+    - `remat`: recompute each block whole in the backward pass (`jax.checkpoint`): least memory, a third more
+      compute. Otherwise each block keeps its input, its products' outputs and the residual stream between its
+      halves (`SAVED_FOR_BACKWARD`) and recomputes its norms, casts and GELU from them.
     - `compute_dtype`: `"bfloat16"` runs the matrix products in bf16 (their weights cast inside the call;
       the float32 ones stay the master copy that the optimizer updates); the residual stream, the
       embeddings, the norms and the logits stay float32 either way (`--precision bf16` sets it).
@@ -179,7 +218,7 @@ class LanguageModel(eqx.Module):
         def layer(x: Array, block_params: PyTree) -> tuple[Array, None]:
             return eqx.combine(block_params, static)(x), None
 
-        x, _ = jax.lax.scan(jax.checkpoint(layer) if self.remat else layer, x, params)
+        x, _ = jax.lax.scan(for_backward(layer, self.remat), x, params)
         return model.logits(x)
 
     def computing(self) -> "LanguageModel":
