@@ -8,7 +8,7 @@ with 256 int32s: the magic 20240520, the version (1: uint16 tokens, 2: uint32), 
 import dataclasses
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
@@ -181,7 +181,7 @@ class TokenWindows:
         tokens = tokens.astype(np.int32)
         return Batch(tokens[:, :-1], tokens[:, 1:])
 
-    def batches(self, start_step: int, state: Any = None) -> Iterator[Batch]:
+    def batches(self, start_step: int, state: Any = None) -> Generator[Batch, None, None]:
         """This process's rows of the batches of steps `start_step`, ... forever, read on a thread; `state`
         is ignored (the position is the step)."""
         del state
