@@ -142,18 +142,41 @@ def untimed(run_dir: Path) -> list[dict]:
     return [{k: v for k, v in record.items() if "per_s" not in k} for record in records]
 
 
+# Run with 4 simulated devices: steps 5, 6, 7 of a loader, each put on the devices as the engine puts it
+# (`Placement.put_batch`), saved whole (`np.asarray` gathers the shards).
+ON_FOUR_DEVICES = """
+import sys
+import numpy as np
+from research.data import TokenSpan, TokenWindows, open_tokens
+from research.parallel import make_placement
+
+path, parallel, out = sys.argv[1:]
+tokens = open_tokens(path)
+loader = TokenWindows(TokenSpan(tokens, 0, len(tokens)), 16, 8, seed=3, vocab=64)
+placement = make_placement(parallel, 4)
+for step, batch in zip((5, 6, 7), loader.batches(5)):
+    placed = placement.put_batch(batch)
+    assert len(placed.inputs.sharding.device_set) == 4, placed.inputs.sharding
+    np.save(f"{out}/{parallel}-{step}.npy", np.stack([np.asarray(x).reshape(8, 16) for x in placed]))
+"""
+
+
 @pytest.mark.slow
-def test_one_and_four_devices_train_on_the_same_windows(tmp_path):
-    """With --deterministic-reduction the 4-device run (simulated: `--devices 4` sets XLA_FLAGS before JAX
-    starts, in its own process) logs the 1-device run's metrics to the bit: the same windows, split over 4."""
-    write_tokens(tmp_path / "train.bin", np.random.default_rng(2).integers(0, 64, 20_000).astype(np.uint16))
-    flags = ["--tokens", "train.bin", "--vocab", "64", *TINY, "--steps", "4", "--deterministic-reduction"]
-    flags += ["--micro-batches", "4"]
-    for name, devices in (("one", ()), ("four", ("--devices", "4", "--parallel", "sharded"))):
-        command = [sys.executable, str(ROOT / "experiments/lm.py"), *flags, *devices, "--run-dir", name]
-        result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-        assert result.returncode == 0, result.stderr[-2000:]
-    assert untimed(tmp_path / "four") == untimed(tmp_path / "one")
+@pytest.mark.parametrize("parallel", ["sharded", "pmap"])
+def test_four_devices_take_the_windows_of_one(tmp_path, parallel):
+    """On 4 simulated devices (XLA_FLAGS, in a process of its own) each step's batch, split over the devices by
+    the placement, is the batch of one device. (Training on them to the same bits: tests/test_combinations.py's
+    lm_tokens on sharded4 with --deterministic-reduction.)"""
+    path = write_tokens(tmp_path / "train.bin", np.random.default_rng(2).integers(0, 64, 20_000).astype(np.uint16))
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    command = [sys.executable, "-c", ON_FOUR_DEVICES, str(path), parallel, str(tmp_path)]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    raw = np.fromfile(path, np.uint16)
+    for step in (5, 6, 7):
+        np.testing.assert_array_equal(
+            np.load(tmp_path / f"{parallel}-{step}.npy"), reference_batch(raw, 3, step, 8, 16)
+        )
 
 
 MEMORY_LIMIT = 2 * 2**30
