@@ -67,6 +67,7 @@ from research.train import (
 from research.typing import PRNGKeyArray
 
 GPT2_VOCAB = 50257  # the vocabulary of nanoGPT's and llm.c's GPT-2 token files
+EVAL_WINDOWS = 256  # --tokens' held-out windows evaluated by default
 
 
 def _fraction(value: float) -> str | None:
@@ -158,9 +159,10 @@ class Config(TrainConfig):
         f"{GPT2_VOCAB} (GPT-2's tokenizer, nanoGPT's and llm.c's) for uint16 tokens, --init-from's vocabulary",
         check=positive,
     )
-    eval_windows: int = option(
-        256,
-        "with --tokens: held-out windows evaluated (non-overlapping, from the held-out tokens' start)",
+    eval_windows: int | None = option(
+        None,
+        f"with --tokens: held-out windows evaluated (non-overlapping, from the held-out tokens' start); default: "
+        f"{EVAL_WINDOWS}",
         check=positive,
     )
 
@@ -301,7 +303,7 @@ def token_data(config: Config, tokens: TokenFile, vocab: int) -> LMData:
 
 
 def _token_evaluation(span: TokenSpan, config: Config, vocab: int) -> DeviceLoader:
-    windows = span.evaluation_windows(config.context, config.eval_windows, vocab)
+    windows = span.evaluation_windows(config.context, config.eval_windows or EVAL_WINDOWS, vocab)
     batch = max(1, config.training.batch_size // config.training.grad_accum)  # what a step's part holds in memory
     return DeviceLoader(*windows, min(batch, len(windows.labels)), shuffle=False)
 
@@ -313,6 +315,7 @@ def check_token_options(config: Config) -> None:
             "--held-out-tokens": config.held_out_tokens,
             "--token-dtype": config.token_dtype,
             "--vocab": config.vocab,
+            "--eval-windows": config.eval_windows,
         }
         if given := [flag for flag, value in needs.items() if value is not None]:
             raise ConfigError(f"{', '.join(given)}: only with --tokens FILE (a token file's options)")

@@ -89,7 +89,7 @@ REFUSALS = {  # {id: (flags, what stderr's one line says)}
     "tokenizer": (["--tokens", "good.bin", "--tokenizer", "t.json"], "not on text: drop --tokenizer"),
     "text-bytes": (["--tokens", "good.bin", "--text-bytes", "100"], "not on text: drop --text-bytes"),
     "held-out": (["--tokens", "good.bin", "--held-out-tokens", "good.bin", "--held-out", "0.1"], "drop --held-out"),
-    "vocab-alone": (["--vocab", "100"], "--vocab: only with --tokens FILE"),
+    "vocab-alone": (["--vocab", "100"], "--vocab, --eval-windows: only with --tokens FILE"),  # (TINY has the latter)
     "uint32-vocab": (["--tokens", "wide.bin"], "holds uint32 tokens: give their --vocab"),
     "llmc-dtype": (["--tokens", "llmc.bin", "--token-dtype", "uint32"], "llm.c header (version 1) says uint16 tokens"),
     "llmc-cut": (["--tokens", "cut.bin"], "its llm.c header counts 1,000 tokens (3,024 bytes), the file has 2,024"),
