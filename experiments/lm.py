@@ -298,12 +298,12 @@ def token_data(config: Config, tokens: TokenFile, vocab: int) -> LMData:
         held_out = open_tokens(config.held_out_tokens, config.token_dtype, option="--held-out-tokens")
     train, test, val = token_spans(tokens, held_out, config.held_out, config.val_fraction)
     train_data = TokenWindows(train, config.context, config.training.batch_size, seed=config.training.seed, vocab=vocab)
-    val_data = None if val is None else _token_evaluation(val, config, vocab)
-    return LMData(train_data, _token_evaluation(test, config, vocab), val_data)
+    val_data = None if val is None else _token_evaluation(val, config, vocab, "its validation part")
+    return LMData(train_data, _token_evaluation(test, config, vocab, "its held-out part"), val_data)
 
 
-def _token_evaluation(span: TokenSpan, config: Config, vocab: int) -> DeviceLoader:
-    windows = span.evaluation_windows(config.context, config.eval_windows or EVAL_WINDOWS, vocab)
+def _token_evaluation(span: TokenSpan, config: Config, vocab: int, what: str) -> DeviceLoader:
+    windows = span.evaluation_windows(config.context, config.eval_windows or EVAL_WINDOWS, vocab, what)
     batch = max(1, config.training.batch_size // config.training.grad_accum)  # what a step's part holds in memory
     return DeviceLoader(*windows, min(batch, len(windows.labels)), shuffle=False)
 

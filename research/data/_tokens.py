@@ -132,9 +132,10 @@ class TokenSpan:
                 f"is not below --vocab {vocab} (a file of another tokenizer, or give its --vocab)"
             )
 
-    def evaluation_windows(self, context: int, count: int, vocab: int) -> Batch:
-        """The first `count` (at most) non-overlapping windows of the span, in memory (`next_byte_windows`)."""
-        self.check_windows(context, "its held-out part")
+    def evaluation_windows(self, context: int, count: int, vocab: int, what: str = "its held-out part") -> Batch:
+        """The first `count` (at most) non-overlapping windows of the span, in memory (`next_byte_windows`);
+        `what` names the span in a refusal."""
+        self.check_windows(context, what)
         windows = min(count, (len(self) - 1) // context)
         tokens = self.read(np.zeros(1, np.int64), windows * context + 1)
         self.check_vocab(tokens, np.zeros(1, np.int64), vocab)
