@@ -7,6 +7,10 @@ directory: its `--text-column`, a row a line, a DatasetDict's test split held ou
 bits per byte beside two yardsticks on the same bytes (byte frequencies, zlib -9) and the training
 throughput in bytes/s, then prints what the trained model writes after the start of the held-out text
 (`research.nn.generate`).
+
+`--tokens FILE` trains on a file of tokens instead (nanoGPT's or llm.c's train.bin, larger than memory: memory-
+mapped, random windows drawn per step from the seed), held out from `--held-out-tokens` (a val.bin) or its tail,
+and evaluated on the first `--eval-windows` windows of the held-out tokens.
 """
 
 import dataclasses
@@ -32,12 +36,18 @@ from research.cli import (
 from research.data import (
     DeviceLoader,
     TextTokenizer,
+    TokenFile,
+    TokenSpan,
+    TokenWindows,
+    check_token_dtype,
     is_datasets_directory,
     next_byte_windows,
+    open_tokens,
     read_datasets_text,
     read_text_bytes,
     reference_bits_per_byte,
     split_held_out,
+    token_spans,
 )
 from research.experiment import Setup, initial_model, run_experiment, saved_run_config
 from research.nn import LanguageModel, LoRA, build_model, load_gpt2
@@ -55,6 +65,9 @@ from research.train import (
     with_adapters,
 )
 from research.typing import PRNGKeyArray
+
+GPT2_VOCAB = 50257  # the vocabulary of nanoGPT's and llm.c's GPT-2 token files
+EVAL_WINDOWS = 256  # --tokens' held-out windows evaluated by default
 
 
 def _fraction(value: float) -> str | None:
@@ -125,6 +138,33 @@ class Config(TrainConfig):
         "instead of bytes; default: --init-from's tokenizer.json where it has one",
     )
     fine_tuning: LMFineTuning = group(LMFineTuning)
+    tokens: str | None = option(
+        None,
+        "train on a file of tokens instead of text, memory-mapped (it may be larger than memory): nanoGPT's "
+        "train.bin (raw tokens, no header) or llm.c's (its header recognised and skipped); each step reads random "
+        "windows drawn from (--seed, step)",
+    )
+    held_out_tokens: str | None = option(
+        None, "with --tokens: a file of held-out tokens (a val.bin); default: the last --held-out of --tokens"
+    )
+    token_dtype: str | None = option(
+        None,
+        "with --tokens: the width of a token, uint16 or uint32 (a vocabulary above 65,536); default: uint16, or the "
+        "width an llm.c header names",
+        check=check_token_dtype,
+    )
+    vocab: int | None = option(
+        None,
+        f"with --tokens: the model's vocabulary (a token not below it is refused where it is read); default: "
+        f"{GPT2_VOCAB} (GPT-2's tokenizer, nanoGPT's and llm.c's) for uint16 tokens, --init-from's vocabulary",
+        check=positive,
+    )
+    eval_windows: int | None = option(
+        None,
+        f"with --tokens: held-out windows evaluated (non-overlapping, from the held-out tokens' start); default: "
+        f"{EVAL_WINDOWS}",
+        check=positive,
+    )
 
 
 def text_tokenizer(config: Config) -> TextTokenizer | None:
@@ -165,7 +205,7 @@ def base_model(config: Config, key: PRNGKeyArray) -> LanguageModel:
         "lm",
         key=key,
         context=config.context,
-        vocab=256 if (tokenizer := text_tokenizer(config)) is None else tokenizer.vocab,
+        vocab=model_vocab(config),
         dim=config.dim,
         depth=config.depth,
         heads=config.heads,
@@ -173,6 +213,22 @@ def base_model(config: Config, key: PRNGKeyArray) -> LanguageModel:
         remat=config.remat,
         compute_dtype=compute_dtype,
     )[0]
+
+
+def model_vocab(config: Config) -> int:
+    """The vocabulary of a model drawn afresh: --tokens' (--vocab, else GPT-2's for uint16 tokens), the
+    tokenizer's, else bytes (256)."""
+    if config.tokens is not None:
+        return token_vocab(config, open_tokens(config.tokens, config.token_dtype))
+    return 256 if (tokenizer := text_tokenizer(config)) is None else tokenizer.vocab
+
+
+def token_vocab(config: Config, tokens: TokenFile) -> int:
+    if config.vocab is not None:
+        return config.vocab
+    if tokens.tokens.dtype == np.uint16:
+        return GPT2_VOCAB
+    raise ConfigError(f"--tokens {config.tokens} holds {tokens.tokens.dtype} tokens: give their --vocab")
 
 
 def learning_rate(config: Config) -> optax.Schedule:
@@ -183,36 +239,97 @@ def learning_rate(config: Config) -> optax.Schedule:
 
 
 def setup(config: Config) -> Setup:
-    """The model, the windows of text and the loss of a run, built without training."""
+    """The model, the windows of text (or of --tokens) and the loss of a run, built without training."""
     if config.dim % config.heads:
         raise ConfigError(f"--heads {config.heads} must divide --dim {config.dim}")
-    tokenizer = text_tokenizer(config)
+    check_token_options(config)
+    tokens = None if config.tokens is None else open_tokens(config.tokens, config.token_dtype)
     if config.fine_tuning.init_from is not None:
-        model = _checked_initial_model(config, tokenizer)
+        model = _checked_initial_model(config, None if tokens else text_tokenizer(config))
     else:
         model = eqx.filter_eval_shape(base_model, config, jax.random.key(0))  # shapes only: nothing drawn
     check_fine_tuning(model, config.fine_tuning)
-    train, held_out = text_splits(config)
-    train, val = split_held_out(train, config.val_fraction)
-    bytes_per_token, evaluator = 1.0, evaluate_language_model
-    if tokenizer is not None:
-        train_bytes, (train, held_out, val) = len(train), (tokenizer.encode(part) for part in (train, held_out, val))
-        bytes_per_token = train_bytes / max(len(train), 1)
-        evaluator = functools.partial(evaluate_language_model, bytes_per_token=bytes_per_token)
-    train_data = DeviceLoader(
-        *next_byte_windows(train, config.context), config.training.batch_size, seed=config.training.seed
-    )
-    loss = NextTokenLoss(bytes_per_token)
+    data = text_data(config) if tokens is None else token_data(config, tokens, model.vocab)
+    loss = NextTokenLoss(data.bytes_per_token)
     return Setup(
         build_state=lambda: build_state(config),
-        train_data=train_data,
-        eval_data=_evaluation_windows(held_out, config.context),
+        train_data=data.train,
+        eval_data=data.held_out,
         num_steps=config.steps,
         step=SupervisedStep(Frozen(loss, pattern) if (pattern := trained_pattern(config.fine_tuning)) else loss),
         lr_schedule=learning_rate(config),
-        evaluator=evaluator,
-        val_data=_evaluation_windows(val, config.context) if config.val_fraction else None,
+        evaluator=functools.partial(evaluate_language_model, bytes_per_token=data.bytes_per_token),
+        val_data=data.val,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class LMData:
+    """What a run trains and evaluates on: its training batches, its held-out and validation windows, and
+    the text's bytes a token (1: bytes, or --tokens, whose bytes are unknown)."""
+
+    train: DeviceLoader | TokenWindows
+    held_out: DeviceLoader
+    val: DeviceLoader | None
+    bytes_per_token: float = 1.0
+
+
+def text_data(config: Config) -> LMData:
+    """--text (or the standard library) as bytes or --tokenizer's tokens, split and windowed, in memory."""
+    tokenizer = text_tokenizer(config)
+    train, held_out = text_splits(config)
+    train, val = split_held_out(train, config.val_fraction)
+    bytes_per_token = 1.0
+    if tokenizer is not None:
+        train_bytes, (train, held_out, val) = len(train), (tokenizer.encode(part) for part in (train, held_out, val))
+        bytes_per_token = train_bytes / max(len(train), 1)
+    train_data = DeviceLoader(
+        *next_byte_windows(train, config.context), config.training.batch_size, seed=config.training.seed
+    )
+    val_data = _evaluation_windows(val, config.context) if config.val_fraction else None
+    return LMData(train_data, _evaluation_windows(held_out, config.context), val_data, bytes_per_token)
+
+
+def token_data(config: Config, tokens: TokenFile, vocab: int) -> LMData:
+    """--tokens memory-mapped: random windows of its training part a step (`TokenWindows`), the first
+    --eval-windows windows of the held-out tokens (and of the validation part) read into memory."""
+    held_out = None
+    if config.held_out_tokens is not None:
+        held_out = open_tokens(config.held_out_tokens, config.token_dtype, option="--held-out-tokens")
+    train, test, val = token_spans(tokens, held_out, config.held_out, config.val_fraction)
+    train_data = TokenWindows(train, config.context, config.training.batch_size, seed=config.training.seed, vocab=vocab)
+    val_data = None if val is None else _token_evaluation(val, config, vocab, "its validation part")
+    return LMData(train_data, _token_evaluation(test, config, vocab, "its held-out part"), val_data)
+
+
+def _token_evaluation(span: TokenSpan, config: Config, vocab: int, what: str) -> DeviceLoader:
+    windows = span.evaluation_windows(config.context, config.eval_windows or EVAL_WINDOWS, vocab, what)
+    batch = max(1, config.training.batch_size // config.training.grad_accum)  # what a step's part holds in memory
+    return DeviceLoader(*windows, min(batch, len(windows.labels)), shuffle=False)
+
+
+def check_token_options(config: Config) -> None:
+    """Refuse (before any work) the options that contradict --tokens, or that need it."""
+    if config.tokens is None:
+        needs = {
+            "--held-out-tokens": config.held_out_tokens,
+            "--token-dtype": config.token_dtype,
+            "--vocab": config.vocab,
+            "--eval-windows": config.eval_windows,
+        }
+        if given := [flag for flag, value in needs.items() if value is not None]:
+            raise ConfigError(f"{', '.join(given)}: only with --tokens FILE (a token file's options)")
+        return
+    text = [
+        name for name in ("text", "tokenizer", "text_bytes", "text_column") if getattr(config, name) != DEFAULTS[name]
+    ]
+    if text:
+        flags = ", ".join(f"--{name.replace('_', '-')}" for name in text)
+        raise ConfigError(f"--tokens {config.tokens} trains on tokens, not on text: drop {flags}")
+    if config.held_out_tokens is not None and config.held_out != DEFAULTS["held_out"]:
+        raise ConfigError(
+            "--held-out-tokens are the held-out tokens: drop --held-out (the tail of --tokens without it)"
+        )
 
 
 def text_splits(config: Config) -> tuple[np.ndarray, np.ndarray]:
@@ -236,6 +353,10 @@ def _checked_initial_model(config: Config, tokenizer: TextTokenizer | None) -> L
     model = initial_model(init_from, "lm", load_gpt2)[0]  # also refuses a damaged or foreign checkpoint
     if config.context > model.context:
         raise ConfigError(f"--context {config.context} is longer than {init_from}'s {model.context} positions")
+    if config.tokens is not None:
+        if config.vocab is not None and config.vocab != model.vocab:
+            raise ConfigError(f"--vocab {config.vocab}: {init_from}'s model has {model.vocab} tokens; drop --vocab")
+        return model
     if tokenizer is None and model.vocab != 256:
         raise ConfigError(
             f"--init-from {init_from}: {model.vocab} tokens and no tokenizer.json to read text: give --tokenizer"
@@ -253,27 +374,34 @@ def _evaluation_windows(data: np.ndarray, context: int) -> DeviceLoader:
 
 
 def main(config: Config) -> dict:
-    bytes_per_step = config.training.batch_size * config.context
+    tokens_per_step = config.training.batch_size * config.context
+    unit = "bytes" if config.tokens is None else "tokens"
     trained: dict[str, LanguageModel] = {}  # the final model (the EMA's with --ema-decay), to sample from
 
     def throughput(result: FitResult) -> dict:
         model = result.state.model if result.state.ema is None else result.state.ema.average[0]
         trained["model"] = model.merged() if isinstance(model, LoRA) else model
-        return {"bytes_per_s": (result.steps_per_s or 0.0) * bytes_per_step}
+        return {f"{unit}_per_s": (result.steps_per_s or 0.0) * tokens_per_step}
 
     summary = run_experiment("lm", config, setup(config), summary_extra=throughput)
-    tokenizer = text_tokenizer(config)
-    if jax.process_index() == 0:
-        train, held_out = text_splits(config)
-        reference = reference_bits_per_byte(train, held_out)
+    if jax.process_index() != 0:
+        return summary
+    if config.tokens is not None:
         print(
-            f"lm: held-out {summary['test_bits_per_byte']:.3f} bits/byte (same bytes: byte frequencies "
-            f"{reference['unigram']:.3f}, zlib -9 {reference['zlib']:.3f}); {summary['bytes_per_s']:,.0f} "
-            f"bytes/s trained ({bytes_per_step} a step)"
+            f"lm: held-out loss {summary['test_loss']:.3f} nats/token ({summary['test_bits_per_byte']:.3f} bits/"
+            f"token); {summary['tokens_per_s']:,.0f} tokens/s trained ({tokens_per_step} a step)"
         )
-        if "model" in trained:  # not when a finished run is only reported (scripts/sample reads its checkpoint)
-            key = jax.random.fold_in(jax.random.key(config.training.seed), 1)
-            print_sample(trained["model"], bytes(held_out[:32]), key, tokenizer=tokenizer)
+        return summary  # no sample: nothing here decodes the tokens
+    train, held_out = text_splits(config)
+    reference = reference_bits_per_byte(train, held_out)
+    print(
+        f"lm: held-out {summary['test_bits_per_byte']:.3f} bits/byte (same bytes: byte frequencies "
+        f"{reference['unigram']:.3f}, zlib -9 {reference['zlib']:.3f}); {summary['bytes_per_s']:,.0f} "
+        f"bytes/s trained ({tokens_per_step} a step)"
+    )
+    if "model" in trained:  # not when a finished run is only reported (scripts/sample reads its checkpoint)
+        key = jax.random.fold_in(jax.random.key(config.training.seed), 1)
+        print_sample(trained["model"], bytes(held_out[:32]), key, tokenizer=text_tokenizer(config))
     return summary
 
 

@@ -35,7 +35,7 @@ from .config import (
     tracking_of,
 )
 from .curves import CurvePool
-from .data import DeviceLoader, GrainLoader, HostLoader, TorchLoader
+from .data import DeviceLoader, GrainLoader, HostLoader, TokenWindows, TorchLoader
 from .errors import CheckpointError, Preempted
 from .nn import LoRA
 from .parallel import Placement, bytes_on_first_device, check_device_count, make_placement, population_placement
@@ -144,7 +144,8 @@ class Setup:
 
     - `build_state`: makes the step-0 train state (when resuming, the skeleton a checkpoint fills): a
       `TrainState` for a `SupervisedStep`, else the step's own `AbstractTrainState`.
-    - `train_data`: a `DeviceLoader`, a `TorchLoader` or a `GrainLoader` (batches are any pytree).
+    - `train_data`: a `DeviceLoader`, a `TorchLoader`, a `GrainLoader` (batches are any pytree) or a
+      `TokenWindows` (a token file's windows).
     - `num_steps`: the total number of training steps.
     - `eval_data`: a `DeviceLoader` or a torch `DataLoader` of numpy batches: the test set (`None`: none;
       the run then reports its train metrics).
@@ -171,7 +172,7 @@ class Setup:
     """
 
     build_state: Callable[[], AbstractTrainState]
-    train_data: DeviceLoader | TorchLoader | GrainLoader
+    train_data: DeviceLoader | TorchLoader | GrainLoader | TokenWindows
     num_steps: int
     eval_data: DeviceLoader | HostLoader | None = None
     step: Step = dataclasses.field(default_factory=SupervisedStep)
@@ -202,7 +203,7 @@ def initial_state(setup: Setup, ema: EMA) -> AbstractTrainState:
     return state
 
 
-def first_batch(data: DeviceLoader | TorchLoader | GrainLoader) -> Any:
+def first_batch(data: DeviceLoader | TorchLoader | GrainLoader | TokenWindows) -> Any:
     """The batch of training step 0, as the train loop would see it."""
     if isinstance(data, DeviceLoader):
         return data.step_batch(0)

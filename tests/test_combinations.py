@@ -52,6 +52,7 @@ class Experiment:
     images: bool = False  # reads --data: a .npz of 256 + 64 of scikit-learn's digits (tests/_image_formats.py)
     digits8: bool = False  # reads --data: the same digits 8x8 grey, as scikit-learn ships them
     init_from: str | None = None  # starts from one of PRETRAINED's checkpoints (--init-from; made by transformers)
+    tokens: bool = False  # reads --tokens: a token file as nanoGPT's train.bin (uint16), 20,000 tokens below 64
     ema_everywhere: bool = True  # else --ema-decay on the first placement only (each placement compiles anew)
     emas: tuple[str, ...] | None = None  # the EMAS variants it runs on every placement; None: all
     tracked: bool = True  # runs once more with every tracker (the trackers do not depend on the step)
@@ -67,6 +68,10 @@ METALEARN_MEMBERS = ("--start-lrs", "1.5", "0.15", "0.5", "1.0")
 LM = tuple(
     "--dim 16 --depth 1 --heads 2 --context 16 --batch-size 8 --steps-per-call 2 --log-every 2 --eval-every 2 "
     "--text-bytes 20000".split()
+)
+LM_TOKENS = tuple(
+    "--dim 16 --depth 1 --heads 2 --context 16 --batch-size 8 --log-every 2 --eval-every 2 --vocab 64 "
+    "--eval-windows 8".split()
 )
 CONTRASTIVE = tuple(
     "--features 4 --blocks 1 --projection 8 --batch-size 64 --steps-per-call 2 --log-every 2 --eval-every 2 "
@@ -199,6 +204,18 @@ EXPERIMENTS = {  # state_passing is no training run
         ("--steps", "8", *LM, "--lora-rank", "2"),
         script="lm",
         phases=("fresh",),
+        timeout=90,
+    ),
+    # the LM on a token file, memory-mapped, random windows a step read on the host (one compiled call a step), on
+    # every placement with and without the EMA (pairwise), fresh and resumed; tests/test_tokens.py has the rest
+    # (its refusals, --vmapped refused, a file larger than the memory limit)
+    "lm_tokens": Experiment(
+        ("--steps", "4", *LM_TOKENS),
+        ("--steps", "8", *LM_TOKENS),
+        tokens=True,
+        script="lm",
+        phases=("fresh", "resumed"),
+        tracked=False,
         timeout=90,
     ),
     "ensemble": Experiment(
@@ -374,7 +391,9 @@ class Combination:
         phases = [p for p in EXPERIMENTS[self.experiment].phases or PHASES if p in TRACKED_PHASES]
         return self.tracker != "untracked" and self.phase == phases[-1]
 
-    def argv(self, root: Path, data_dir: Path, images: Path, digits8: Path, pretrained: dict[str, Path]) -> list[str]:
+    def argv(
+        self, root: Path, data_dir: Path, images: Path, digits8: Path, pretrained: dict[str, Path], tokens: Path
+    ) -> list[str]:
         experiment = EXPERIMENTS[self.experiment]
         return [
             *PHASES[self.phase](experiment),
@@ -386,6 +405,7 @@ class Combination:
             *(("--data", str(images)) if experiment.images else ()),
             *(("--data", str(digits8)) if experiment.digits8 else ()),
             *(("--init-from", str(pretrained[experiment.init_from])) if experiment.init_from else ()),
+            *(("--tokens", str(tokens)) if experiment.tokens else ()),
             "--run-dir",
             str(root / "runs" / self.run_name),
             *COMMON,
@@ -550,6 +570,8 @@ def combination_results(request, tmp_path_factory, mnist1d_dir, digits_formats, 
     train8, test8 = native_digits(256, 64)
     digits8 = root / "digits8-small.npz"
     np.savez(digits8, x_train=train8.inputs, y_train=train8.labels, x_test=test8.inputs, y_test=test8.labels)
+    tokens = root / "train.bin"
+    np.random.default_rng(0).integers(0, 64, 20_000).astype(np.uint16).tofile(tokens)
 
     def runs(devices: int) -> list[dict]:
         return [
@@ -557,7 +579,7 @@ def combination_results(request, tmp_path_factory, mnist1d_dir, digits_formats, 
                 "id": c.id,
                 "script": EXPERIMENTS[c.experiment].script or c.experiment,
                 "timeout": EXPERIMENTS[c.experiment].timeout,
-                "argv": c.argv(root, mnist1d_dir, images, digits8, pretrained),
+                "argv": c.argv(root, mnist1d_dir, images, digits8, pretrained, tokens),
             }
             for c in needed
             if c.devices == devices

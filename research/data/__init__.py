@@ -56,6 +56,16 @@ from ._mnist1d import (
 from ._modular import modular_addition
 from ._noise import corrupt_labels
 from ._text import TextTokenizer, next_byte_windows, read_text_bytes, reference_bits_per_byte, split_held_out
+from ._tokens import (
+    TOKEN_DTYPES,
+    TokenFile,
+    TokenSpan,
+    TokenWindows,
+    check_token_dtype,
+    open_tokens,
+    token_spans,
+    window_starts,
+)
 from ._xor import XORDataset
 
 __all__ = [
@@ -80,11 +90,16 @@ __all__ = [
     "GrainLoader",
     "HostLoader",
     "RowArray",
+    "TOKEN_DTYPES",
+    "TokenFile",
+    "TokenSpan",
+    "TokenWindows",
     "TorchLoader",
     "TextTokenizer",
     "XORDataset",
     "as_batch",
     "check_rows",
+    "check_token_dtype",
     "colour_jitter",
     "corrupt_labels",
     "dataset_arrays",
@@ -99,6 +114,7 @@ __all__ = [
     "modular_addition",
     "next_byte_windows",
     "numpy_collate",
+    "open_tokens",
     "random_crop_flip",
     "random_resized_crop",
     "read_array",
@@ -115,6 +131,8 @@ __all__ = [
     "reference_bits_per_byte",
     "split_held_out",
     "split_validation",
+    "token_spans",
     "train_and_eval_loaders",
     "validation_rows",
+    "window_starts",
 ]

@@ -85,7 +85,10 @@ def _population_setup(experiment: str, configs: Sequence[RunConfig], setups: Seq
     first = setups[0]
     loaders = [setup.train_data for setup in setups if isinstance(setup.train_data, DeviceLoader)]
     if len(loaders) != len(setups):
-        raise UsageError(f"--vmapped: {experiment} does not train from a DeviceLoader with these options")
+        raise UsageError(
+            f"--vmapped: {experiment} does not train from a DeviceLoader with these options (it reads its batches "
+            "on the host: a token file, a torch or Grain loader); sweep without --vmapped"
+        )
     if any(setup.population for setup in setups):
         raise UsageError(f"--vmapped: {experiment} is a population already; sweep it without --vmapped")
     if any(setup.hooks for setup in setups):

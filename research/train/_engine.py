@@ -23,7 +23,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jaxtyping import TypeCheckError
 
-from ..data import DeviceLoader, GrainLoader, TorchLoader, take_rows
+from ..data import DeviceLoader, GrainLoader, TokenWindows, TorchLoader, take_rows
 from ..debug import describe_nan_error
 from ..errors import DataError, NonFiniteError, Preempted
 from ..parallel import Leaves, Placement, bytes_on_first_device, one_device
@@ -178,7 +178,7 @@ class Engine:
     def fit(
         self,
         state: AbstractTrainState,
-        train_data: DeviceLoader | TorchLoader | GrainLoader,
+        train_data: DeviceLoader | TorchLoader | GrainLoader | TokenWindows,
         num_steps: int,
         *,
         resume_window: dict[str, Any] | None = None,
@@ -199,7 +199,7 @@ class Engine:
         return dataclasses.replace(result, compile_seconds=compile_seconds, finished_early=finished_early)
 
     def _trainer(
-        self, state: AbstractTrainState, train_data: DeviceLoader | TorchLoader | GrainLoader
+        self, state: AbstractTrainState, train_data: DeviceLoader | TorchLoader | GrainLoader | TokenWindows
     ) -> CompiledTrainer:
         member_batches = getattr(train_data, "members", None) is not None
         if member_batches and not self.population:
@@ -217,7 +217,7 @@ class Engine:
         self,
         trainer: CompiledTrainer,
         state: AbstractTrainState,
-        train_data: DeviceLoader | TorchLoader | GrainLoader,
+        train_data: DeviceLoader | TorchLoader | GrainLoader | TokenWindows,
         num_steps: int,
         resume_window: dict[str, Any] | None,
         resume_data: Any,
@@ -304,13 +304,13 @@ BATCHES_AHEAD = 2  # host batches copied to the devices before the step that tak
 
 class _Feed:
     """Batches from the loader into compiled calls: device-resident data runs `steps_per_call` steps
-    a call; host batches (a torch DataLoader, Grain: this process's rows of each global batch), and
-    every step under `debug_nans`, one step a call."""
+    a call; host batches (a torch DataLoader, Grain, a token file's windows: this process's rows of each
+    global batch), and every step under `debug_nans`, one step a call."""
 
     def __init__(
         self,
         trainer: CompiledTrainer,
-        data: DeviceLoader | TorchLoader | GrainLoader,
+        data: DeviceLoader | TorchLoader | GrainLoader | TokenWindows,
         step: int,
         steps_per_call: int,
         debug_nans: bool,

@@ -6,8 +6,8 @@ run adds the same hooks from its config: `research.experiment.add_default_hooks`
 
 - `state`: the starting train state (step 0, or a restored checkpoint); left untouched.
 - `train_data`: a `DeviceLoader` (batches gathered on the device; `steps_per_call` steps run in
-  one compiled call), a `TorchLoader` (host batches from a torch DataLoader, one call a step) or a
-  `GrainLoader` (host batches through Grain).
+  one compiled call), a `TorchLoader` (host batches from a torch DataLoader, one call a step), a
+  `GrainLoader` (host batches through Grain) or a `TokenWindows` (random windows of a memory-mapped token file).
   Batch order is a pure function of the seed and the step, so a resumed run sees the same data.
 - `num_steps`: the total number of steps (not the number still to take).
 - `eval_data`, `eval_every`, `evaluator`: evaluate every `eval_every` steps (`None`: only at the
@@ -35,7 +35,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..data import DeviceLoader, GrainLoader, HostLoader, TorchLoader
+from ..data import DeviceLoader, GrainLoader, HostLoader, TokenWindows, TorchLoader
 from ..parallel import Placement, one_device
 from ..progress import Progress
 from ..services import JsonlTracker, RunDir, Tracker
@@ -56,7 +56,7 @@ from ._step import AbstractTrainState, Step
 
 def fit(
     state: AbstractTrainState,
-    train_data: DeviceLoader | TorchLoader | GrainLoader,
+    train_data: DeviceLoader | TorchLoader | GrainLoader | TokenWindows,
     *,
     num_steps: int,
     step: Step | None = None,
