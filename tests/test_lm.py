@@ -352,6 +352,28 @@ def test_remat_gives_the_same_loss_and_gradients_with_less_memory(getkey):
     assert temp_bytes(remat) < temp_bytes(plain)
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_a_block_keeps_its_input_its_products_outputs_and_the_residual_stream(precision):
+    """What the backward pass keeps, a token and a block, read from the jaxpr (no program runs): the block's
+    input and the residual stream between its halves in float32 (d floats each), q/k/v (3d), the attention (d)
+    and the MLP's hidden layer (4d) in the compute dtype; as on a GPU, cuDNN's softmax statistics (a float32 a
+    head) in place of the named attention. `--remat` keeps the input alone. Both fewer than nanoGPT's block keeps
+    in PyTorch (autocast for bf16): its norms' inputs (2d float32), q/k/v, the attention and the MLP's hidden
+    layer, and the inputs of its other three products (d, d, 4d) besides."""
+    from benchmarks.lm_anatomy import as_on_a_gpu, nanogpt_saved_per_token, ours_saved_per_token
+
+    dim, heads = 32, 2
+    shape = {"dim": dim, "depth": 2, "heads": heads, "context": 24, "batch": 2}
+    width = 2 if precision == "bf16" else 4
+    assert ours_saved_per_token(shape, precision, remat=False)["block"] == 4 * 2 * dim + width * 8 * dim
+    with as_on_a_gpu():
+        fused = ours_saved_per_token(shape, precision, remat=False)["block"]
+    assert fused == 4 * 2 * dim + width * 8 * dim + (4 * heads if precision == "bf16" else 0)
+    assert ours_saved_per_token(shape, precision, remat=True)["block"] == 4 * dim
+    nanogpt, _ = nanogpt_saved_per_token(shape, precision)
+    assert fused < nanogpt
+
+
 BF16_TOLERANCE = 0.01  # nats after 30 Adam steps: bf16 rounding of weights and activations (measured 4e-4)
 
 

@@ -219,7 +219,9 @@ class LanguageModel(eqx.Module):
             return eqx.combine(block_params, static)(x), None
 
         x, _ = jax.lax.scan(for_backward(layer, self.remat), x, params)
-        return model.logits(x)
+        # the head's input kept, the final norm recomputed from the last block's output (which is kept anyway)
+        keep_head_input = jax.checkpoint_policies.save_only_these_names("head_input")
+        return jax.checkpoint(LanguageModel.logits, policy=keep_head_input)(model, x)
 
     def computing(self) -> "LanguageModel":
         """This model as its call computes: the weights of the blocks' matrix products and of an untied head
@@ -235,7 +237,7 @@ class LanguageModel(eqx.Module):
         product (the head has no bias) in `compute_dtype`, accumulated in float32."""
         dtype = jnp.dtype(self.compute_dtype)
         head = self.token_embedding.weight if self.head is None else self.head.weight
-        x = jax.vmap(self.norm)(x).astype(dtype)
+        x = checkpoint_name(jax.vmap(self.norm)(x).astype(dtype), "head_input")
         return jnp.matmul(x, head.T.astype(dtype), preferred_element_type=jnp.float32)
 
     def with_compute_dtype(self, dtype: ComputeDtype) -> "LanguageModel":
