@@ -128,9 +128,9 @@ class Config(TrainConfig):
         check=lambda value: None if value == 0 else _fraction(value),
     )
     remat: bool = option(
-        True,
-        "rematerialise each block in the backward pass: less memory, more compute, "
-        "and on a CPU a faster step (less memory traffic; --no-remat: keep activations)",
+        False,
+        "recompute each block whole in the backward pass: least memory, a third more compute (default: each block "
+        "keeps its products' outputs and recomputes its norms and GELU)",
     )
     tokenizer: str | None = option(
         None,
