@@ -248,10 +248,7 @@ def markdown(shape: dict, precision: str, remat: bool) -> str:
         "",
         "| ours: one block keeps | bytes a token |",
         "| --- | --- |",
-        *(
-            f"| {what} — {source} | {size:,.0f} |"
-            for what, source, size in breakdown
-        ),
+        *(f"| {what} — {source} | {size:,.0f} |" for what, source, size in breakdown),
         "",
         "| nanoGPT's block keeps (PyTorch) | bytes a token |",
         "| --- | --- |",
