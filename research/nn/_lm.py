@@ -10,6 +10,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+from jax.extend.core import Primitive
 
 from ..typing import Array, Bool, Float, Int, PRNGKeyArray, PyTree, typecheck
 
@@ -44,7 +45,7 @@ def attention(
     return jax.vmap(head, in_axes=1, out_axes=1)(query, keys, values)
 
 
-def _is_fused_attention(primitive: jax.extend.core.Primitive, *_, **__) -> bool:
+def _is_fused_attention(primitive: Primitive, *_, **__) -> bool:
     """cuDNN's forward kernel, whose outputs (the attention and its softmax statistics) its backward reads."""
     return primitive.name == "dot_product_attention_fwd_wrapper"
 
@@ -123,9 +124,10 @@ class DecoderBlock(eqx.Module):
         product with the three projections' weights side by side: one large matmul rather than three."""
         projections = (self.attention.query_proj, self.attention.key_proj, self.attention.value_proj)
         weight = jnp.concatenate([p.weight for p in projections])
-        bias = None if projections[0].bias is None else jnp.concatenate([p.bias for p in projections])
-        qkv = checkpoint_name(dense(h, weight, bias), "qkv")
-        return tuple(part.reshape(h.shape[0], self.attention.num_heads, -1) for part in jnp.split(qkv, 3, axis=-1))
+        biases = [p.bias for p in projections if p.bias is not None]
+        qkv = checkpoint_name(dense(h, weight, jnp.concatenate(biases) if biases else None), "qkv")
+        query, keys, values = (part.reshape(h.shape[0], self.attention.num_heads, -1) for part in jnp.split(qkv, 3, -1))
+        return query, keys, values
 
     def mlp(self, x: Float[Array, "tokens dim"]) -> Float[Array, "tokens dim"]:
         h = jax.vmap(self.mlp_norm)(x).astype(self.mlp_in.weight.dtype)
