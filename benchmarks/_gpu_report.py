@@ -70,7 +70,7 @@ def _profile(profile: dict, tests: tuple[str, ...]) -> list[str]:
             f"### {side}: {p['steps']} steps in {p['wall_ms']} ms traced; summed: {p['track']}",
             "",
             f"- listed: {p['listed_ms']} ms of {p['summed_ms']} ms summed ({p['events']} events on {p['tracks']} "
-            f"tracks, the busiest {p['busiest_track_ms']} ms)",
+            f"track{'s' if p['tracks'] != 1 else ''}, the busiest {p['busiest_track_ms']} ms)",
             "",
             "| kernel | total ms | calls | share of the steps |",
             "| --- | --- | --- | --- |",

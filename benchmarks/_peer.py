@@ -1,4 +1,4 @@
-"""gpu-check's `peer` and `profile` parts: our LM's train step beside a PyTorch GPT of the same shape.
+"""gpu-check's `peer` part: our LM's train step beside a PyTorch GPT of the same shape (the steps `profile` traces).
 
 Ours: `research.nn`'s LM (`benchmarks.lm_scale.compiled_step`: bf16 compute, optax's AdamW, the state's buffers
 donated as the engine does). PyTorch's: `benchmarks._gpt.TorchGPT`, nanoGPT's structure with our LM's biases (so the
