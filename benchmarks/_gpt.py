@@ -64,13 +64,18 @@ def ours(steps: int, *, dim: int, depth: int, heads: int, context: int, batch: i
 
 
 class TorchBlock(torch.nn.Module):
-    def __init__(self, dim: int, heads: int):
+    """nanoGPT's block: pre-norm, one fused qkv projection, causal `scaled_dot_product_attention`, a GELU (tanh) MLP.
+    `bias`: the layer norms' and the MLP's biases (ours has them; nanoGPT's `bias=False` drops them); attention has
+    none either way (ours has none; nanoGPT's `bias=True` would add them)."""
+
+    def __init__(self, dim: int, heads: int, bias: bool = True):
         super().__init__()
         self.heads = heads
-        self.attention_norm, self.mlp_norm = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
+        self.attention_norm = torch.nn.LayerNorm(dim, bias=bias)
+        self.mlp_norm = torch.nn.LayerNorm(dim, bias=bias)
         self.qkv = torch.nn.Linear(dim, 3 * dim, bias=False)
         self.out = torch.nn.Linear(dim, dim, bias=False)
-        self.mlp_in, self.mlp_out = torch.nn.Linear(dim, 4 * dim), torch.nn.Linear(4 * dim, dim)
+        self.mlp_in, self.mlp_out = torch.nn.Linear(dim, 4 * dim, bias=bias), torch.nn.Linear(4 * dim, dim, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
@@ -84,12 +89,15 @@ class TorchBlock(torch.nn.Module):
 
 
 class TorchGPT(torch.nn.Module):
-    def __init__(self, dim: int, depth: int, heads: int, context: int):
+    """nanoGPT's GPT over bytes with learned positions and a head tied to the token embedding; `bias` as in
+    `TorchBlock` (and the final norm's): True, the default, has exactly our LM's parameters."""
+
+    def __init__(self, dim: int, depth: int, heads: int, context: int, bias: bool = True):
         super().__init__()
         self.embedding = torch.nn.Embedding(VOCAB, dim)
         self.positions = torch.nn.Parameter(0.02 * torch.randn(context, dim))
-        self.blocks = torch.nn.Sequential(*(TorchBlock(dim, heads) for _ in range(depth)))
-        self.norm = torch.nn.LayerNorm(dim)
+        self.blocks = torch.nn.Sequential(*(TorchBlock(dim, heads, bias) for _ in range(depth)))
+        self.norm = torch.nn.LayerNorm(dim, bias=bias)
         torch.nn.init.normal_(self.embedding.weight, std=0.02)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -1,13 +1,20 @@
 """`python -m benchmarks.gpu_check [--tiny] [--parts ...] [--out DIR]`: one prepared check of a machine's JAX.
 
 Meant for a machine with a GPU and JAX already installed (`scripts/gpu-check` runs it with the Python it is given,
-the repository on `PYTHONPATH`); it installs nothing. Its parts, each written to DIR/gpu-check.md and .json:
+the repository on `PYTHONPATH`). Each part runs in its own process under `--part-timeout` and is written to
+DIR/gpu-check.md and .json as soon as it ends, so a part that fails or hangs loses only itself (its error's last
+line is in the report, its whole output in DIR/logs/PART.log). The parts:
 
 - `env`: Python, JAX and the libraries' versions, the backend and its devices, `XLA_FLAGS`.
 - `lm`: one compiled train step of the LM (`experiments/lm.py`'s model, AdamW) at GPT-2-small's shape (width 768,
-  12 blocks, 12 heads, context 1024, bf16 compute): compile seconds, step seconds, tokens/s, peak device memory,
-  and model-FLOPs utilisation against the chip's dense bf16 peak (`PEAK_BF16`; 6 x parameters + 12 x depth x
+  12 blocks, 12 heads, context 1024, batch 16, bf16 compute): compile seconds, step seconds, tokens/s, peak device
+  memory, and model-FLOPs utilisation against the chip's dense bf16 peak (`PEAK_BF16`; 6 x parameters + 12 x depth x
   context x width FLOPs a token, PaLM's count).
+- `peer`: the same step beside a PyTorch GPT of nanoGPT's structure (`benchmarks/_gpt.py`'s `TorchGPT`) with
+  `torch.compile`, fused AdamW and bf16 autocast on CUDA (eager float32 on a CPU), in one process, timed in
+  alternating rounds once both are warm: tokens/s, MFU, peak memory, and the ratio ours / PyTorch.
+- `profile`: the top kernels of both steps by total time (`jax.profiler`'s perfetto trace summed by name beside
+  `torch.profiler`'s `key_averages`), with their calls and share of the traced steps.
 - `attention`: causal attention's forward and backward pass at the LM's shape in bf16, through XLA and through
   cuDNN's fused kernel (on a GPU), and which one the LM's `causal_attention` takes there (vmapped over examples,
   as the LM runs it): milliseconds each.
@@ -15,10 +22,13 @@ the repository on `PYTHONPATH`); it installs nothing. Its parts, each written to
   difference), with and without `--deterministic-reduction`: do their checkpoints hold the same bits? (xor under
   `--tiny`.)
 - `experiments`: every training experiment (or `--experiments`) for a few steps on tiny data (MNIST-1D generated,
-  scikit-learn's digits): exit status, seconds, test numbers.
+  scikit-learn's digits): exit status, seconds, compile seconds (summary.json's `compile_seconds`), test numbers.
 - `tests`: the quick tier of the test files whose code depends on the backend (`TESTS`).
-- `bench`: `python -m benchmarks --cases a,b,c` (with `--quick` under `--tiny`).
+- `bench`: `python -m benchmarks --cases a,b,c,k` (with `--quick` under `--tiny`).
 
+Python packages the machine lacks come from a folder of wheels: `--wheels DIR`, run where PyPI is reachable, derives
+and downloads them (`benchmarks/_wheels.py`); `GPU_CHECK_WHEELS=DIR`, on the GPU machine, installs into a temporary
+folder only those `importlib.metadata` finds missing or at a version the requirement does not admit.
 `--tiny` shrinks every part to seconds on a CPU (CI runs it, so the script never rots); its figures mean nothing.
 """
 
@@ -27,16 +37,20 @@ import json
 import os
 import platform
 import re
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-import numpy as np
+from . import _gpu_report, _wheels
 
 ROOT = Path(__file__).resolve().parent.parent
-PARTS = ("env", "lm", "attention", "bitwise", "experiments", "tests", "bench")
+PARTS = ("env", "lm", "peer", "profile", "attention", "bitwise", "experiments", "tests", "bench")
+BENCH_CASES = "a,b,c,k"  # (a), (b): seconds; (c) the MNIST-1D CNN, (k) the generative experiments' steps
 SHAPES = {
     "gpt2-small": {"dim": 768, "depth": 12, "heads": 12, "context": 1024, "batch": 16},
     "tiny": {"dim": 32, "depth": 2, "heads": 2, "context": 64, "batch": 4},
@@ -148,6 +162,7 @@ def run_experiment(name: str, flags: tuple[str, ...], run_dir: Path, data: dict[
     return {
         "status": result.returncode,
         "seconds": round(time.perf_counter() - start, 1),
+        "compile_s": round(summary["compile_seconds"], 2) if "compile_seconds" in summary else None,
         "numbers": {k: v for k, v in summary.items() if k.startswith("test_") and isinstance(v, (int, float))},
         "error": result.stderr.strip().splitlines()[-1] if result.returncode and result.stderr.strip() else "",
     }
@@ -182,6 +197,7 @@ def bitwise_pairs(work: Path, env: dict, tiny: bool) -> list[dict]:
 
 def digits_npz(path: Path) -> Path:
     """scikit-learn's 8x8 digits as a .npz of uint8 images (the first 1,500 to train, the rest to test)."""
+    import numpy as np
     from sklearn.datasets import load_digits
 
     digits = load_digits()
@@ -225,109 +241,248 @@ def attention_timings(shape: dict, repeats: int) -> dict:
     return timings
 
 
+def _shape(options: dict) -> dict:
+    return SHAPES["tiny" if options["tiny"] else "gpt2-small"]
+
+
+def experiments_part(options: dict) -> dict:
+    from research.data import load_mnist1d
+
+    work, env = Path(options["work"]), dict(os.environ)
+    load_mnist1d(work / "mnist1d")
+    data = {"mnist1d": work / "mnist1d", "digits": digits_npz(work / "digits.npz")}
+    results: dict = {}
+    for name in options["experiments"]:
+        results[name] = run_experiment(name, EXPERIMENTS[name], work / "runs" / name, data, env)
+        write_partial(options, results)
+    return results
+
+
+def write_partial(options: dict, result: Any) -> None:
+    """What a part has so far: the report shows it if the part then fails or runs out of time."""
+    path = Path(options["work"]) / "partial.json"
+    (path.parent / "partial.json.tmp").write_text(json.dumps(result, indent=1, default=str))
+    (path.parent / "partial.json.tmp").replace(path)
+
+
+def tests_part(options: dict) -> dict:
+    command = [sys.executable, "-m", "pytest", "-q", "-m", "not slow", "-p", "no:cacheprovider", *TESTS]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    last = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else result.stderr[-300:]
+    return {"status": result.returncode, "summary": re.sub(r"=+", "", last).strip()}
+
+
+def bench_part(options: dict) -> dict:
+    out = Path(options["out"]) / "bench"
+    command = [sys.executable, "-m", "benchmarks", "--cases", BENCH_CASES, "--out", str(out)]
+    result = subprocess.run([*command, *(["--quick"] if options["tiny"] else [])], cwd=ROOT)
+    return {"status": result.returncode, "cases": BENCH_CASES, "report": str(out / "benchmarks.md")}
+
+
+def env_part(options: dict) -> dict:
+    return environment()
+
+
+def lm_part(options: dict) -> dict:
+    return lm_step(_shape(options), 2 if options["tiny"] else options["lm_steps"])
+
+
+def peer_part(options: dict) -> dict:
+    from ._peer import peer
+
+    return peer(_shape(options), 2 if options["tiny"] else options["lm_steps"], tiny=options["tiny"])
+
+
+def profile_part(options: dict) -> dict:
+    from ._profile import profile
+
+    return profile(_shape(options), 2 if options["tiny"] else 5, Path(options["work"]))
+
+
+def attention_part(options: dict) -> dict:
+    return attention_timings(_shape(options), 2 if options["tiny"] else 20)
+
+
+def bitwise_part(options: dict) -> list[dict]:
+    return bitwise_pairs(Path(options["work"]), dict(os.environ), options["tiny"])
+
+
+PART_FUNCTIONS: dict[str, Callable[[dict], Any]] = {
+    "env": env_part,
+    "lm": lm_part,
+    "peer": peer_part,
+    "profile": profile_part,
+    "attention": attention_part,
+    "bitwise": bitwise_part,
+    "experiments": experiments_part,
+    "tests": tests_part,
+    "bench": bench_part,
+}
+
+
+def run_part(target: str, options_path: str, result_path: str) -> None:
+    """In the part's own process: `module:function` (a `PART_FUNCTIONS` value) of the options, as JSON."""
+    import importlib
+
+    module, _, name = target.partition(":")
+    function = getattr(importlib.import_module(module), name)
+    result = function(json.loads(Path(options_path).read_text()))
+    Path(result_path).write_text(json.dumps(result, indent=1, default=str) + "\n")
+
+
+def _target(function: Callable) -> str:
+    """How the part's process finds `function`: its module and name."""
+    module = "benchmarks.gpu_check" if function.__module__ == "__main__" else function.__module__
+    return f"{module}:{function.__qualname__}"
+
+
+def _last_line(log: Path) -> str:
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    return lines[-1][:300] if lines else "(no output)"
+
+
+def _end(process: subprocess.Popen) -> None:
+    """Kill a part's process and whatever it started (its process group)."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
+
+
+def _run_one(name: str, function: Callable, options: dict, out: Path, timeout: float) -> tuple[dict, Any]:
+    """Run one part in its own process (its own process group, so that a timeout ends its children too; not its own
+    session, which would outlive a command stopped from outside): (status, result);
+    the result of a part that failed or ran out of time is what it wrote with `write_partial`, if anything."""
+    work = Path(options["work"]) / name
+    work.mkdir(parents=True, exist_ok=True)
+    options_path, result_path, log = work / "options.json", work / "result.json", out / "logs" / f"{name}.log"
+    options_path.write_text(json.dumps({**options, "work": str(work)}))
+    command = [sys.executable, "-c", "import sys; from benchmarks.gpu_check import run_part; run_part(*sys.argv[1:])"]
+    partial = work / "partial.json"
+    start = time.perf_counter()
+    with log.open("w") as sink:
+        process = subprocess.Popen(
+            [*command, _target(function), str(options_path), str(result_path)],
+            cwd=ROOT,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            process_group=0,
+        )
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _end(process)
+            return {
+                "status": "timed out",
+                "seconds": round(time.perf_counter() - start, 1),
+                "error": f"stopped at --part-timeout {timeout:g} s; its output so far: {log}",
+            }, json.loads(partial.read_text()) if partial.exists() else None
+        except BaseException:  # Ctrl-C, SIGTERM: the part goes too
+            _end(process)
+            raise
+    seconds = round(time.perf_counter() - start, 1)
+    if process.returncode or not result_path.exists():
+        error = {"status": "failed", "seconds": seconds, "error": _last_line(log)}
+        return error, json.loads(partial.read_text()) if partial.exists() else None
+    result = json.loads(result_path.read_text())
+    skipped = isinstance(result, dict) and set(result) == {"skipped"}
+    return {"status": "skipped" if skipped else "ok", "seconds": seconds}, result
+
+
+def run_parts(parts: dict[str, Callable], options: dict, out: Path, report: dict, timeout: float) -> dict:
+    """Each part in turn in its own process; the report rewritten as each starts and ends."""
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    report.setdefault("parts", {})
+    for name, function in parts.items():
+        report["parts"][name] = {"status": "running", "since": time.strftime("%H:%M:%S UTC", time.gmtime())}
+        write_report(out, report)
+        report["parts"][name], result = _run_one(name, function, options, out, timeout)
+        if result is not None:
+            report[name] = result
+        print(
+            f"gpu-check: {name} {report['parts'][name]['status']} in {report['parts'][name]['seconds']} s",
+            file=sys.stderr,
+            flush=True,
+        )
+        write_report(out, report)
+    return report
+
+
+def write_report(out: Path, report: dict) -> None:
+    """DIR/gpu-check.json and .md, each replaced whole (written beside, then renamed)."""
+    for path, text in (
+        (out / "gpu-check.json", json.dumps(report, indent=1) + "\n"),
+        (out / "gpu-check.md", _gpu_report.markdown(report, TESTS)),
+    ):
+        partial = path.with_suffix(path.suffix + ".partial")
+        partial.write_text(text)
+        partial.replace(path)
+
+
+def _wheels_from_environment(out: Path) -> dict | None:
+    """GPU_CHECK_WHEELS: install what this Python lacks into out/site and put it on the parts' PYTHONPATH."""
+    folder = os.environ.get("GPU_CHECK_WHEELS")
+    if not folder:
+        return None
+    site = out / "site"
+    found = _wheels.install_missing(Path(folder), site)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    return {"folder": folder, **found}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="scripts/gpu-check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="every part at a size of seconds on a CPU (CI)")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     parser.add_argument("--experiments", default=",".join(EXPERIMENTS), help="comma-separated (default: all)")
-    parser.add_argument("--lm-steps", type=int, default=20, help="timed LM steps (default: 20)")
+    parser.add_argument("--lm-steps", type=int, default=20, help="timed LM steps (lm, peer; default: 20)")
+    parser.add_argument(
+        "--part-timeout", type=float, default=600, help="seconds each part may run before it is stopped (default: 600)"
+    )
     parser.add_argument("--out", default="runs/gpu-check", help="output directory (default: runs/gpu-check)")
+    parser.add_argument(
+        "--wheels",
+        metavar="DIR",
+        help="download, where PyPI is reachable, the wheels a GPU machine may lack into DIR (Python 3.12, manylinux "
+        "x86_64, constraints.txt's versions) and run nothing else; there, GPU_CHECK_WHEELS=DIR installs those missing",
+    )
     args = parser.parse_args(argv)
+    if args.wheels:
+        try:
+            manifest = _wheels.download(Path(args.wheels))
+        except _wheels.WheelError as error:
+            sys.exit(f"gpu-check --wheels: {error}")
+        wheels = [e["wheel"] for e in manifest["requirements"].values() if e["wheel"]]
+        print(
+            f"{len(wheels)} wheels in {args.wheels} (and {_wheels.MANIFEST}); on the GPU machine: "
+            f"GPU_CHECK_WHEELS={args.wheels} scripts/gpu-check"
+        )
+        return
     parts = args.parts.split(",")
     if unknown := set(parts) - set(PARTS):
         parser.error(f"--parts: unknown {', '.join(sorted(unknown))}; choose from {', '.join(PARTS)}")
     experiments = args.experiments.split(",")
     if unknown := set(experiments) - set(EXPERIMENTS):
         parser.error(f"--experiments: unknown {', '.join(sorted(unknown))}; choose from {', '.join(EXPERIMENTS)}")
-    out = Path(args.out)
+    out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     report: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "tiny": args.tiny}
-    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
-        work = Path(tmp)
-        if "env" in parts:
-            report["env"] = environment()
-        shape = SHAPES["tiny" if args.tiny else "gpt2-small"]
-        if "lm" in parts:
-            report["lm"] = lm_step(shape, 2 if args.tiny else args.lm_steps)
-        if "attention" in parts:
-            report["attention"] = attention_timings(shape, 2 if args.tiny else 20)
-        if "bitwise" in parts:
-            report["bitwise"] = bitwise_pairs(work, env, args.tiny)
-        if "experiments" in parts:
-            from research.data import load_mnist1d
-
-            load_mnist1d(work / "mnist1d")
-            data = {"mnist1d": work / "mnist1d", "digits": digits_npz(work / "digits.npz")}
-            report["experiments"] = {
-                name: run_experiment(name, EXPERIMENTS[name], work / "runs" / name, data, env) for name in experiments
-            }
-        if "tests" in parts:
-            result = subprocess.run(
-                [sys.executable, "-m", "pytest", "-q", "-m", "not slow", "-p", "no:cacheprovider", *TESTS],
-                cwd=ROOT,
-                env=env,
-                capture_output=True,
-                text=True,
-            )
-            last = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else result.stderr[-300:]
-            report["tests"] = {"status": result.returncode, "summary": re.sub(r"=+", "", last).strip()}
-        if "bench" in parts:
-            command = [sys.executable, "-m", "benchmarks", "--cases", "a,b,c", "--out", str(out / "bench")]
-            result = subprocess.run([*command, *(["--quick"] if args.tiny else [])], cwd=ROOT, env=env)
-            report["bench"] = {"status": result.returncode, "report": str(out / "bench" / "benchmarks.md")}
-    (out / "gpu-check.json").write_text(json.dumps(report, indent=1) + "\n")
-    (out / "gpu-check.md").write_text(markdown(report))
-    print(markdown(report), end="")
-
-
-def markdown(report: dict) -> str:
-    lines = [
-        f"# gpu-check, {report['date']}{' (--tiny: sizes for a CPU, figures meaningless)' if report['tiny'] else ''}"
-    ]
-    if "env" in report:
-        lines += ["", "## Environment", "", *(f"- {k}: {v}" for k, v in report["env"].items())]
-    if "lm" in report:
-        lm = report["lm"]
-        lines += [
-            "",
-            "## LM train step (bf16 compute, AdamW)",
-            "",
-            f"- shape: {lm['shape']}, {lm['parameters']:,} parameters",
-        ]
-        lines += [f"- {k}: {v}" for k, v in lm.items() if k not in ("shape", "parameters")]
-    if "attention" in report:
-        lines += ["", "## Causal attention, forward and backward (bf16)", ""]
-        lines += [f"- {k}: {v}" for k, v in report["attention"].items()]
-    if "bitwise" in report:
-        lines += ["", "## Bitwise pairs (two fresh processes, no compilation cache)", ""]
-        lines += [
-            f"- {p['experiment']}, --deterministic-reduction {p['deterministic_reduction']}: exit {p['statuses']}, "
-            f"same bits: {p['same_bits']}"
-            for p in report["bitwise"]
-        ]
-    if "experiments" in report:
-        lines += [
-            "",
-            "## Experiments",
-            "",
-            "| experiment | exit | seconds | test numbers |",
-            "| --- | --- | --- | --- |",
-        ]
-        for name, r in report["experiments"].items():
-            numbers = ", ".join(f"{k} {v:.4g}" for k, v in r["numbers"].items()) or r["error"]
-            lines.append(f"| {name} | {r['status']} | {r['seconds']} | {numbers} |")
-    if "tests" in report:
-        lines += [
-            "",
-            "## Tests",
-            "",
-            f"- {' '.join(TESTS)}: exit {report['tests']['status']}, {report['tests']['summary']}",
-        ]
-    if "bench" in report:
-        lines += ["", "## Bench (a)-(c)", "", f"- exit {report['bench']['status']}: {report['bench']['report']}"]
-    return "\n".join(lines) + "\n"
+    try:
+        report["wheels"] = _wheels_from_environment(out)
+    except _wheels.WheelError as error:
+        sys.exit(f"gpu-check: GPU_CHECK_WHEELS: {error}")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # so that the running part goes too
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as work:
+        options = {"tiny": args.tiny, "lm_steps": args.lm_steps, "experiments": experiments, "out": str(out)}
+        chosen = {name: PART_FUNCTIONS[name] for name in PARTS if name in parts}
+        run_parts(chosen, {**options, "work": work}, out, report, args.part_timeout)
+    print(_gpu_report.markdown(report, TESTS), end="")
 
 
 if __name__ == "__main__":
-    main()
+    # the module by its name, so that the parts' processes find its functions
+    from benchmarks.gpu_check import main as _main
+
+    _main()

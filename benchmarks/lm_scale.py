@@ -23,10 +23,16 @@ DIM, CONTEXT, BATCH, HEADS = 128, 128, 32, 4
 
 
 def compiled_step(
-    depth: int, dim: int = DIM, context: int = CONTEXT, batch: int = BATCH, heads: int = HEADS, **hparams
+    depth: int,
+    dim: int = DIM,
+    context: int = CONTEXT,
+    batch: int = BATCH,
+    heads: int = HEADS,
+    donate: bool = False,
+    **hparams,
 ):
     """`(compiled, leaves, batch, seconds to compile)` of one train step of the LM (the default model's shape unless
-    given)."""
+    given); `donate`: the step reuses the state's buffers, as the engine's does (the leaves passed in are spent)."""
     model, _ = build_model("lm", key=jax.random.key(0), context=context, dim=dim, depth=depth, heads=heads, **hparams)
     state = TrainState.create(model, optax.adamw(1e-3), key=jax.random.key(1))
     leaves, static = eqx.partition(state, eqx.is_array)
@@ -38,7 +44,7 @@ def compiled_step(
         return eqx.filter(new_state, eqx.is_array), metrics["loss"]
 
     start = time.perf_counter()
-    compiled = jax.jit(step).lower(leaves, batch_arrays).compile()
+    compiled = jax.jit(step, donate_argnums=0 if donate else ()).lower(leaves, batch_arrays).compile()
     return compiled, leaves, batch_arrays, time.perf_counter() - start
 
 

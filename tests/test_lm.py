@@ -94,15 +94,20 @@ def test_untied_head_and_depth_do_not_grow_the_program(getkey):
 
 
 def test_attention_is_equinox_multihead_attention_and_cudnns_to_float_rounding(getkey):
-    """Off cuDNN the block computes what `eqx.nn.MultiheadAttention` under a causal mask does, to the bit;
-    `jax.nn.dot_product_attention` (the function cuDNN's kernel runs behind on a GPU) agrees to float32
-    rounding."""
+    """Off cuDNN the block computes what `eqx.nn.MultiheadAttention` under a causal mask does: to the bit on
+    a CPU, to float32 rounding elsewhere (a GPU's XLA fuses the jitted block differently from its separately
+    jitted pieces: 1 ulp was seen on an H200); `jax.nn.dot_product_attention` (the function cuDNN's kernel
+    runs behind on a GPU) agrees to float32 rounding."""
     block = DecoderBlock(16, 4, 32, key=getkey())
     x = jax.random.normal(getkey(), (12, 16))
     h = jax.vmap(block.attention_norm)(x)
     after_attention = x + eqx.filter_jit(block.attention)(h, h, h, mask=jnp.tril(jnp.ones((12, 12), bool)))
     expected = after_attention + eqx.filter_jit(block.mlp)(after_attention)
-    np.testing.assert_array_equal(eqx.filter_jit(block)(x), expected)
+    if jax.default_backend() == "cpu":
+        np.testing.assert_array_equal(eqx.filter_jit(block)(x), expected)
+    else:  # a few units in the last place of the largest output, not a looser bound
+        ulp = float(jnp.finfo(expected.dtype).eps) * float(jnp.abs(expected).max())
+        np.testing.assert_allclose(eqx.filter_jit(block)(x), expected, rtol=0, atol=4 * ulp)
     query, keys, values = jax.random.normal(getkey(), (3, 12, 4, 8))
     fused = partial(jax.nn.dot_product_attention, is_causal=True, implementation="xla")
     ours = jax.jit(causal_attention)(query, keys, values)
