@@ -116,14 +116,21 @@ def environment() -> dict:
 
 
 def lm_step(shape: dict, steps: int) -> dict:
-    """Compile and time one train step of the LM at `shape` with bf16 compute."""
+    """Compile and time one train step of the LM at `shape` with bf16 compute, its state's buffers donated (as the
+    engine's step does: the peak memory counts the state once)."""
     import equinox as eqx
     import jax
 
     from .lm_scale import compiled_step, steps_per_s
 
     compiled, leaves, batch, compile_seconds = compiled_step(
-        shape["depth"], shape["dim"], shape["context"], shape["batch"], shape["heads"], compute_dtype="bfloat16"
+        shape["depth"],
+        shape["dim"],
+        shape["context"],
+        shape["batch"],
+        shape["heads"],
+        donate=True,
+        compute_dtype="bfloat16",
     )
     parameters = sum(x.size for x in jax.tree.leaves(eqx.filter(leaves.model, eqx.is_inexact_array)))
     rate, loss = steps_per_s(compiled, leaves, batch, steps)
