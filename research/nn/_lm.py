@@ -18,7 +18,8 @@ ComputeDtype = Literal["float32", "bfloat16"]
 
 # What a block keeps for its backward pass unless `remat` recomputes it whole: the outputs of its products and the
 # residual stream between its halves. The norms, casts and GELU are recomputed from them: cheap elementwise work
-# whose float32 and per-operation copies were two thirds of what a block saved (docs/benchmarks.md, the LM's anatomy).
+# whose float32 and per-operation copies would otherwise be most of what a block keeps (docs/benchmarks.md, the LM's
+# anatomy).
 SAVED_FOR_BACKWARD = ("qkv", "attended", "residual", "mlp_hidden")
 
 
