@@ -59,7 +59,7 @@ class Experiment:
     script: str | None = None  # experiments/<script>.py; None: the name in EXPERIMENTS
     phases: tuple[str, ...] | None = None  # the PHASES it runs; None: all
     pairwise: bool = True  # False: every EMA on every placement (one variant is refused: a second a run)
-    timeout: float = 45  # seconds for one run (a short run takes a few); then it counts as a hang
+    timeout: float = 90  # seconds for one run (a short run takes a few, a loaded machine 45+); then a hang
     requires: str | None = None  # a module of an extra it needs (the grid leaves it out where that is missing)
 
 
