@@ -79,8 +79,8 @@ def causal_attention(
     if fused_attention_available() and query.dtype in (jnp.bfloat16, jnp.float16):
         try:
             return jax.nn.dot_product_attention(query, keys, values, is_causal=True, implementation="cudnn")
-        except (NotImplementedError, RuntimeError, ValueError):  # no cuDNN, or a head width or layout it lacks
-            pass
+        except (NotImplementedError, RuntimeError, ValueError):
+            pass  # no cuDNN, or a head width or layout it lacks: XLA's attention below computes the same
     return checkpoint_name(attention(query, keys, values, causal_mask), "attended")
 
 
