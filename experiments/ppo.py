@@ -254,6 +254,13 @@ def global_mean_and_std(x: Float[Array, "envs time"]) -> tuple[Float[Array, ""],
     return mean, jnp.sqrt(tree_sum(((x - mean) ** 2).reshape(-1)) / count)
 
 
+def normalised_advantages(advantage: Float[Array, "envs time"], axis_name: str | None) -> Float[Array, "envs time"]:
+    """This device's advantages less the global rollout's mean, over its standard deviation (+ 1e-8: a rollout
+    of equal advantages)."""
+    mean, std = global_mean_and_std(gathered(advantage, axis_name))
+    return (advantage - mean) * (1 / (std + 1e-8))  # a multiply: XLA rewrites some divides
+
+
 def gathered(x: Array, axis_name: str | None) -> Array:
     """`x` (this device's rows) with every device's rows, in the global batch's order."""
     return x if axis_name is None else jax.lax.all_gather(x, axis_name, tiled=True)
@@ -349,8 +356,7 @@ class PPOStep(Step):
         """`epochs` x `minibatches` updates; advantages normalised over the global rollout. Minibatch `m` of an
         epoch is every environment's time steps `order[m * n : (m + 1) * n]` of the epoch's random order of time
         steps, so the global batch's minibatches do not depend on which device holds which environment."""
-        mean, std = global_mean_and_std(gathered(transitions.advantage, global_batch.axis_name))
-        normalised = (transitions.advantage - mean) * (1 / (std + 1e-8))  # a multiply: XLA rewrites some divides
+        normalised = normalised_advantages(transitions.advantage, global_batch.axis_name)
         transitions = dataclasses.replace(transitions, advantage=normalised)
         share = self.rollout_steps // self.minibatches
         orders = jax.vmap(lambda k: jax.random.permutation(k, self.rollout_steps))(jax.random.split(key, self.epochs))
