@@ -8,7 +8,9 @@ grid's (tests/test_combinations.py); here: what each run leaves, resume after SI
 import os
 import signal
 
+import equinox as eqx
 import jax
+import jax.numpy as jnp
 import matplotlib.image
 import numpy as np
 import pytest
@@ -214,3 +216,167 @@ def test_the_generative_experiments_refuse_bad_options_in_one_line(digits):
     )
     assert "--levels 4 halves the resolution 4 times; 8x8 does not" in refused(diffusion, levels=4)
     assert "--data names the images" in refused(gan, data=None)
+
+
+# -- the methods against NumPy written from the papers, on fixed inputs: fast, no training ---------------------
+
+
+def linear_alpha_bars(steps):
+    """DDPM's schedule by hand, in float64: beta_t from 1e-4 to 0.02 linearly over T steps (Ho et al. 2020, sec.
+    4), alpha_bar_t the product of 1 - beta_s for s <= t, a loop."""
+    alpha_bars, product = [], 1.0
+    for t in range(steps):
+        product *= 1 - (1e-4 + (0.02 - 1e-4) * t / (steps - 1))
+        alpha_bars.append(product)
+    return np.array(alpha_bars)
+
+
+class AffineNoise(eqx.Module):
+    """A stand-in noise predictor, eps(x, t) = 0.5 x + t - 0.3: simple to write in NumPy, and both its inputs (the
+    noisy image and the time) change what it predicts."""
+
+    height: int = eqx.field(static=True)
+    width: int = eqx.field(static=True)
+    channels: int = eqx.field(static=True)
+
+    def __call__(self, x, t, *, key=None):
+        return 0.5 * x + t - 0.3
+
+
+def affine_noise(x, t):
+    return 0.5 * x + t - 0.3
+
+
+class Oracle(eqx.Module):
+    """A perfect noise predictor for `image`: the noise that makes `x` of `image` at the step of time `t` (`x =
+    sqrt(alpha_bar) image + sqrt(1 - alpha_bar) noise`, Ho et al. 2020, eq. 4), whatever `x` is."""
+
+    image: jax.Array
+    alpha_bars: jax.Array
+    height: int = eqx.field(static=True)
+    width: int = eqx.field(static=True)
+    channels: int = eqx.field(static=True)
+
+    def __call__(self, x, t, *, key=None):
+        a = self.alpha_bars[jnp.round(t * self.alpha_bars.shape[0]).astype(jnp.int32)]
+        return (x - jnp.sqrt(a) * self.image) / jnp.sqrt(1 - a)
+
+
+@pytest.mark.parametrize("steps", [2, 20, 1000])
+def test_the_noise_schedule_is_ddpms_linear_one(steps):
+    """`Schedule.alpha_bars` against the hand loop: each step keeps 1 - beta_t of the one before, beta_t linear
+    from 1e-4 to 0.02; at DDPM's T = 1000 the last keeps 4.04e-5 of the image (weight 0.0064: nearly pure
+    noise, where sampling starts)."""
+    alpha_bars = diffusion.Schedule(steps).alpha_bars
+    assert alpha_bars.dtype == np.float32 and alpha_bars.shape == (steps,)
+    np.testing.assert_allclose(alpha_bars, linear_alpha_bars(steps), rtol=1e-6, err_msg="alpha_bars")
+    if steps == 1000:
+        np.testing.assert_allclose(alpha_bars[-1], 4.0358e-5, rtol=1e-4, err_msg="alpha_bar_T")
+
+
+@pytest.mark.parametrize(("diffusion_steps", "sample_steps"), [(10, 1), (20, 4)])
+def test_ddim_recovers_the_image_exactly_when_the_model_predicts_the_true_noise(diffusion_steps, sample_steps):
+    """DDIM with eta 0 (Song et al. 2021, eq. 12) from any noise, its noise predicted perfectly (`Oracle`), lands on
+    the image in one step or several: each step's estimate of the image is the image, to float rounding."""
+    image = np.random.default_rng(0).uniform(-1, 1, (4, 4, 2)).astype(np.float32)
+    alpha_bars = jnp.asarray(linear_alpha_bars(diffusion_steps), jnp.float32)
+    oracle = Oracle(jnp.asarray(image), alpha_bars, 4, 4, 2)
+    sampler = diffusion.DDIM(diffusion.Schedule(diffusion_steps), sample_steps)
+    drawn = sampler(oracle, None, jax.random.split(jax.random.key(1), 3))
+    np.testing.assert_allclose(drawn, np.broadcast_to(image, (3, 4, 4, 2)), atol=2e-5, err_msg="recovered image")
+
+
+def test_ddim_takes_the_steps_and_updates_of_a_hand_written_sampler():
+    """Four DDIM steps of a 20-step schedule with a stand-in model, against a NumPy loop over Song et al.'s eta-0
+    update: steps evenly spaced from T - 1 down to 0 (19, 13, 6, 0), each estimating the image from the predicted
+    noise (held to [-1, 1]) and moving to the next step's noise level, the last to the image itself."""
+    total, steps, keys = 20, 4, jax.random.split(jax.random.key(2), 2)
+    drawn = diffusion.DDIM(diffusion.Schedule(total), steps)(AffineNoise(4, 4, 2), None, keys)
+    alpha_bars, taus = linear_alpha_bars(total), [19, 13, 6, 0]
+    for key, image in zip(keys, np.asarray(drawn), strict=True):
+        x = np.asarray(jax.random.normal(key, (4, 4, 2)), np.float64)  # the sampler's noise: its key's
+        for i, t in enumerate(taus):
+            a, a_next = alpha_bars[t], alpha_bars[taus[i + 1]] if i + 1 < len(taus) else 1.0
+            noise = affine_noise(x, t / total)
+            estimate = np.clip((x - np.sqrt(1 - a) * noise) / np.sqrt(a), -1, 1)
+            x = np.sqrt(a_next) * estimate + np.sqrt(1 - a_next) * noise
+        np.testing.assert_allclose(image, x, rtol=1e-5, atol=1e-5, err_msg="DDIM sample")
+
+
+def test_the_denoising_loss_is_the_mean_squared_error_of_the_predicted_noise():
+    """DDPM's simple loss (Ho et al. 2020, eq. 14) by hand: each image in [-1, 1] noised at its step t with its
+    noise (drawn from its key: `example_keys`, outside a step `jax.random.split`; then split into the step's key
+    and the noise's), the model given (x_t, t / T), the squared error to the noise averaged over pixels and
+    images."""
+    total, count = 20, 4
+    images = np.random.default_rng(3).integers(0, 256, (count, 4, 4, 1), dtype=np.uint8)
+    key = jax.random.key(4)
+    loss, (metrics, state) = diffusion.DenoisingLoss(diffusion.Schedule(total))(
+        AffineNoise(4, 4, 1), None, jnp.asarray(images), key
+    )
+    alpha_bars, errors, times = linear_alpha_bars(total), [], set()
+    for image, image_key in zip(images, jax.random.split(key, count), strict=True):
+        step_key, noise_key = jax.random.split(image_key)
+        t = int(jax.random.randint(step_key, (), 0, total))
+        noise = np.asarray(jax.random.normal(noise_key, image.shape), np.float64)
+        noisy = np.sqrt(alpha_bars[t]) * (image / 127.5 - 1) + np.sqrt(1 - alpha_bars[t]) * noise
+        errors.append(np.mean((affine_noise(noisy, t / total) - noise) ** 2))
+        times.add(t)
+    assert len(times) > 1 and state is None  # the images' steps differ: the time input is tested
+    np.testing.assert_allclose(float(loss), np.mean(errors), rtol=1e-5, err_msg="denoising loss")
+    assert float(metrics["loss"]) == float(loss)
+
+
+class LinearCritic(eqx.Module):
+    """A stand-in discriminator: the logit sum(weight * x) + bias."""
+
+    weight: jax.Array
+    bias: jax.Array
+
+    def __call__(self, x, *, key=None):
+        return jnp.sum(self.weight * x) + self.bias
+
+
+class TanhGenerator(eqx.Module):
+    """A stand-in generator: tanh(z) as an image (its latent as many as the image's values)."""
+
+    height: int = eqx.field(static=True)
+    width: int = eqx.field(static=True)
+    channels: int = eqx.field(static=True)
+
+    def __call__(self, z, *, key=None):
+        return jnp.tanh(z).reshape(self.height, self.width, self.channels)
+
+
+def gan_logits(images, key, weight, bias):
+    """By hand, in float64: the critic's logits of the real images (in [-1, 1]) and of as many generated ones, each
+    from its row's latent (`example_keys`: outside a step, `jax.random.split`)."""
+    latent = weight.size
+    latents = [np.asarray(jax.random.normal(k, (latent,)), np.float64) for k in jax.random.split(key, len(images))]
+    fakes = [np.tanh(z).reshape(weight.shape) for z in latents]
+    real = np.array([np.sum(weight * (image / 127.5 - 1)) + bias for image in images])
+    return real, np.array([np.sum(weight * fake) + bias for fake in fakes])
+
+
+def test_the_gan_losses_are_the_cross_entropies_of_the_original_gan():
+    """Goodfellow et al. 2014: the discriminator minimises -log D(real) - log(1 - D(fake)) and the generator the
+    non-saturating -log D(fake) (their sec. 3), D the sigmoid of the logit; written here as logs of sigmoids, not
+    the code's softplus. Logits of both signs and a few units: each term's sign matters."""
+    rng = np.random.default_rng(5)
+    images = rng.integers(0, 256, (6, 4, 4, 1), dtype=np.uint8)
+    weight, bias, key = rng.normal(0, 0.8, (4, 4, 1)), 0.3, jax.random.key(6)
+    critic = LinearCritic(jnp.asarray(weight, jnp.float32), jnp.asarray(bias, jnp.float32))
+    generator, batch = TanhGenerator(4, 4, 1), jnp.asarray(images)
+    real, fake = gan_logits(images, key, weight, bias)
+    assert (real > 1).any() and (real < -1).any() and (fake > 1).any() and (fake < -1).any()
+    d_real, d_fake = 1 / (1 + np.exp(-real)), 1 / (1 + np.exp(-fake))
+
+    d_loss, (metrics, _) = gan.DiscriminatorLoss(generator, weight.size)(critic, None, batch, key)
+    expected = np.mean(-np.log(d_real)) + np.mean(-np.log(1 - d_fake))
+    np.testing.assert_allclose(float(d_loss), expected, rtol=1e-5, err_msg="discriminator loss")
+    np.testing.assert_allclose(float(metrics["d_real"]), np.mean(d_real), rtol=1e-5, err_msg="d_real")
+    np.testing.assert_allclose(float(metrics["d_fake"]), np.mean(d_fake), rtol=1e-5, err_msg="d_fake")
+
+    g_loss, (g_metrics, _) = gan.GeneratorLoss(critic, weight.size)(generator, None, batch, key)
+    np.testing.assert_allclose(float(g_loss), np.mean(-np.log(d_fake)), rtol=1e-5, err_msg="generator loss")
+    assert float(g_metrics["g_loss"]) == float(g_loss)
