@@ -2,6 +2,7 @@
 own (a part that fails or hangs loses only itself), and its figures must be the ones they say they are."""
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import _wheels
+from benchmarks import _gpu_report, _wheels
 from benchmarks.gpu_check import PARTS, main, run_parts, write_partial
 
 ROOT = Path(__file__).parent.parent
@@ -43,13 +44,20 @@ def gpu_check(out: Path, *flags: str) -> tuple[dict, str]:
 
 @pytest.mark.slow
 def test_the_tiny_check_times_the_lm_and_attention_pairs_fresh_processes_and_runs_an_experiment(tmp_path):
-    report, markdown = gpu_check(tmp_path, "--parts", "env,lm,attention,bitwise,experiments", "--experiments", "xor")
+    """The report's facts, each of which a broken part would change: every part ran and is listed (in the JSON and
+    as a markdown section, in order), the LM has its hand-counted parameters and a loss it could have (random
+    tokens), the deterministic pairs have the same bits, and each experiment exited 0 with finite, plausible test
+    numbers."""
+    parts = ["env", "lm", "attention", "bitwise", "experiments"]
+    report, markdown = gpu_check(tmp_path, "--parts", ",".join(parts), "--experiments", "xor")
     assert report["env"]["backend"] == "cpu" and report["env"]["devices"] == "1 x cpu"
-    assert {p: s["status"] for p, s in report["parts"].items()} == dict.fromkeys(
-        ["env", "lm", "attention", "bitwise", "experiments"], "ok"
-    )
+    assert {p: s["status"] for p, s in report["parts"].items()} == dict.fromkeys(parts, "ok")
+    sections = [line[3:] for line in markdown.splitlines() if line.startswith("## ")]
+    assert [s.rsplit(" (", 1)[0] for s in sections] == [_gpu_report.TITLES[p] for p in parts]  # less their (N s)
     lm = report["lm"]
     assert lm["parameters"] == lm_parameters(**TINY) and lm["tokens_per_s"] > 0 and lm["mfu"] is None  # CPU: no peak
+    # 3 AdamW steps on uniformly random bytes: the loss of a guess among 256 (ln 256 = 5.55), a little below at most
+    assert abs(lm["final_loss"] - math.log(256)) < 0.5, lm["final_loss"]
     attention = report["attention"]  # no cuDNN on a CPU: XLA's kernel, which the LM takes
     assert attention["xla_ms"] > 0 and attention["lm_ms"] > 0 and attention["lm_kernel"] == "xla"
     assert attention["cudnn_ms"].startswith("unavailable: ")
@@ -57,12 +65,22 @@ def test_the_tiny_check_times_the_lm_and_attention_pairs_fresh_processes_and_run
         (False, [0, 0], True),
         (True, [0, 0], True),
     ]
-    xor = report["experiments"]["xor"]
-    assert xor["status"] == 0 and 0 < xor["compile_s"] < xor["seconds"]  # summary.json's compile_seconds
-    correct = xor["numbers"]["test_accuracy"] * 64  # of --test-size 64: a count of examples
+    assert markdown.count("exit [0, 0], same bits: True") == 2
+    assert list(report["experiments"]) == ["xor"]
+    for name, result in report["experiments"].items():
+        assert result["status"] == 0 and result["error"] == "", (name, result)
+        assert 0 < result["compile_s"] < result["seconds"], (name, result)  # summary.json's compile_seconds
+        assert {"test_accuracy", "test_loss"} <= set(result["numbers"]), (name, result)
+        assert all(math.isfinite(v) for v in result["numbers"].values()), (name, result)
+    xor = report["experiments"]["xor"]["numbers"]
+    # Its 8 steps barely train (56% at seed 0: not reliably above chance), so: a count of the 64 test examples, and
+    # the two-class loss of a near guess (ln 2 = 0.693); a loss summed over the batch, or NaN, would be far from it.
+    correct = xor["test_accuracy"] * 64
     assert correct == pytest.approx(round(correct), abs=1e-6)
+    assert abs(xor["test_loss"] - math.log(2)) < 0.05, xor
     assert "| experiment | exit | seconds | compile s | test numbers |" in markdown
-    assert f"| xor | 0 | {xor['seconds']} | {xor['compile_s']} | test_accuracy" in markdown
+    ran = report["experiments"]["xor"]
+    assert f"| xor | 0 | {ran['seconds']} | {ran['compile_s']} | test_accuracy" in markdown
 
 
 @pytest.mark.slow
