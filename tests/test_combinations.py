@@ -1,9 +1,9 @@
 """Every training experiment under every combination of the options that should not break it.
 
 Each combination of the grid below is one short invocation of the experiment script's entry point.
-It must either finish (exit 0) or refuse in one line (exit 2, exactly one line on stderr, no
-checkpoint written); never a traceback, never a hang; and each experiment's first fresh run on one device
-must finish. Resuming a finished run (`--resume auto`, as a
+It must do what the grid's table (REFUSALS, printed as docs/combinations.md) says: finish (exit 0), or
+refuse in one line naming the reason the table gives (exit 2, exactly one line on stderr, no checkpoint
+written); never a traceback, never a hang. Resuming a finished run (`--resume auto`, as a
 requeued job does) prints its summary and touches none of its files. A run that finishes with `--ema-decay` must
 report the model without the EMA too (test_raw_*); one that finishes on 4 devices must have compiled
 its computations for 4 devices and give the final train loss and test metrics of the same run on 1
@@ -60,7 +60,7 @@ class Experiment:
     phases: tuple[str, ...] | None = None  # the PHASES it runs; None: all
     pairwise: bool = True  # False: every EMA on every placement (one variant is refused: a second a run)
     timeout: float = 90  # seconds for one run (a short run takes a few, a loaded machine 45+); then a hang
-    requires: str | None = None  # a module of an extra it needs (the grid leaves it out where that is missing)
+    requires: str | None = None  # a module of an extra it needs (its runs are skipped, saying so, where it is missing)
 
 
 GENERATIVE = ("--features", "4", "--batch-size", "16", "--steps-per-call", "2", "--log-every", "2", "--eval-every", "2")
@@ -341,6 +341,38 @@ TOLERANCE = 1e-5  # tests/test_parallel.py's
 # at a time under scripts/test's pytest-xdist workers, where another test file already keeps a core busy.
 WORKERS_AT_ONCE = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
 
+
+@dataclasses.dataclass(frozen=True)
+class Refuses:
+    """The runs of `experiment` that must refuse, in one line on stderr containing `because`: those whose other
+    given fields are these (None: any)."""
+
+    experiment: str
+    because: str
+    placement: str | None = None
+    ema: str | None = None
+    loader: str | None = None
+    phase: str | None = None
+
+    def covers(self, combination: "Combination") -> bool:
+        fields = ("experiment", "placement", "ema", "loader", "phase")
+        return all(getattr(self, f) in (None, getattr(combination, f)) for f in fields)
+
+
+# What the grid expects: every run trains (exit 0, its checks below) except these, which refuse before any work.
+# docs/combinations.md prints the table they make (`python tests/test_combinations.py` writes it again).
+REFUSALS = (
+    # 1113 rows: four devices cannot share them, nor four micro-batches
+    Refuses("dp_sgd_oddbatch", "which must divide the batch size", placement="1dev", ema="ema-det"),
+    Refuses("dp_sgd_oddbatch", "cannot be split evenly over 4 devices", placement="pmap4"),
+    Refuses("dp_sgd_oddbatch", "cannot be split evenly over 4 devices", placement="sharded4"),
+    # an average of the weights across its rewinds would mean nothing: the option does not exist
+    Refuses("lottery_ticket", "unrecognized arguments: --ema-decay", ema="ema-det"),
+    # a member's step is one unrolled run: no rows to split; its members are spread over a mesh's devices
+    Refuses("metalearn_lr", "has no batch to split into micro-batches", ema="ema-det"),
+    Refuses("metalearn_lr", "spreads its members over the devices of a mesh", placement="pmap4"),
+)
+
 # ------------------------------------------------------------------------------------------------------
 
 WORKER = Path(__file__).parent / "_combination_worker.py"
@@ -380,11 +412,15 @@ class Combination:
         return dataclasses.replace(self, placement=next(iter(PLACEMENTS)), tracker="untracked")
 
     @property
-    def must_train(self) -> bool:
-        """The first fresh run of an experiment (one device, its first EMA variant and loader, untracked), which
-        must train: an entry whose flags are all refused (an option renamed) would otherwise pass unseen."""
-        first = (next(iter(PLACEMENTS)), (EXPERIMENTS[self.experiment].emas or list(EMAS))[0], next(iter(LOADERS)))
-        return (self.placement, self.ema, self.loader, self.phase, self.tracker) == (*first, "fresh", "untracked")
+    def refusal(self) -> "Refuses | None":
+        """The row of REFUSALS this run must refuse by; None: it must train."""
+        return next((row for row in REFUSALS if row.covers(self)), None)
+
+    @property
+    def missing(self) -> str | None:
+        """The module of an extra this run needs that is not installed."""
+        requires = EXPERIMENTS[self.experiment].requires
+        return requires if requires and importlib.util.find_spec(requires) is None else None
 
     @property
     def checks_trackers(self) -> bool:  # the last phase of a tracked series, whose run directory is complete
@@ -438,7 +474,6 @@ COMBINATIONS = [
         LOADERS if experiment.has_loader else list(LOADERS)[:1],
         experiment.phases or PHASES,
     )
-    if experiment.requires is None or importlib.util.find_spec(experiment.requires)
     if (experiment.ema_everywhere or ema == "noema" or placement == next(iter(PLACEMENTS)))
     and pairwise(name, placement, ema, loader)
 ] + [
@@ -556,7 +591,7 @@ def combination_results(request, tmp_path_factory, mnist1d_dir, digits_formats, 
     }
     selected |= {c.reference() for c in selected}
     series = {c.run_name for c in selected}  # a resume needs the phases before it
-    needed = [c for c in COMBINATIONS if c.run_name in series]
+    needed = [c for c in COMBINATIONS if c.run_name in series and not c.missing]
     root = tmp_path_factory.mktemp("combinations")
     digits = np.load(digits_formats["npz"])
     images = root / "digits-small.npz"
@@ -587,7 +622,9 @@ def combination_results(request, tmp_path_factory, mnist1d_dir, digits_formats, 
 
     with concurrent.futures.ThreadPoolExecutor(WORKERS_AT_ONCE) as pool:
         futures = [pool.submit(run_worker, runs(devices), devices, root) for devices in {c.devices for c in needed}]
-        return {k: v for f in futures for k, v in f.result().items()}
+        results = {k: v for f in futures for k, v in f.result().items()}
+    (root / "results.json").write_text(json.dumps(results))  # every run's outcome, for whoever reads a failure
+    return results
 
 
 def problems(combination: Combination, results: dict[str, dict]) -> list[str]:
@@ -605,8 +642,12 @@ def problems(combination: Combination, results: dict[str, dict]) -> list[str]:
         frames = [m.groups() for m in map(re.compile(r'\s*File "(.*)", line (\d+), in (.*)').match, stderr) if m]
         where = f" (at {Path(frames[-1][0]).name}:{frames[-1][1]} in {frames[-1][2]})" if frames else ""
         return [f"traceback, exit {status}: {last_line}{where}"]
+    refusal = combination.refusal
     if status == 2:
-        found = [f"refused where it must train: {last_line}"] if combination.must_train else []
+        if refusal is None:
+            found = [f"refused where it must train: {last_line}"]
+        else:
+            found = [] if refusal.because in stderr[-1] else [f"refused, not because {refusal.because!r}: {last_line}"]
         if len(stderr) != 1:
             found.append(f"exit 2 with {len(stderr)} lines on stderr, not 1: {last_line}")
         if result["checkpoints_after"] != result["checkpoints_before"]:
@@ -614,6 +655,8 @@ def problems(combination: Combination, results: dict[str, dict]) -> list[str]:
         return found
     if status != 0:
         return [f"exit {status}: {last_line}"]
+    if refusal is not None:
+        return [f"exit 0 where it must refuse ({refusal.because!r})"]
 
     if combination.phase == "resumed-finished":  # a requeued job: report the finished run, touch nothing
         found = [f"touched {name} of the finished run" for name in result["files_touched"]]
@@ -629,12 +672,14 @@ def problems(combination: Combination, results: dict[str, dict]) -> list[str]:
         found.append("ignores --ema-decay: the summary has no test_raw_* (non-EMA) numbers")
     if combination.devices > 1 and result["compilations"] and result["compiled_devices"] == 1:
         found.append(f"ignores --devices {combination.devices}: every computation it compiled runs on one device")
-    reference = results.get(combination.reference().id)
-    if combination.devices > 1 and reference and reference["status"] == 0 and reference["summary"]:
-        exact = combination.ema == "ema-det"
-        differences = compare(summary, reference["summary"], tolerance=0 if exact else TOLERANCE)
-        if differences:
-            found.append("differs from 1 device: " + "; ".join(differences))
+    if combination.devices > 1:
+        reference = results[combination.reference().id]
+        if reference["status"] != 0 or not reference["summary"]:
+            found.append(f"nothing to compare with: the 1-device run {combination.reference().id} did not train")
+        else:
+            differences = compare(summary, reference["summary"], tolerance=0 if combination.ema == "ema-det" else TOLERANCE)
+            if differences:
+                found.append("differs from 1 device: " + "; ".join(differences))
     if combination.checks_trackers:
         found += tracker_problems(Path(result["run_dir"]))
     return found
@@ -700,5 +745,61 @@ def _short(value) -> str:
 @pytest.mark.slow
 @pytest.mark.parametrize("combination", COMBINATIONS, ids=lambda c: c.id)
 def test_combination_finishes_or_refuses_in_one_line(combination, combination_results):
+    if combination.missing:
+        pytest.skip(f"{combination.experiment} needs {combination.missing}, which is not installed")
     found = problems(combination, combination_results)
     assert not found, " | ".join(found)
+
+
+# -- the table in docs/ ---------------------------------------------------------------------------------
+PAGE = Path(__file__).parents[1] / "docs" / "combinations.md"
+COLUMNS = {  # a cell of the page: the run of its row in this phase (with these trackers)
+    "fresh": ("fresh", "untracked"),
+    "resumed": ("resumed", "untracked"),
+    "requeued": ("resumed-finished", "untracked"),
+    "tracked, fresh": ("fresh", "tracked"),
+    "tracked, resumed": ("resumed", "tracked"),
+}
+OPTIONS = {"noema": "", "ema-det": "EMA, det.", "device": "", "torch": "torch loader"}  # a row's options, briefly
+
+
+def outcome(combination: Combination) -> str:
+    refusal = combination.refusal
+    return "trains" if refusal is None else f"refuses: {refusal.because}"
+
+
+def outcomes_page() -> str:
+    """docs/combinations.md: what the grid expects of each experiment on each placement, a row an option set."""
+    lines = [
+        "# Which options work with which experiment",
+        "",
+        "What `tests/test_combinations.py` runs and expects, written from its table (`python tests/test_combinations.py`",
+        "writes this page again; a test fails while it differs). A run that trains must exit 0, match the same run on",
+        "one device (to float rounding; to the bit with `--deterministic-reduction`) and keep its trackers in step;",
+        "a refusal is one line on stderr, exit status 2, before any work, with the words shown. A dash: not in the",
+        "grid (where placements, EMAs and loaders multiply, the 4-device placements take a pairwise cover of them).",
+        "",
+        f"Options: *EMA, det.* is `{' '.join(EMAS['ema-det'])}`; *torch loader* `{' '.join(LOADERS['torch'])}`. "
+        "Placements: "
+        + ", ".join(f"*{name}* `{' '.join(flags) or '(one device)'}`" for name, flags in PLACEMENTS.items())
+        + ". Phases: *fresh*, the experiment's short run; *resumed*, `--resume` continuing it to a longer run; "
+        f"*requeued*, `--resume auto` of the finished run; *tracked*, with `{' '.join(TRACKERS['tracked'])}`.",
+        "",
+        "| experiment | placement | options | " + " | ".join(COLUMNS) + " |",
+        "| --- | --- | --- | " + " | ".join("---" for _ in COLUMNS) + " |",
+    ]
+    rows = dict.fromkeys((c.experiment, c.placement, c.ema, c.loader) for c in COMBINATIONS)
+    for row in rows:
+        runs = {(c.phase, c.tracker): c for c in COMBINATIONS if (c.experiment, c.placement, c.ema, c.loader) == row}
+        options = ", ".join(OPTIONS[o] for o in row[2:] if OPTIONS[o]) or "-"
+        cells = [outcome(runs[key]) if key in runs else "-" for key in COLUMNS.values()]
+        lines.append(f"| {row[0]} | {row[1]} | {options} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def test_the_docs_print_the_grids_table():
+    assert PAGE.read_text() == outcomes_page(), "docs/combinations.md is stale: `python tests/test_combinations.py`"
+
+
+if __name__ == "__main__":
+    PAGE.write_text(outcomes_page())
