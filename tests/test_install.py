@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from research.install import EXTRAS
+
 ROOT = Path(__file__).parent.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 PINNED_BEFORE = ("jax", "jaxlib", "equinox", "torch", "tyro", "orbax-checkpoint")
@@ -32,6 +34,14 @@ def test_every_package_of_the_source_tree_is_installed():
     experiments/): a new subpackage must be added there too."""
     found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "research").rglob("__init__.py")}
     assert set(PYPROJECT["tool"]["setuptools"]["packages"]) == found | {"research.experiments"}
+
+
+def test_the_extras_the_install_hints_name_bring_those_packages():
+    """research.install.EXTRAS says which extra brings each optional package: pyproject.toml must agree."""
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    for module, (package, extra) in EXTRAS.items():
+        listed = [re.split("[<>=\\[]", requirement)[0] for requirement in extras.get(extra or "dev", [])]
+        assert package in listed, (module, package, extra)
 
 
 @pytest.mark.slow
