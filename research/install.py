@@ -1,10 +1,11 @@
 """Where the user is, so that messages name what they can type: a checkout of the repository (its
-`scripts/`, its `.venv`) or an installed package (`pip install 'research[EXTRA]'`).
+`scripts/`, its `.venv`) or an installed package (the `research` command, `pip install 'research[EXTRA]'`).
 
+- `command("sweep")`: `research sweep` in an installed package, `scripts/sweep` in a checkout.
 - `require_extra(what, module)`: one line naming the install when an optional package is missing,
   the same for every optional import (`MissingExtra`: exit status 2 on the command line).
 
-Light on purpose: it imports nothing heavier than `importlib`.
+Light on purpose: `research --help` imports this and nothing heavier.
 """
 
 import importlib.util
@@ -12,7 +13,7 @@ from pathlib import Path
 
 from .errors import MissingExtra
 
-__all__ = ["EXTRAS", "checkout", "extra_problem", "require_extra"]
+__all__ = ["EXTRAS", "checkout", "command", "extra_problem", "require_extra"]
 
 # Each optional package `research` imports: its name on PyPI and the extra of pyproject.toml that brings it
 # (None: no extra does; tests/test_install.py checks this against pyproject.toml).
@@ -34,6 +35,9 @@ EXTRAS: dict[str, tuple[str, str | None]] = {
     "pandas": ("pandas", None),
 }
 
+# The subcommands whose script in scripts/ has another name.
+SCRIPTS = {"compare": "compare_runs", "plot": "plot_runs", "show-jaxpr": "show_jaxpr"}
+
 _ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -41,6 +45,14 @@ def checkout() -> Path | None:
     """The root of the repository's checkout this package runs from (an editable install, or the
     repository on `PYTHONPATH`), or None for an installed package (no `scripts/setup` beside it)."""
     return _ROOT if (_ROOT / "scripts" / "setup").is_file() and (_ROOT / "pyproject.toml").is_file() else None
+
+
+def command(sub: str) -> str:
+    """What the user types to run the subcommand `sub` (`run`, `sweep`, `compare`, ...): `research sub`
+    in an installed package, `scripts/NAME` in a checkout."""
+    if checkout() is None:
+        return f"research {sub}"
+    return f"scripts/{SCRIPTS.get(sub, sub)}"
 
 
 def _install(module: str) -> str:

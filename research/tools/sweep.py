@@ -427,13 +427,13 @@ def sweep(args: Any) -> int:
 
 
 def _shown(run: Run, experiment: str) -> str:
-    return shlex.join(["scripts/run", experiment, *run.command[2:]])
+    return shlex.join([*install.command("run").split(), experiment, *run.command[2:]])
 
 
 def _parser() -> Parser:
     parser = Parser(
         prog="sweep",
-        usage="scripts/sweep EXPERIMENT KEY=VALUES... [options] [-- flags for every run]",
+        usage=f"{install.command('sweep')} EXPERIMENT KEY=VALUES... [options] [-- flags for every run]",
         description="Run an experiment over a grid of option values, or a random or TPE search "
         "(Optuna), as processes; rerun the same command to resume it.",
     )
