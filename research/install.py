@@ -1,19 +1,22 @@
 """Where the user is, so that messages name what they can type: a checkout of the repository (its
 `scripts/`, its `.venv`) or an installed package (the `research` command, `pip install 'research[EXTRA]'`).
 
-- `command("sweep")`: `research sweep` in an installed package, `scripts/sweep` in a checkout.
+- `command("sweep")`: `research sweep` under the `research` command or in an installed package,
+  `scripts/sweep` in a checkout.
 - `require_extra(what, module)`: one line naming the install when an optional package is missing,
   the same for every optional import (`MissingExtra`: exit status 2 on the command line).
 
 Light on purpose: `research --help` imports this and nothing heavier.
 """
 
+import contextlib
 import importlib.util
+from collections.abc import Iterator
 from pathlib import Path
 
 from .errors import MissingExtra
 
-__all__ = ["EXTRAS", "checkout", "command", "extra_problem", "require_extra"]
+__all__ = ["EXTRAS", "checkout", "command", "extra_problem", "require_extra", "the_command_runs"]
 
 # Each optional package `research` imports: its name on PyPI and the extra of pyproject.toml that brings it
 # (None: no extra does; tests/test_install.py checks this against pyproject.toml).
@@ -39,6 +42,7 @@ EXTRAS: dict[str, tuple[str, str | None]] = {
 SCRIPTS = {"compare": "compare_runs", "plot": "plot_runs", "show-jaxpr": "show_jaxpr"}
 
 _ROOT = Path(__file__).resolve().parent.parent
+_by_the_command = False  # the `research` command runs in this process (`the_command_runs`)
 
 
 def checkout() -> Path | None:
@@ -47,10 +51,22 @@ def checkout() -> Path | None:
     return _ROOT if (_ROOT / "scripts" / "setup").is_file() and (_ROOT / "pyproject.toml").is_file() else None
 
 
+@contextlib.contextmanager
+def the_command_runs() -> Iterator[None]:
+    """While open, `command` names the `research` command's subcommands, whatever the install: the user
+    typed `research ...`, in a checkout too."""
+    global _by_the_command
+    before, _by_the_command = _by_the_command, True
+    try:
+        yield
+    finally:
+        _by_the_command = before
+
+
 def command(sub: str) -> str:
     """What the user types to run the subcommand `sub` (`run`, `sweep`, `compare`, ...): `research sub`
-    in an installed package, `scripts/NAME` in a checkout."""
-    if checkout() is None:
+    under the `research` command or in an installed package, `scripts/NAME` in a checkout."""
+    if _by_the_command or checkout() is None:
         return f"research {sub}"
     return f"scripts/{SCRIPTS.get(sub, sub)}"
 
