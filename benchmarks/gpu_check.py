@@ -46,6 +46,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from research.install import command
+
 from . import _gpu_report, _wheels
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -439,7 +441,7 @@ def _wheels_from_environment(out: Path) -> dict | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="scripts/gpu-check", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog=command("gpu-check"), description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="every part at a size of seconds on a CPU (CI)")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     parser.add_argument("--experiments", default=",".join(EXPERIMENTS), help="comma-separated (default: all)")
@@ -463,7 +465,7 @@ def main(argv: list[str] | None = None) -> None:
         wheels = [e["wheel"] for e in manifest["requirements"].values() if e["wheel"]]
         print(
             f"{len(wheels)} wheels in {args.wheels} (and {_wheels.MANIFEST}); on the GPU machine: "
-            f"GPU_CHECK_WHEELS={args.wheels} scripts/gpu-check"
+            f"GPU_CHECK_WHEELS={args.wheels} {command('gpu-check')}"
         )
         return
     parts = args.parts.split(",")

@@ -41,6 +41,7 @@ from research.cli import (
 )
 from research.data import DeviceLoader
 from research.experiment import Setup, run_experiment
+from research.install import require_extra
 from research.nn import ActorCritic
 from research.population import evaluate_members, stack_states
 from research.services import Headline, RunDir
@@ -95,10 +96,9 @@ class Config(TrainConfig):
 def environment(name: str) -> tuple[Any, Any]:
     """gymnax's `(env, params)` for `name`, one object per name (the step holds them as static fields, and equal
     steps share their compiled programs)."""
-    try:
-        import gymnax
-    except ImportError:
-        raise ConfigError("ppo needs gymnax: pip install 'research[rl]'") from None
+    require_extra("ppo", "gymnax", "six")
+    import gymnax
+
     return gymnax.make(name)
 
 

@@ -81,6 +81,7 @@ from .config import (
     unit_interval,
 )
 from .errors import ConfigError, Preempted, ResearchInputError
+from .install import command
 from .messages import messages_to_stderr
 
 __all__ = [
@@ -490,7 +491,7 @@ def prepare_process(config: RunConfig, prog: str) -> None:
     if not isinstance(config, WithDevices) and process_group() is not None:
         raise ConfigError(
             f"{prog} takes no device or process options and runs in one process; unset "
-            "$JAX_NUM_PROCESSES (or start it without scripts/launch)"
+            f"$JAX_NUM_PROCESSES (or start it without {command('launch')})"
         )
     setup_devices(devices_of(config), config.training.batch_size)
 

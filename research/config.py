@@ -394,7 +394,7 @@ class Tracking(Options):
     )
     group: str | None = option(
         None,
-        "a group name for the trackers (W&B's group, an MLflow tag); scripts/sweep gives its runs the sweep's name",
+        "a group name for the trackers (W&B's group, an MLflow tag); a sweep gives its runs the sweep's name",
         resumable=True,
     )
     profile_steps: str | None = option(

@@ -13,6 +13,11 @@ class ConfigError(ResearchInputError):
     """A config value, or a combination of values, is invalid; the message names the option."""
 
 
+class MissingExtra(ConfigError, ModuleNotFoundError):
+    """What was asked for needs an optional package that is not installed (`research.install.require_extra`);
+    the message names the package and the install that brings it (an extra of `research`)."""
+
+
 class DeviceError(ConfigError):
     """The run asks for devices it cannot have, or a batch its devices cannot split evenly."""
 

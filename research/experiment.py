@@ -458,7 +458,7 @@ def _check_early_stopping(training: Training, setup: Setup) -> None:
     if setup.population:
         raise ConfigError(
             "--early-stopping ends a run at one step, and a population's members would stop at different "
-            "ones; train them as separate runs (scripts/sweep without --vmapped)"
+            "ones; train them as separate runs (a sweep without --vmapped)"
         )
     if setup.eval_data is None and setup.val_data is None:
         raise ConfigError("--early-stopping watches an evaluation, and this experiment evaluates on no data")

@@ -1,8 +1,8 @@
-"""Run an experiment: `python -m research.run NAME [flags]` (what `scripts/run` calls), from a source
-checkout or an installed package alike.
+"""Run an experiment: `research run NAME [flags]` (in a checkout, `scripts/run`; `python -m research.run`
+runs the same).
 
-    python -m research.run xor --epochs 5
-    python -m research.run --from runs/xor/20261125-101500 --seed 3   # that run again, in a new directory
+    research run xor --epochs 5
+    research run --from runs/xor/20261125-101500 --seed 3   # that run again, in a new directory
 
 `--from RUN_DIR` takes the experiment and every option from `RUN_DIR/config.json` (as `--config`
 does: its run directory and resume mode left out), the flags after it override them, and the run
@@ -14,12 +14,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from . import install
 from .errors import ConfigError
 from .experiment import experiment_names, experiment_script
 from .messages import messages_to_stderr
 from .services import RunDir
-
-USAGE = "usage: python -m research.run NAME [flags] | --from RUN_DIR [flags]   (scripts/run takes the same)"
 
 
 def command(argv: Sequence[str]) -> tuple[Path, list[str]]:
@@ -40,7 +39,8 @@ def command(argv: Sequence[str]) -> tuple[Path, list[str]]:
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(f"{USAGE}\nexperiments: {' '.join(experiment_names())}", file=sys.stderr)
+        usage = f"usage: {install.command('run')} NAME [flags] | --from RUN_DIR [flags]   (NAME --help: its flags)"
+        print(f"{usage}\nexperiments: {' '.join(experiment_names())}", file=sys.stderr)
         raise SystemExit(0 if argv else 2)
     try:
         script, flags = command(argv)

@@ -216,5 +216,6 @@ def test_run_dir_metrics_as_columns_align_every_record_and_keep_non_finite_numbe
 
 def test_metric_frame_without_pandas_says_what_to_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "pandas", None)  # import pandas raises ImportError
-    with pytest.raises(ImportError, match=r"needs pandas \(pip install pandas\); metric_columns does not"):
+    missing = r"\(not metric_columns\) needs the pandas package, which is not installed: pip install pandas$"
+    with pytest.raises(ImportError, match=missing):
         RunDir(tmp_path).metric_frame()

@@ -11,6 +11,7 @@ from typing import Literal
 
 import pytest
 
+from research import command, install
 from research.cli import (
     ConfigError,
     RunConfig,
@@ -328,3 +329,65 @@ def test_no_line_of_an_experiments_description_starts_with_a_flag():
     docs = [inspect.cleandoc(vars(config)["__doc__"]) for config in configs if config is not None]
     assert len(docs) > 10
     assert not [line for doc in docs for line in doc.splitlines() if line.startswith("-")]
+
+
+def run_command(argv: list[str], capsys) -> tuple[int, str]:
+    """`research ARGV` (the `research` command) in this process: its exit status, and its stdout + stderr."""
+    try:
+        command.main(argv)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+def test_research_help_lists_each_command_on_one_line_without_importing_jax():
+    """What `research --help` imports is timed in a fresh interpreter: no JAX, torch or tyro (tools' imports)."""
+    check = (
+        "import sys\nfrom research.command import main\ntry:\n    main(['--help'])\nexcept SystemExit as e:\n"
+        "    assert e.code == 0\nheavy = {'jax', 'torch', 'numpy', 'tyro'} & set(sys.modules)\nassert not heavy, heavy"
+    )
+    result = subprocess.run([sys.executable, "-c", check], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "usage: research COMMAND [args]"
+    for name in command.COMMANDS:
+        assert len([line for line in lines if line.startswith(f"  {name} ")]) == 1, name
+    assert "setup" in result.stdout and "test" in result.stdout  # the repository's own scripts, said to be so
+
+
+@pytest.mark.parametrize("name", list(command.COMMANDS))
+def test_each_command_has_help_whose_usage_names_the_command_typed(name, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "path", list(sys.path))  # gpu-check puts the checkout on it
+    code, output = run_command([name, "--help"], capsys)
+    assert code == 0 and output.startswith(f"usage: research {name} "), output
+    assert "scripts/" not in output.splitlines()[0]
+
+
+def test_in_a_checkout_the_scripts_usage_names_the_script(capsys):
+    """`scripts/sweep` runs `python -m research.tools.sweep`: outside the `research` command, in a checkout,
+    the usage and the commands a tool shows are the scripts'."""
+    from research.tools import sweep
+
+    with pytest.raises(SystemExit):
+        sweep.main(["--help"])
+    assert capsys.readouterr().out.startswith("usage: scripts/sweep EXPERIMENT")
+    code, output = run_command(["sweep", "xor", "lr=0.1", "--dry-run"], capsys)
+    assert code == 0 and output.startswith("research run xor "), output  # the command typed, inside it too
+
+
+def test_an_unknown_command_is_one_line_with_a_suggestion(capsys):
+    assert run_command(["swep", "xor"], capsys) == (
+        2,
+        "research: error: no command 'swep' (did you mean sweep?); research --help lists them\n",
+    )
+    code, output = run_command([], capsys)
+    assert code == 2 and output.startswith("usage: research COMMAND")
+
+
+def test_gpu_check_outside_a_checkout_is_one_line_exit_2(capsys, monkeypatch):
+    """The GPU check is the repository's (benchmarks/, tests/), which an installed package lacks."""
+    monkeypatch.setattr(install, "checkout", lambda: None)
+    code, output = run_command(["gpu-check", "--tiny"], capsys)
+    assert code == 2 and output.count("\n") == 1 and "scripts/gpu-check in a checkout" in output, output

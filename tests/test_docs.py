@@ -1,14 +1,14 @@
 """The docs cannot rot: every command and code block in README.md and docs/*.md runs here, in order.
 
-- ```bash blocks: each line is a `./scripts/...` command that must exit 0.
+- ```bash blocks: each line is a `./scripts/...` or `research ...` command that must exit 0.
 - ```console blocks: `$ command` lines; the lines after one must appear in its output, where `...`
   stands for any text.
 - ```python blocks run as they are (a notebook's, a doc with a Jupytext header, run on a kernel in
   tests/test_notebooks.py); ```python file=PATH blocks, put together, must be that file.
 - ```shell blocks are long reproductions (docs/results.md: hours of training) that are not run; each
-  `./scripts/run` command in them must still parse (its experiment and flags exist), with a loop
-  variable read as its first value (`for seed in 0 1 2` -> `$seed` is 0); each `./scripts/sweep`
-  command must pass its `--dry-run` (every run's flags are checked, nothing starts).
+  `./scripts/run` (or `research run`) command in them must still parse (its experiment and flags exist), with
+  a loop variable read as its first value (`for seed in 0 1 2` -> `$seed` is 0); each `./scripts/sweep` (or
+  `research sweep`) command must pass its `--dry-run` (every run's flags are checked, nothing starts).
 
 Commands run in-process (no new interpreter per command: JAX takes seconds to import) in a fresh
 directory per document, with `CI=true` so progress comes as plain lines. `./scripts/test` and
@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from research import command as research_command
 from research import run
 from research.cli import main_entry, parse_config
 from research.experiment import load_experiment
@@ -56,6 +57,8 @@ def run_command(line: str, monkeypatch) -> tuple[int, str] | None:
         name, value = words.pop(0).split("=", 1)
         monkeypatch.setenv(name, value)
     command, args = words[0], words[1:]
+    if command == "research" and args[:1] == ["run"]:  # as ./scripts/run: the experiment in this process
+        command, args = "./scripts/run", args[1:]
     if command in RUN_BY_CI:
         return None
     if command == "./scripts/launch" or (command == "./scripts/run" and "--devices" in args):
@@ -73,6 +76,8 @@ def run_command(line: str, monkeypatch) -> tuple[int, str] | None:
                 main_entry(module.main, module.Config, flags)
             elif command in TOOLS:
                 TOOLS[command](args)
+            elif command == "research":
+                research_command.main(args)
             else:
                 raise AssertionError(f"the docs show a command this test does not know how to run: {line}")
         except SystemExit as e:
@@ -103,15 +108,16 @@ def check_parses(body: str) -> None:
     """Every `./scripts/run EXPERIMENT FLAGS` in a shell block names an experiment and valid flags."""
     body = re.sub(r"\\\n", " ", body)
     first = {name: values.split()[0] for name, values in re.findall(r"for (\w+) in ([^;]+);", body)}
-    for command in re.findall(r"\./scripts/sweep [^;&|\n]+", body):
+    for command in re.findall(r"(?:\./scripts/|research )sweep [^;&|\n]+", body):
+        words = shlex.split(command, comments=True)
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
             try:
-                sweep.main(["--dry-run", *shlex.split(command, comments=True)[1:]])
+                sweep.main(["--dry-run", *words[2 if words[0] == "research" else 1 :]])
             except SystemExit:
                 raise AssertionError(f"`{command}` does not pass --dry-run: {err.getvalue().strip()}") from None
-    for command in re.findall(r"\./scripts/run [^;&|\n]+", body):
+    for command in re.findall(r"(?:\./scripts/|research )run [^;&|\n]+", body):
         words = shlex.split(re.sub(r"\$\{?(\w+)\}?", lambda m: first.get(m[1], "0"), command), comments=True)
-        script, flags = run.command(words[1:])
+        script, flags = run.command(words[2 if words[0] == "research" else 1 :])
         module = load_experiment(str(script))
         with contextlib.redirect_stderr(io.StringIO()) as err:
             try:

@@ -245,11 +245,11 @@ def test_without_datasets_a_datasets_directory_is_refused_naming_the_install(dig
     monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` raises ImportError
     assert detect_format(paths["image"]) == "datasets"  # told from the file names alone
     for read in (read_image_data, read_datasets_text):
-        with pytest.raises(ConfigError, match=r"needs datasets: pip install 'research\[hf\]'"):
+        with pytest.raises(ConfigError, match=r"needs the datasets package, which is not installed: .* -e '\.\[hf\]'"):
             read(paths["image"])
     assert run_entry(["--data", str(paths["image"])], "images") == 2
     err = capsys.readouterr().err
-    assert err.startswith("images.py: error: ") and "pip install 'research[hf]'" in err and err.count("\n") == 1
+    assert err.startswith("images.py: error: ") and "-e '.[hf]'" in err and err.count("\n") == 1
 
 
 ROWS = ["def f(x):\n    return x\n", "", "class A: pass", None]

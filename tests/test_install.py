@@ -1,7 +1,9 @@
-"""The package installs beside other packages: compatible ranges, the experiments inside it, a licence; and
-a non-editable `pip install .` into a fresh virtual environment runs an experiment and loads it back, and
-loads, compares and exports a run trained with trackers it lacks."""
+"""The package installs beside other packages: compatible ranges, the experiments inside it, a licence, the
+`research` command; and a non-editable `pip install .` into a fresh virtual environment runs an experiment with
+that command and loads it back, loads, compares and exports a run trained with trackers it lacks, and names
+the installed package's commands and extras in its messages."""
 
+import importlib.util
 import re
 import shutil
 import subprocess
@@ -10,6 +12,9 @@ import tomllib
 from pathlib import Path
 
 import pytest
+
+from research.command import COMMANDS
+from research.install import EXTRAS
 
 ROOT = Path(__file__).parent.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -32,6 +37,20 @@ def test_every_package_of_the_source_tree_is_installed():
     experiments/): a new subpackage must be added there too."""
     found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "research").rglob("__init__.py")}
     assert set(PYPROJECT["tool"]["setuptools"]["packages"]) == found | {"research.experiments"}
+
+
+def test_the_extras_the_install_hints_name_bring_those_packages():
+    """research.install.EXTRAS says which extra brings each optional package: pyproject.toml must agree."""
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    for module, (package, extra) in EXTRAS.items():
+        listed = [re.split("[<>=\\[]", requirement)[0] for requirement in extras.get(extra or "dev", [])]
+        assert package in listed, (module, package, extra)
+
+
+def test_the_research_command_is_installed_and_its_commands_exist():
+    assert PYPROJECT["project"]["scripts"] == {"research": "research.command:main"}
+    for name, (module, _) in COMMANDS.items():
+        assert importlib.util.find_spec(module) is not None, name  # benchmarks: from this checkout
 
 
 @pytest.mark.slow
@@ -58,8 +77,9 @@ def test_pip_install_into_a_fresh_venv_runs_an_experiment_and_loads_it_back(tmp_
     assert installed.returncode == 0, installed.stderr[-3000:]
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
+    research = str(tmp_path / "venv" / "bin" / "research")  # the command pip made of [project.scripts]
     ran = subprocess.run(
-        [python, "-m", "research.run", "xor", "--epochs", "1", "--run-dir", "r", "--no-progress"],
+        [research, "run", "xor", "--epochs", "1", "--run-dir", "r", "--no-progress"],
         cwd=elsewhere,
         capture_output=True,
         text=True,
@@ -97,13 +117,17 @@ assert metadata("research")["License-Expression"] == "Apache-2.0"
     assert loaded.returncode == 0, loaded.stderr
     assert "| tracked |" in loaded.stdout  # compare_runs' table
     swept = subprocess.run(
-        [python, "-m", "research.tools.sweep", "xor", "lr=0.1,0.3", "--dry-run"],
-        cwd=elsewhere,
-        capture_output=True,
-        text=True,
-        timeout=300,
+        [research, "sweep", "xor", "lr=0.1,0.3", "--dry-run"], cwd=elsewhere, capture_output=True, text=True, timeout=60
     )
     assert swept.returncode == 0 and len(swept.stdout.splitlines()) == 2, swept.stderr
+    assert swept.stdout.startswith("research run xor "), swept.stdout  # the command this user has, not scripts/
+    # Without Optuna (no extra was installed) a search is one line naming the extra; gpu-check is the repository's.
+    for argv, needed in (
+        (["sweep", "xor", "lr=0.1,0.3", "--search", "random"], "not installed: pip install 'research[sweep]'"),
+        (["gpu-check"], "run scripts/gpu-check in a checkout of the repository"),
+    ):
+        refused = subprocess.run([research, *argv], cwd=elsewhere, capture_output=True, text=True, timeout=300)
+        assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and needed in refused.stderr, refused.stderr
     assert_typed_downstream(python, elsewhere)
 
 

@@ -111,10 +111,9 @@ def test_without_gymnax_the_run_is_refused_naming_the_install(tmp_path):
         f"import runpy; runpy.run_path({str(ROOT / 'experiments' / 'ppo.py')!r}, run_name='__main__')"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert (
-        result.returncode == 2
-        and result.stderr.strip() == "ppo.py: error: ppo needs gymnax: pip install 'research[rl]'"
-    )
+    install = "in this checkout, .venv/bin/pip install -c requirements/constraints.txt -e '.[rl]'"
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"ppo.py: error: ppo needs the gymnax package, which is not installed: {install}"
 
 
 @pytest.mark.slow

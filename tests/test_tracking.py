@@ -305,7 +305,7 @@ def test_a_tracker_without_its_library_is_refused_in_one_line_naming_the_install
     err = capsys.readouterr().err
     assert info.value.code == 2 and err.count("\n") == 1
     assert err.startswith(f"xor.py: error: --tracker {module} needs the {module} package, which is not installed")
-    assert f"pip install '.[{module}]'" in err
+    assert f"pip install -c requirements/constraints.txt -e '.[{module}]'" in err  # a checkout's install
 
 
 def test_tracker_names_are_checked_and_tensorboard_is_a_spelling_of_one(capsys):

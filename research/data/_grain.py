@@ -6,6 +6,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import DataError
+from ..install import require_extra
 from ._loaders import BatchOrder, Dataset, dataset_arrays
 
 STEPS = 2**40  # Grain's datasets have a length: the steps a run could ever take
@@ -27,14 +28,7 @@ class GrainLoader:
     """
 
     def __init__(self, dataset: Dataset, batch_size: int, *, seed: int, workers: int = 2):
-        try:
-            import grain  # noqa: F401
-        except ImportError:
-            raise DataError(
-                "--loader grain needs the grain package, which is not installed; install it with "
-                "`pip install '.[grain]'` (in this repository: `.venv/bin/pip install -c "
-                "requirements/constraints.txt -e '.[grain]'`), or `pip install grain`"
-            ) from None
+        require_extra("--loader grain", "grain")
         self.dataset = dataset
         self.order = BatchOrder(len(dataset), batch_size, seed=seed)
         self.batch_size, self.seed, self.workers = batch_size, seed, workers

@@ -6,7 +6,7 @@ of lists of `uint8`) are then views of the mapped files, and encoded images (the
 ...) are decoded by Pillow; with `mmap=True` both are read by rows as a batch asks for them (`ArrowImages`),
 otherwise into memory, as the other readers read. A damaged directory or a column of the wrong kind is
 refused in one line (`DataError`) that names the file or the column; without the `datasets` package (the
-`hf` extra), in one line that names the install (`ConfigError`).
+`hf` extra), in one line that names the install (`MissingExtra`).
 """
 
 import io
@@ -16,14 +16,12 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ConfigError, DataError
+from ..errors import DataError
+from ..install import require_extra
 from ._images import ImageData, _numbered_classes
 from ._loaders import Batch
 from ._text import split_held_out
 
-INSTALL = (
-    "pip install 'research[hf]' (in this repository: .venv/bin/pip install -c requirements/constraints.txt -e '.[hf]')"
-)
 IMAGE_COLUMNS = ("image", "img")  # the names Hugging Face's image sets give their images (MNIST's, CIFAR's)
 TEST_SPLITS = ("test", "validation")  # the split evaluated on: the first of these a DatasetDict has
 
@@ -41,14 +39,11 @@ def is_datasets_directory(path: str | Path) -> bool:
 def load_datasets_directory(path: str | Path) -> Any:
     """`datasets.load_from_disk(path)`: the `Dataset` or `DatasetDict`, its Arrow files memory-mapped.
 
-    **Raises:** `ConfigError` without the `datasets` package; `DataError` naming the file that is missing
+    **Raises:** `MissingExtra` without the `datasets` package; `DataError` naming the file that is missing
     or that Arrow cannot read."""
-    try:
-        import datasets
-    except ImportError:
-        raise ConfigError(
-            f"{path} is a Hugging Face datasets directory; reading it needs datasets: {INSTALL}"
-        ) from None
+    require_extra(f"{path} (a Hugging Face datasets directory)", "datasets")
+    import datasets
+
     try:
         return datasets.load_from_disk(str(path))
     except Exception as e:  # noqa: BLE001 (datasets, json and pyarrow raise their own kinds for a damaged directory)

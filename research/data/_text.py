@@ -8,7 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import ConfigError, DataError
+from ..errors import DataError
+from ..install import require_extra
 from ._loaders import Batch
 
 SKIPPED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
@@ -79,17 +80,16 @@ class TextTokenizer:
 
     - `path`: a `tokenizer.json`, or a directory holding one (a Hugging Face model directory).
 
-    **Raises:** `ConfigError` without the `tokenizers` package; `DataError` when there is no such file or it
+    **Raises:** `MissingExtra` without the `tokenizers` package; `DataError` when there is no such file or it
     is not a tokenizer.
     """
 
     CHUNK_BYTES = 1 << 16  # text is encoded in pieces of about this size cut after a newline, in parallel
 
     def __init__(self, path: str | Path):
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:
-            raise ConfigError(f"reading {path} needs the tokenizers package: pip install '.[hf]'") from None
+        require_extra(f"reading {path}", "tokenizers")
+        from tokenizers import Tokenizer
+
         file = Path(path) / "tokenizer.json" if Path(path).is_dir() else Path(path)
         if not file.is_file():
             raise DataError(f"{path}: no tokenizer.json (a Hugging Face tokenizer, as save_pretrained writes it)")

@@ -15,6 +15,7 @@ import math
 import numpy as np
 
 from ..data import DeviceLoader
+from ..install import require_extra
 from ._dp_sgd import PADDING_LABEL
 
 
@@ -115,10 +116,9 @@ def dp_sgd_epsilon(
     a valid upper bound; a smaller `discretization` tightens it and costs time) for add-or-remove-one
     neighbouring data sets. `noise_multiplier` 0 gives infinity.
     """
-    try:
-        import dp_accounting
-    except ImportError:
-        raise ImportError("privacy accounting needs dp-accounting: pip install 'research[dp]'") from None
+    require_extra("privacy accounting", "dp_accounting")
+    import dp_accounting
+
     if not 0 < delta < 1:
         raise ValueError(f"delta must be in (0, 1), got {delta}")
     if steps < 0:

@@ -7,7 +7,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ._tracking import Ending, scalars, tracker_problem
+from ..install import require_extra
+from ._tracking import Ending, scalars
 
 STATUSES = {"finished": "FINISHED", "failed": "FAILED", "killed": "KILLED"}
 BATCH = 1000  # MLflow takes at most 1,000 metrics (and 100 parameters) in one call
@@ -46,9 +47,7 @@ class MlflowTracker:
         params: Mapping[str, Any] | None = None,
         tags: Mapping[str, str] | None = None,
     ):
-        problem = tracker_problem("mlflow")
-        if problem:
-            raise ImportError(f"MlflowTracker {problem}")
+        require_extra("MlflowTracker", "mlflow")
         from mlflow.tracking import MlflowClient
 
         self.uri = uri

@@ -9,6 +9,7 @@ from typing import Any, Literal
 import numpy as np
 
 from ..errors import CheckpointError
+from ..install import require_extra
 from ._checkpoint import is_committed, read_header, remove_checkpoint, write_atomic
 from ._single_file import SUFFIX
 
@@ -136,12 +137,9 @@ class RunDir:
         """`metric_columns` as a `pandas.DataFrame` indexed by step (pandas is not a dependency: it must be
         installed), a population's per-member column spread into one column a member (`test/member_loss/0`,
         ..., as the trackers name them)."""
-        try:
-            import pandas
-        except ImportError:
-            raise ImportError(
-                "RunDir.metric_frame needs pandas (pip install pandas); metric_columns does not"
-            ) from None
+        require_extra("RunDir.metric_frame (not metric_columns)", "pandas")
+        import pandas
+
         flat = {}
         for name, column in self.metric_columns().items():
             if column.ndim == 1:

@@ -11,7 +11,6 @@ a population's per-member values (`train/member_loss`, a list) go to the tracker
 metrics.jsonl as one scalar per member, `train/member_loss/0`, `train/member_loss/1`, ...
 """
 
-import importlib.util
 import math
 import numbers
 import time
@@ -20,24 +19,16 @@ from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from ..errors import ConfigError
+from ..install import extra_problem, require_extra
 from ._rundir import RunDir
 
 Ending = Literal["finished", "failed", "killed"]  # how a run ended, as a RunTracker is told
-EXTRAS = {"tensorboard": ("tensorboardX", "tensorboard"), "wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
+LIBRARIES = {"tensorboard": "tensorboardX", "wandb": "wandb", "mlflow": "mlflow"}  # each tracker's package
 
 
 def tracker_problem(name: str) -> str | None:
     """`None` when the library of the tracker `name` can be imported, else what to do about it."""
-    if name not in EXTRAS:
-        return None
-    module, extra = EXTRAS[name]
-    if importlib.util.find_spec(module) is not None:
-        return None
-    return (
-        f"needs the {module} package, which is not installed; install it with `pip install '.[{extra}]'` "
-        f"in this repository (`.venv/bin/pip install -c requirements/constraints.txt -e '.[{extra}]'`), "
-        f"or `pip install {module}`"
-    )
+    return extra_problem(LIBRARIES[name]) if name in LIBRARIES else None
 
 
 TRACKERS = ("jsonl", "tensorboard", "wandb", "mlflow")
@@ -138,10 +129,9 @@ class TensorBoardTracker:
     """
 
     def __init__(self, logdir: str | Path, *, purge_step: int | None = None):
-        try:
-            from tensorboardX import SummaryWriter
-        except ImportError:
-            raise ImportError(f"TensorBoardTracker {tensorboard_problem()}") from None
+        require_extra("TensorBoardTracker", "tensorboardX")
+        from tensorboardX import SummaryWriter
+
         # tensorboardX names its file after the second: a run resumed within that second would write over it.
         self._writer = SummaryWriter(logdir=str(logdir), purge_step=purge_step, filename_suffix=f".{time.time_ns()}")
         self.logdir = Path(logdir)

@@ -8,7 +8,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ._tracking import Ending, scalars, tracker_problem
+from ..install import require_extra
+from ._tracking import Ending, scalars
 
 EXIT_CODES = {"finished": 0, "failed": 1, "killed": 143}
 
@@ -41,9 +42,7 @@ class WandbTracker:
         group: str | None = None,
         config: Mapping[str, Any] | None = None,
     ):
-        problem = tracker_problem("wandb")
-        if problem:
-            raise ImportError(f"WandbTracker {problem}")
+        require_extra("WandbTracker", "wandb")
         import wandb
 
         self._run = wandb.init(

@@ -20,15 +20,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..install import require_extra
 from ._pool import ALREADY_FINISHED, Outcome, Run
-from ._runs import UsageError
 
 EXECUTORS = ("processes", "slurm", "submitit-local")
-SLURM_MISSING = (
-    "--executor needs the submitit package, which is not installed; install it with `pip install "
-    "'.[slurm]'` (in this repository: `.venv/bin/pip install -c requirements/constraints.txt -e "
-    "'.[slurm]'`), or `pip install submitit`"
-)
 
 
 class RunCommand:
@@ -87,10 +82,9 @@ def last_line(path: Path) -> str:
 
 def make_executor(kind: str, folder: Path, options: Any) -> Any:
     """submitit's executor for `kind` ('slurm' or 'submitit-local') with the sweep's `--slurm-*` options."""
-    try:
-        import submitit
-    except ImportError:
-        raise UsageError(SLURM_MISSING) from None
+    require_extra(f"--executor {kind}", "submitit")
+    import submitit
+
     if kind == "slurm":
         executor = submitit.AutoExecutor(folder=folder, cluster="slurm")
         extra = dict(word.split("=", 1) for word in options.slurm_extra)

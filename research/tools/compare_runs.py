@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .. import install
 from ..messages import messages_to_stderr
 from ..services import RunDir
 from ._runs import Parser, UsageError, fail, open_runs, run_labels
@@ -143,7 +144,11 @@ def compare_runs(run_dirs: Sequence[str | Path], over: Sequence[str] = ()) -> st
 
 @messages_to_stderr()  # the library's messages (research.messages) as lines on stderr
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = Parser(prog="compare_runs", description="Print a markdown table comparing run directories.")
+    parser = Parser(
+        prog="compare_runs",
+        usage=f"{install.command('compare')} RUN_DIR... [--over OPTION]",
+        description="Print a markdown table comparing run directories.",
+    )
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (with config.json)")
     parser.add_argument(
         "--over",

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .. import install
 from ..errors import ResearchInputError
 from ..experiment import load_experiment, load_run
 from ..messages import messages_to_stderr
@@ -37,7 +38,7 @@ def export_weights(
         raise UsageError(f"--ema: the run in {run.path} kept no EMA of its weights (it trained without --ema-decay)")
     if run.setup.population:
         raise UsageError(
-            f"{run.path} is a population of models: export one member's run (scripts/sweep --vmapped "
+            f"{run.path} is a population of models: export one member's run ({install.command('sweep')} --vmapped "
             "writes one a member)"
         )
     if isinstance(model, LoRA):  # the adapters merged into the weights: the base model's class and names
@@ -83,7 +84,7 @@ def _export_hugging_face(run: Any, model: Any, out: Path) -> Path:
 def _parser() -> Parser:
     parser = Parser(
         prog="export",
-        usage="scripts/export RUN_DIR [--format safetensors|npz|hf] [--ema] [-o FILE]",
+        usage=f"{install.command('export')} RUN_DIR [--format safetensors|npz|hf] [--ema] [-o FILE]",
         description="Write a trained run's weights under their names, with its config, to a safetensors or .npz file; "
         "or a language model or a ViT as a Hugging Face directory.",
     )

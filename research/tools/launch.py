@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from .. import install
 from ..errors import ConfigError
 from ..experiment import experiment_script
 from ..messages import messages_to_stderr
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     own, command = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     parser = argparse.ArgumentParser(
         prog="launch",
-        usage="scripts/launch --num-processes N [--port PORT] -- EXPERIMENT [flags]",
+        usage=f"{install.command('launch')} --num-processes N [--port PORT] -- EXPERIMENT [flags]",
         description="Run an experiment in N local processes (jax.distributed over 127.0.0.1, gloo collectives). "
         f"When one fails, the others get {SETTLE_SECONDS:.0f} s to exit on their own, are then stopped, and "
         "the launcher exits with the failed process's status.",
@@ -152,7 +153,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.num_processes < 1:
         parser.exit(2, "launch: error: --num-processes must be positive\n")
     if not command:
-        parser.exit(2, "launch: error: name an experiment after '--', e.g. scripts/launch --num-processes 2 -- xor\n")
+        example = f"{install.command('launch')} --num-processes 2 -- xor"
+        parser.exit(2, f"launch: error: name an experiment after '--', e.g. {example}\n")
     raise SystemExit(launch(args.num_processes, command, port=args.port))
 
 

@@ -7,12 +7,13 @@ the `.ipynb` Jupyter opens, and run top to bottom on an IPython kernel (nbclient
 Needs the `notebook` extra (`pip install 'research[notebook]'`).
 """
 
-import importlib.util
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..errors import MissingExtra
+from ..install import require_extra
 from ._runs import Parser, UsageError, fail
 
 NEEDS = ("jupytext", "nbclient", "ipykernel")
@@ -20,9 +21,7 @@ CELL_SECONDS = 600  # a cell that runs longer is stopped: a hung kernel fails th
 
 
 def _check_installed() -> None:
-    missing = [name for name in NEEDS if importlib.util.find_spec(name) is None]
-    if missing:
-        raise UsageError(f"notebooks need {', '.join(missing)}: pip install 'research[notebook]'")
+    require_extra("a Jupytext notebook", *NEEDS)
 
 
 def read_notebook(path: str | Path) -> Any:
@@ -99,7 +98,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 print(f"notebooks: running {path} ({cells} code cells)", file=sys.stderr, flush=True)
                 notebook = _executed(notebook, path)
             print(f"notebooks: wrote {write_ipynb(notebook, path)}", file=sys.stderr)
-    except UsageError as e:
+    except (UsageError, MissingExtra) as e:
         fail("notebooks", e)
 
 

@@ -9,6 +9,7 @@ has a single test dot). Drawn with matplotlib's Agg canvas: no display needed.
 from collections.abc import Sequence
 from pathlib import Path
 
+from .. import install
 from ..messages import messages_to_stderr
 from ..report import plot_curves
 from ._runs import Parser, UsageError, fail, open_runs, run_labels
@@ -22,7 +23,11 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path, *, title: str | N
 
 @messages_to_stderr()  # the library's messages (research.messages) as lines on stderr
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = Parser(prog="plot_runs", description="Plot the learning curves of run directories to a PNG.")
+    parser = Parser(
+        prog="plot_runs",
+        usage=f"{install.command('plot')} RUN_DIR... [-o OUT] [--title TITLE]",
+        description="Plot the learning curves of run directories to a PNG.",
+    )
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (with metrics.jsonl)")
     parser.add_argument("-o", "--out", default="curves.png", help="the PNG to write")
     parser.add_argument("--title", default=None, help="figure title (default: the experiments' names)")

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .. import install
 from ..experiment import load_experiment, load_run
 from ..messages import messages_to_stderr
 from ..population import member, num_members
@@ -20,7 +21,11 @@ from ._runs import Parser, UsageError, fail, within
 
 
 def _parser() -> Parser:
-    parser = Parser(prog="scripts/rollout", description="Play a trained run's policy and print its returns.")
+    parser = Parser(
+        prog="rollout",
+        usage=f"{install.command('rollout')} RUN_DIR [--episodes N] [--seed S] [--sample] [--ema]",
+        description="Play a trained run's policy and print its returns.",
+    )
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a ppo run directory (with config.json and a checkpoint)")
     parser.add_argument("--episodes", type=within(1, 10**6, int), default=100, help="episodes to play (default 100)")
     parser.add_argument("--seed", type=int, default=0, help="the seed of the episodes (default 0)")

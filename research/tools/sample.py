@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import install
 from ..data import TextTokenizer
 from ..experiment import load_experiment, load_run
 from ..judge import sample_images
@@ -93,7 +94,8 @@ def load_language_run(run_dir: str | Path, *, ema: bool = False) -> tuple[Langua
     experiment = open_runs([run_dir])[0].read_config().get("experiment")
     if experiment != "lm":
         raise UsageError(
-            f"{run_dir} is a run of {experiment}, not of lm: sample from a language model trained with ./scripts/run lm"
+            f"{run_dir} is a run of {experiment}, not of lm: sample from a language model trained with "
+            f"{install.command('run')} lm"
         )
     run = load_run(run_dir)
     if run.setup.population:
@@ -129,10 +131,11 @@ IMAGE_OPTIONS = ("count", "out")
 
 
 def _parser() -> Parser:
+    shown = install.command("sample")
     parser = Parser(
         prog="sample",
-        usage="scripts/sample RUN_DIR [--prompt TEXT] [--bytes N] [--temperature T] [--top-k K] [--seed S] [--ema]\n"
-        "       scripts/sample RUN_DIR [--count N] [--seed S] [--ema] [-o FILE]",
+        usage=f"{shown} RUN_DIR [--prompt TEXT] [--bytes N] [--temperature T] [--top-k K] [--seed S] [--ema]\n"
+        f"       {shown} RUN_DIR [--count N] [--seed S] [--ema] [-o FILE]",
         description="Print text sampled from a trained byte-level language model (an lm run), or write a grid of "
         "images drawn by a trained image model (a gan or diffusion run).",
     )

@@ -11,6 +11,7 @@ the jaxpr itself calls them `a`, `b`, ...
 import sys
 from collections.abc import Sequence
 
+from .. import install
 from ..cli import ConfigError, ema_of, parse_config
 from ..debug import signature
 from ..experiment import first_batch, initial_state, load_experiment
@@ -27,7 +28,7 @@ def show_jaxpr(experiment: str, argv: Sequence[str] = ()) -> str:
             f"experiment {experiment!r} defines no `Config` and `setup(config) -> Setup`; "
             "see docs/adding_an_experiment.md"
         )
-    config = parse_config(module.Config, list(argv), prog=f"show_jaxpr {experiment}")
+    config = parse_config(module.Config, list(argv), prog=f"{install.command('show-jaxpr')} {experiment}")
     setup = module.setup(config)
     state = initial_state(setup, ema_of(config))
     trainer = compiled_trainer(setup.step, state, population=setup.population)
@@ -47,7 +48,7 @@ def show_jaxpr(experiment: str, argv: Sequence[str] = ()) -> str:
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: show_jaxpr EXPERIMENT [the experiment's flags]", file=sys.stderr)
+        print(f"usage: {install.command('show-jaxpr')} EXPERIMENT [the experiment's flags]", file=sys.stderr)
         raise SystemExit(0 if argv else 2)
     try:
         print(show_jaxpr(argv[0], argv[1:]))

@@ -46,6 +46,7 @@ from io import StringIO
 from pathlib import Path
 from typing import Any
 
+from .. import install
 from ..cli import RunConfig, devices_of, parse_config, use_compilation_cache
 from ..errors import ConfigError, Preempted, ResearchInputError
 from ..experiment import RUNS_ROOT, experiment_script, load_experiment
@@ -395,6 +396,10 @@ def sweep(args: Any) -> int:
             "--no-wait needs jobs that outlive the sweep: --executor slurm (submitit's local jobs are "
             "this process's children)"
         )
+    if args.search != "grid":
+        install.require_extra(f"--search {args.search}", "optuna")
+    if args.executor != "processes":
+        install.require_extra(f"--executor {args.executor}", "submitit")
     if args.search == "grid":
         runs = grid_runs(make, axes)
         configs = [_check(module.Config, run) for run in runs]
@@ -422,13 +427,13 @@ def sweep(args: Any) -> int:
 
 
 def _shown(run: Run, experiment: str) -> str:
-    return shlex.join(["scripts/run", experiment, *run.command[2:]])
+    return shlex.join([*install.command("run").split(), experiment, *run.command[2:]])
 
 
 def _parser() -> Parser:
     parser = Parser(
         prog="sweep",
-        usage="scripts/sweep EXPERIMENT KEY=VALUES... [options] [-- flags for every run]",
+        usage=f"{install.command('sweep')} EXPERIMENT KEY=VALUES... [options] [-- flags for every run]",
         description="Run an experiment over a grid of option values, or a random or TPE search "
         "(Optuna), as processes; rerun the same command to resume it.",
     )
@@ -531,7 +536,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error("--slurm-extra takes KEY=VALUE (say account=myproject)")
     try:
         status = sweep(args)
-    except UsageError as e:
+    except (UsageError, ResearchInputError) as e:  # ResearchInputError: an extra that is not installed
         fail(parser.prog, e)
     except KeyboardInterrupt:
         print("sweep: interrupted; its runs were stopped: rerun the same command to resume", file=sys.stderr)
