@@ -596,9 +596,15 @@ def vmappable_options(config: Any) -> set[str]:
 
 
 def resumable_options(config: Any) -> set[str]:
-    """The options of `config` (or of its class) a run may be resumed with changed (`option(resumable=True)`)."""
+    """The options of `config` (or of its class) a run may be resumed with changed (`option(resumable=True)`);
+    a standard group's resumable option stays so in an experiment's group that changes its default
+    (xor's `log_every`): resuming with it changed is a matter of what it means, not of its default."""
     config_class = config if isinstance(config, type) else type(config)
-    return {name for name, (field, _) in option_fields(config_class).items() if field.metadata.get("resumable")}
+    standard = {
+        name for group in GROUPS for name, (field, _) in option_fields(group).items() if field.metadata.get("resumable")
+    }
+    options = option_fields(config_class).items()
+    return {name for name, (field, _) in options if field.metadata.get("resumable") or name in standard}
 
 
 def strip_optional(tp: Any) -> tuple[Any, bool]:

@@ -169,6 +169,7 @@ def test_options_that_span_options_are_checked_in_one_place():
 def test_resumable_options_come_from_the_fields():
     assert {"run_dir", "resume", "devices", "progress", "tensorboard"} <= resumable_options(Config)
     assert not {"seed", "batch_size", "lr", "width", "ema_decay"} & resumable_options(Config)
+    assert {"log_every", "epochs"} <= resumable_options(xor.Config)  # xor's own default for log_every: resumable still
 
 
 def test_experiment_script_refuses_bad_values_before_any_work(tmp_path):
