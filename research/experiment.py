@@ -43,8 +43,9 @@ from .population import evaluate_population
 from .progress import Progress
 from .provenance import git_state, machine, parameter_counts, peak_memory, versions
 from .report import plot_curves, run_summary, start_line, summary_line
-from .run_plan import RUNS_ROOT, EvaluateOnly, Finished, Fresh, Resume, plan_run
+from .run_plan import EvaluateOnly, Finished, Fresh, Resume, plan_run
 from .services import (
+    RUNS_ROOT,
     Ending,
     Headline,
     JsonlTracker,

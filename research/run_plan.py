@@ -14,11 +14,9 @@ from typing import Any
 
 from .config import Checkpointing, ConfigError, RunConfig, check_resumable
 from .parallel import process_zero_text
-from .services import RunDir, read_header
+from .services import RUNS_ROOT, RunDir, read_header
 
 logger = logging.getLogger(__name__)  # research.messages: what shows them, and where
-
-RUNS_ROOT = Path("runs")
 
 
 @dataclasses.dataclass(frozen=True)
