@@ -14,12 +14,12 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from .cli import RunConfig, prepare_process
+from .cli import RunConfig, prepare_process, restore_run, restored_options, run_to_restore
 from .config import flag_name
 from .errors import ConfigError, Preempted
 from .experiment import LoadedRun, experiment_script, load_experiment, load_run
-from .run_plan import RUNS_ROOT, no_run_to_resume
-from .services import RunDir
+from .run_plan import no_run_to_resume
+from .services import RUNS_ROOT, RunDir
 from .tools import sweep
 from .tools.sweep import SET_BY_SWEEP, default_sweep_dir, run_name
 
@@ -35,7 +35,8 @@ def train_experiment(name: str, /, **options: Any) -> LoadedRun:
     - `options`: its options by their flags' names with underscores: `epochs=5`, `lr=0.3`,
       `ema_decay=0.999`, `resume="auto"`. A bad name or value raises `ConfigError` naming the option,
       before any work. Without `run_dir` a new `runs/NAME/<time>` directory is made (`resume` without
-      `run_dir`: the experiment's latest run).
+      `run_dir`: the experiment's latest run). A resumed run takes the options not given from its
+      config.json; those given must be `resumable` or as the run had them.
 
     `devices=N` on the CPU simulates N devices only before JAX has created its first array (first in a
     fresh kernel); after that it raises `DeviceError` saying so. Stopped by the notebook's stop button
@@ -46,7 +47,12 @@ def train_experiment(name: str, /, **options: Any) -> LoadedRun:
     module = load_experiment(str(experiment_script(name)))
     experiment = Path(module.__file__ or name).stem
     options = _with_run_dir(experiment, options)
-    config: RunConfig = module.Config.from_dict(options)
+    run = run_to_restore(options.get("resume"), options["run_dir"], experiment)
+    if run is None:
+        config: RunConfig = module.Config.from_dict(options)
+    else:  # a resumed run's options come back from its config.json, as on the command line
+        saved = restored_options(module.Config, run, f"{experiment}.py")  # named as its script: a run of it
+        config = restore_run(module.Config, run, saved, {**saved, **options})
     prepare_process(config, f"research.train_experiment({name!r})")
     try:
         module.main(config)

@@ -14,7 +14,9 @@ refuses silently (`console_outputs=False`, but for `--help`), and `_missing_valu
 
 `--config FILE` takes the defaults of the options from a YAML file (`lr: 0.3`, one option a line, as
 in the config's fields, or nested by group: `training: {lr: 0.3}`) or from a run's `config.json`
-(less its run directory and resume mode), and the other flags override them.
+(less its run directory, resume mode and process), and the other flags override them. `--resume` takes
+them from the config.json of the run it continues: a run remembers its options (its trackers too), and
+the flags given again may change only the `resumable` ones.
 """
 
 import contextlib
@@ -62,6 +64,7 @@ from .config import (
     WithTracking,
     check_combination,
     check_option,
+    check_resumable,
     closed_unit_interval,
     devices_of,
     ema_of,
@@ -83,6 +86,7 @@ from .config import (
 from .errors import ConfigError, Preempted, ResearchInputError
 from .install import command
 from .messages import messages_to_stderr
+from .services import RUNS_ROOT, RunDir
 
 __all__ = [
     "EMA",
@@ -275,42 +279,99 @@ def _resume_shim(args: list[str]) -> list[str]:
 
 def parse_config(config_class: type[C], argv: Sequence[str] | None = None, prog: str | None = None) -> C:
     """Parse the command line into `config_class` (defaults from `--config FILE` when given), with its
-    recipes resolved (`Options.from_dict`); on a bad value print one line and exit with 2."""
+    recipes resolved (`Options.from_dict`); on a bad value print one line and exit with 2.
+
+    With `--resume` (or `--resume auto`) of a run directory that holds a run (`--run-dir`, else, when
+    `prog` names the experiment's script, its latest run), the run's config.json gives the defaults
+    (`restore_run`): what is given again must be `resumable` or as the run had it."""
     prog = prog or Path(sys.argv[0]).name
     args = _resume_shim(list(sys.argv[1:] if argv is None else argv))
+    try:
+        args, path = _config_flag(args)
+        from_file = {} if path is None else config_file_options(config_class, path, prog)
+        flat = _parsed(config_class, args, prog, from_file)
+        run = run_to_restore(flat.get("resume"), flat.get("run_dir"), _experiment_of(prog))
+        if run is None:
+            return config_class.from_dict(flat)
+        saved = restored_options(config_class, run, prog)
+        flat = _parsed(config_class, args, prog, {**saved, **from_file})
+        return restore_run(config_class, run, saved, {**flat, "run_dir": flat["run_dir"] or str(run)})
+    except (_Refused, ConfigError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _parsed(config_class: type, args: list[str], prog: str, defaults: dict[str, Any]) -> dict[str, Any]:
+    """The options of the command line `args` by name, tyro's values unchecked (`defaults` where not given);
+    `_Refused` for a value a rule could not read or an option the config does not have."""
     doc = vars(config_class).get("__doc__")  # its own, not its base's
     description = inspect.cleandoc(doc) if doc else ""
     description += (
         "\n\n--config FILE: take the options' defaults from a YAML file or a run's config.json; the "
-        "other flags override them"
+        "other flags override them. --resume: from the run's config.json"
     )
     wants_help = "--help" in args or "-h" in args
     try:
-        args, path = _config_flag(args)
-        default = tyro.MISSING_NONPROP if path is None else config_file_defaults(config_class, path, prog)
+        values, unknown = tyro.cli(
+            config_class,
+            args=args,
+            prog=prog,
+            description=description,
+            registry=_registry,
+            default=_unchecked(config_class, defaults) if defaults else tyro.MISSING_NONPROP,
+            return_unknown_args=True,
+            console_outputs=wants_help,  # tyro's messages are boxes; ours are lines
+        )
+    except SystemExit as e:
+        if wants_help or not e.code:
+            raise
+        raise _Refused(_missing_value(args, config_class)) from None
+    flat = flat_options(config_class, typing.cast(dict[str, Any], values))
+    refusal = _bad_values(flat) or (f"unrecognized arguments: {' '.join(unknown)}" if unknown else None)
+    if refusal:
+        raise _Refused(refusal)
+    return flat
+
+
+def run_to_restore(resume: Any, run_dir: str | None, experiment: str | None) -> Path | None:
+    """The run directory whose options `--resume` restores: `run_dir`, else `experiment`'s latest run (the
+    one `research.run_plan.plan_run` resumes), when it holds a run; `None` when not resuming or when
+    there is no run (`plan_run` then starts afresh or refuses)."""
+    if resume not in ("auto", "must", True):  # (True: Python's spelling of must)
+        return None
+    path = Path(run_dir) if run_dir else RunDir.latest(RUNS_ROOT, experiment) if experiment else None
+    return path if path is not None and (path / "config.json").is_file() else None
+
+
+def restored_options(config_class: type, run: Path, prog: str) -> dict[str, Any]:
+    """The options a resumed run takes from its config.json (all but those that say where and how this
+    process runs: `NOT_FROM_A_RUN`), unchecked: `restore_run` checks those not given again."""
+    return _file_options(config_class, run / "config.json", prog, f"--resume {run}")
+
+
+def _experiment_of(prog: str) -> str | None:
+    """The experiment a script's name names (`xor.py`: xor), when it is a script's (`python -m X` names
+    X's `__main__.py`, no experiment: say pytest calling an entry point)."""
+    return Path(prog).stem if prog.endswith(".py") and prog != "__main__.py" else None
+
+
+def restore_run(config_class: type[C], run: Path, saved: dict[str, Any], values: dict[str, Any]) -> C:
+    """`config_class` of `values` (by option name: the run's `saved` options, and those given again),
+    refused in one line (`ConfigError`) when an option the run had no longer passes its check here (a
+    tracker whose package is missing) or when one given again cannot change on resume (not `resumable`)."""
+    fields = option_fields(config_class)
+    for name, value in saved.items():
+        if values.get(name) != value:
+            continue  # given again: checked as given
+        field, hint = fields[name]
         try:
-            values, unknown = tyro.cli(
-                config_class,
-                args=args,
-                prog=prog,
-                description=description,
-                registry=_registry,
-                default=default,
-                return_unknown_args=True,
-                console_outputs=wants_help,  # tyro's messages are boxes; ours are lines
-            )
-        except SystemExit as e:
-            if wants_help or not e.code:
-                raise
-            raise _Refused(_missing_value(args, config_class)) from None
-        flat = flat_options(config_class, typing.cast(dict[str, Any], values))
-        refusal = _bad_values(flat) or (f"unrecognized arguments: {' '.join(unknown)}" if unknown else None)
-        if refusal:
-            raise _Refused(refusal)
-        return config_class.from_dict(flat)
-    except (_Refused, ConfigError) as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+            check_option(field, value, hint)
+        except ConfigError as e:
+            instead = f"pass --no-{flag_name(name)[2:]}" if value is True else f"give {flag_name(name)} another value"
+            raise ConfigError(f"--resume {run}: the run's {e}; to resume without it, {instead}") from None
+    config = config_class.from_dict(values)
+    check_resumable(RunDir(run).read_config()["config"], config, run)
+    return config
 
 
 def _config_flag(args: list[str]) -> tuple[list[str], Path | None]:
@@ -328,31 +389,38 @@ def _config_flag(args: list[str]) -> tuple[list[str], Path | None]:
     return args[:i] + args[i + 2 :], Path(args[i + 1])
 
 
-def read_config_file(path: Path, config_class: type, experiment: str | None = None) -> dict[str, Any]:
+NOT_FROM_A_RUN = ("run_dir", "resume", "process_id", "coordinator_address")  # where and how a process runs
+
+
+def read_config_file(
+    path: Path, config_class: type, experiment: str | None = None, label: str | None = None
+) -> dict[str, Any]:
     """The options a config file sets, by name: a YAML (or JSON) mapping of option names to values (or
     of `config_class`'s group names to such mappings), or the `config` of a run's config.json less
-    `run_dir` and `resume` (which name that run, not what it trains); `ConfigError` naming the file
-    when it cannot be read or is of another `experiment`."""
+    `NOT_FROM_A_RUN` (which say where that run lived and how its processes ran, not what it trains);
+    `ConfigError` naming the file (as `label`: `--config FILE` unless given) when it cannot be read or
+    is of another `experiment`."""
+    label = label or f"--config {path}"
     try:
         text = path.read_text()
     except OSError as e:
-        raise ConfigError(f"--config {path}: cannot read it ({e.strerror})") from None
+        raise ConfigError(f"{label}: cannot read it ({e.strerror})") from None
     try:
         values = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (ValueError, yaml.YAMLError) as e:
         kind = "JSON" if path.suffix == ".json" else "YAML"
-        raise ConfigError(f"--config {path}: not valid {kind}: {' '.join(str(e).split())}") from None
+        raise ConfigError(f"{label}: not valid {kind}: {' '.join(str(e).split())}") from None
     run = isinstance(values, dict) and isinstance(values.get("config"), dict) and "experiment" in values
     if run:
         if experiment is not None and values["experiment"] != experiment:
-            raise ConfigError(f"--config {path} is a run of {values['experiment']}, not of {experiment}")
+            raise ConfigError(f"{label} is a run of {values['experiment']}, not of {experiment}")
         values = values["config"]
     if values is None:
         return {}
     if not isinstance(values, dict):
-        raise ConfigError(f"--config {path}: expected option: value pairs, found a {type(values).__name__}")
+        raise ConfigError(f"{label}: expected option: value pairs, found a {type(values).__name__}")
     flat = flat_options(config_class, _underscored(values))
-    return {k: v for k, v in flat.items() if not (run and k in ("run_dir", "resume"))}
+    return {k: v for k, v in flat.items() if not (run and k in NOT_FROM_A_RUN)}
 
 
 def _underscored(values: dict[Any, Any]) -> dict[str, Any]:
@@ -360,23 +428,32 @@ def _underscored(values: dict[Any, Any]) -> dict[str, Any]:
     return {str(k).replace("-", "_"): _underscored(v) if isinstance(v, dict) else v for k, v in values.items()}
 
 
-def config_file_defaults(config_class: type[C], path: Path, prog: str) -> C:
-    """An instance of `config_class` holding the defaults of the options, the file's values where it
-    sets them, each checked on its own (the checks across options run once the flags are in)."""
-    values = read_config_file(path, config_class, Path(prog).stem if prog.endswith(".py") else None)
+def config_file_options(config_class: type, path: Path, prog: str) -> dict[str, Any]:
+    """The options `--config FILE` sets, by name, each checked on its own (the checks across options run
+    once the flags are in)."""
+    label = f"--config {path}"
+    values = _file_options(config_class, path, prog, label)
+    fields = option_fields(config_class)
+    for key, value in values.items():
+        field, hint = fields[key]
+        try:
+            check_option(field, value, hint)
+        except ConfigError as e:
+            raise ConfigError(f"{label}: {e}") from None
+    return values
+
+
+def _file_options(config_class: type, path: Path, prog: str, label: str) -> dict[str, Any]:
+    """`read_config_file`'s options as the options' types hold them; an option `config_class` lacks is refused."""
+    values = read_config_file(path, config_class, _experiment_of(prog), label)
     fields = option_fields(config_class)
     for key in values:
         if key not in fields:
             close = difflib.get_close_matches(key, fields, n=1)
             hint = f" (did you mean {close[0]}?)" if close else f"; its options: {', '.join(sorted(fields))}"
-            raise ConfigError(f"--config {path}: '{key}' is not an option of {Path(prog).stem}{hint}")
-        field, hint = fields[key]
-        values[key] = _from_file(values[key], hint)
-        try:
-            check_option(field, values[key], hint)
-        except ConfigError as e:
-            raise ConfigError(f"--config {path}: {e}") from None
-    return _unchecked(config_class, values)
+            raise ConfigError(f"{label}: '{key}' is not an option of {Path(prog).stem}{hint}")
+        values[key] = _from_file(values[key], fields[key][1])
+    return values
 
 
 def _unchecked(config_class: type[Any], values: dict[str, Any]) -> Any:

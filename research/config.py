@@ -36,6 +36,7 @@ these classes by `research.cli`.
 
 import dataclasses
 import functools
+import json
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -596,9 +597,61 @@ def vmappable_options(config: Any) -> set[str]:
 
 
 def resumable_options(config: Any) -> set[str]:
-    """The options of `config` (or of its class) a run may be resumed with changed (`option(resumable=True)`)."""
+    """The options of `config` (or of its class) a run may be resumed with changed (`option(resumable=True)`);
+    a standard group's resumable option stays so in an experiment's group that changes its default
+    (xor's `log_every`): resuming with it changed is a matter of what it means, not of its default."""
     config_class = config if isinstance(config, type) else type(config)
-    return {name for name, (field, _) in option_fields(config_class).items() if field.metadata.get("resumable")}
+    standard = {
+        name for group in GROUPS for name, (field, _) in option_fields(group).items() if field.metadata.get("resumable")
+    }
+    options = option_fields(config_class).items()
+    return {name for name, (field, _) in options if field.metadata.get("resumable") or name in standard}
+
+
+def config_differences(saved: Mapping[str, Any], config: RunConfig) -> list[tuple[str, Any, Any]]:
+    """`(name, saved value, value now)` of each option of `config` that differs from `saved` (the `config`
+    of a run's config.json, by option name, as every run has written it), leaving out the `resumable`
+    ones: what keeps `--resume` from continuing that run."""
+    saved = flat_options(type(config), saved)  # one nested by group, as a hand-written file may be
+    current = json.loads(json.dumps(config.to_dict()))  # as config.json holds it: a tuple option is a list there
+    # An option added after the run was saved trained it at its default.
+    saved = {**{k: v for k, v in _defaults(type(config)).items() if k not in saved}, **saved}
+    keys = sorted((set(saved) | set(current)) - resumable_options(config))
+    return [(k, saved.get(k), current.get(k)) for k in keys if saved.get(k) != current.get(k)]
+
+
+def _defaults(config_class: type) -> dict[str, Any]:
+    """Every option's default (of a config or an option group), as config.json holds it."""
+    defaults = {}
+    for field in dataclasses.fields(config_class):
+        if is_group(field):
+            defaults.update(_defaults(field.type) if isinstance(field.type, type) else {})
+        elif field.default is not dataclasses.MISSING:
+            defaults[field.name] = json.loads(json.dumps(field.default))
+    return defaults
+
+
+def check_resumable(saved: Mapping[str, Any], config: RunConfig, run: Any) -> None:
+    """Refuse in one line (`ConfigError`) a `config` that would continue the run in `run` (whose
+    config.json holds `saved`) with other values of options that are not `resumable`, naming them."""
+    differences = config_differences(saved, config)
+    if differences:
+        had = " ".join(_as_flags(name, value) for name, value, _ in differences)
+        given = " ".join(_as_flags(name, value) for name, _, value in differences)
+        raise ConfigError(
+            f"--resume: the run in {run} was trained with {had}, which cannot change when it resumes "
+            f"(given: {given}); leave out {' '.join(flag_name(name) for name, *_ in differences)} to continue it, "
+            f"or start a new run with --config {run}/config.json"
+        )
+
+
+def _as_flags(name: str, value: Any) -> str:
+    """An option's value as the command line spells it (`--lr 0.1`, `--no-ema`, `--sizes 8 16`)."""
+    if isinstance(value, bool):
+        return flag_name(name) if value else "--no-" + flag_name(name)[2:]
+    if value is None:
+        return f"{flag_name(name)} (unset)"
+    return " ".join([flag_name(name), *map(str, value if isinstance(value, list) else [value])])
 
 
 def strip_optional(tp: Any) -> tuple[Any, bool]:

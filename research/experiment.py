@@ -43,8 +43,9 @@ from .population import evaluate_population
 from .progress import Progress
 from .provenance import git_state, machine, parameter_counts, peak_memory, versions
 from .report import plot_curves, run_summary, start_line, summary_line
-from .run_plan import RUNS_ROOT, EvaluateOnly, Finished, Fresh, Resume, plan_run
+from .run_plan import EvaluateOnly, Finished, Fresh, Resume, plan_run
 from .services import (
+    RUNS_ROOT,
     Ending,
     Headline,
     JsonlTracker,
@@ -337,12 +338,15 @@ def _population_placement(setup: Setup, state: AbstractTrainState, placement: Pl
 
 
 def _start_run(run: Run, state: AbstractTrainState) -> None:
-    """Process 0's start: the run directory cleared of interrupted saves, config.json, the start line."""
+    """Process 0's start: the run directory cleared of interrupted saves, config.json, the start line.
+    config.json keeps the identity of every tracker run the run has had, those not continued too (a
+    resume given `--tracker` without one): resumed with it again, the run continues that one."""
     run.dir.create()
     run.dir.remove_uncommitted()  # an interrupted save's files; the saves of this run replace them
     record = config_record(run.experiment, run.config, run.setup, state)
     trackers = run.trackers.identities()
-    run.dir.write_config({**record, "trackers": trackers})
+    had = run.dir.read_config().get("trackers", {}) if run.dir.config_file.exists() else {}
+    run.dir.write_config({**record, "trackers": {**had, **trackers}})
     print(start_line(run.experiment, record, state, run.dir, trackers), flush=True)
 
 

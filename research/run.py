@@ -6,7 +6,8 @@ runs the same).
 
 `--from RUN_DIR` takes the experiment and every option from `RUN_DIR/config.json` (as `--config`
 does: its run directory and resume mode left out), the flags after it override them, and the run
-goes to a new directory (`--run-dir` names one).
+goes to a new directory (`--run-dir` names one). `--from RUN_DIR --resume` continues RUN_DIR itself
+(`--run-dir RUN_DIR --resume`: the options come back from its config.json, as any resume's do).
 """
 
 import runpy
@@ -31,8 +32,26 @@ def command(argv: Sequence[str]) -> tuple[Path, list[str]]:
         run = RunDir(source)
         if not source or not run.config_file.is_file():
             raise ConfigError(f"--from: no run in {source or '(nothing given)'}: it has no config.json")
-        return experiment_script(run.read_config()["experiment"]), ["--config", str(run.config_file), *rest]
+        script = experiment_script(run.read_config()["experiment"])
+        if not _resumes(rest):
+            return script, ["--config", str(run.config_file), *rest]
+        if any(arg == "--run-dir" or arg.startswith("--run-dir=") for arg in rest):
+            raise ConfigError(f"--from {source} --resume continues the run in {source}; leave out --run-dir")
+        return script, ["--run-dir", source, *rest]
     return experiment_script(argv[0]), argv[1:]
+
+
+def _resumes(flags: list[str]) -> bool:
+    """Whether `flags` ask to resume: their last `--resume [auto|must|never]` or `--no-resume` says."""
+    mode = "never"
+    for i, flag in enumerate(flags):
+        if flag == "--no-resume":
+            mode = "never"
+        elif flag.startswith("--resume="):
+            mode = flag.partition("=")[2]
+        elif flag == "--resume":
+            mode = flags[i + 1] if flags[i + 1 : i + 2] in (["auto"], ["must"], ["never"]) else "must"
+    return mode != "never"
 
 
 @messages_to_stderr()  # the library's messages (research.messages) as lines on stderr

@@ -8,18 +8,15 @@ finished and touch nothing (`Finished`).
 """
 
 import dataclasses
-import json
 import logging
 from pathlib import Path
 from typing import Any
 
-from .config import Checkpointing, ConfigError, RunConfig, flat_options, is_group, resumable_options
+from .config import Checkpointing, ConfigError, RunConfig, check_resumable
 from .parallel import process_zero_text
-from .services import RunDir, read_header
+from .services import RUNS_ROOT, RunDir, read_header
 
 logger = logging.getLogger(__name__)  # research.messages: what shows them, and where
-
-RUNS_ROOT = Path("runs")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,31 +132,6 @@ def holds_a_run(path: Path) -> str:
     return f"--run-dir {path} already holds a run; pass --resume to continue it, or pick a new directory"
 
 
-def config_differences(saved: dict[str, Any], config: RunConfig) -> list[str]:
-    """`name: saved ..., now ...` for each option of `config` that differs from `saved` (the `config` of a
-    run's config.json, by option name: as every run has written it), leaving out the `resumable` ones:
-    what keeps `--resume` from continuing that run."""
-    saved = flat_options(type(config), saved)  # one nested by group, as a hand-written file may be
-    current = json.loads(json.dumps(config.to_dict()))  # as config.json holds it: a tuple option is a list there
-    # An option added after the run was saved trained it at its default.
-    saved = {**{k: v for k, v in _defaults(type(config)).items() if k not in saved}, **saved}
-    keys = sorted((set(saved) | set(current)) - resumable_options(config))
-    return [f"{k}: saved {saved.get(k)!r}, now {current.get(k)!r}" for k in keys if saved.get(k) != current.get(k)]
-
-
-def _defaults(config_class: type) -> dict[str, Any]:
-    """Every option's default (of a config or an option group), as config.json holds it."""
-    defaults = {}
-    for field in dataclasses.fields(config_class):
-        if is_group(field):
-            defaults.update(_defaults(field.type) if isinstance(field.type, type) else {})
-        elif field.default is not dataclasses.MISSING:
-            defaults[field.name] = json.loads(json.dumps(field.default))
-    return defaults
-
-
 def check_same_config(run: RunDir, config: RunConfig) -> None:
     """Refuse to continue the run in `run` with a config that differs from its own (but in `resumable` options)."""
-    differences = config_differences(run.read_config()["config"], config)
-    if differences:
-        raise ConfigError(f"--resume: the config differs from the run in {run.path}: " + "; ".join(differences))
+    check_resumable(run.read_config()["config"], config, run.path)

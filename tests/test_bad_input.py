@@ -99,7 +99,8 @@ CASES = [
     (
         "resume with a different config",
         ["--resume", "--run-dir", "r", "--hidden", "16"],
-        "--resume: the config differs from the run in r: hidden: saved 8, now 16",
+        "--resume: the run in r was trained with --hidden 8, which cannot change when it resumes (given: --hidden 16); "
+        "leave out --hidden to continue it, or start a new run with --config r/config.json",
         finished_run,
     ),
     (

@@ -89,7 +89,7 @@ def test_the_stop_button_checkpoints_and_says_which_call_continues_the_run(tmp_p
     assert str(stopped.value).startswith("stopped by SIGINT at step ")
     assert str(stopped.value).endswith(f"its checkpoint is saved: {call} to continue")
     assert stopped.value.status == 130 and 0 < stopped.value.step < 760
-    resumed = research.train_experiment("xor", **options, resume="auto")
+    resumed = research.train_experiment("xor", run_dir="stopped", resume="auto")  # the other options: the run's
     whole = research.train_experiment("xor", **{**options, "run_dir": "whole"})
     assert resumed.summary is not None and whole.summary is not None
     assert resumed.summary["test_loss"] == whole.summary["test_loss"]

@@ -170,6 +170,7 @@ def test_options_that_span_options_are_checked_in_one_place():
 def test_resumable_options_come_from_the_fields():
     assert {"run_dir", "resume", "devices", "progress", "tensorboard"} <= resumable_options(Config)
     assert not {"seed", "batch_size", "lr", "width", "ema_decay"} & resumable_options(Config)
+    assert {"log_every", "epochs"} <= resumable_options(xor.Config)  # xor's own default for log_every: resumable still
 
 
 def test_experiment_script_refuses_bad_values_before_any_work(tmp_path):
@@ -221,6 +222,47 @@ def test_resume_auto_restarts_a_run_stopped_before_its_first_checkpoint(tmp_path
     run_xor(["--run-dir", "r", "--resume", "auto"])
     steps = [json.loads(line)["step"] for line in (tmp_path / "r/metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(set(steps))  # the stopped attempt's records were dropped, not doubled
+
+
+def saved_run(path, **options):
+    """A run directory whose config.json says it trained xor with `options` (the others at their defaults)."""
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps({"experiment": "xor", "config": options}))
+
+
+def test_resume_takes_every_option_from_the_run_and_the_resumable_ones_given_again(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    saved_run(tmp_path / "r", lr=0.3, hidden=4, epochs=2, log_every=7, tracker="jsonl", run_dir="old", process_id=0)
+    config = parse_config(xor.Config, ["--run-dir", "r", "--resume", "--epochs", "5", "--hidden", "4"], prog="xor.py")
+    assert (config.training.lr, config.hidden, config.epochs, config.training.log_every) == (0.3, 4, 5, 7)
+    assert (config.checkpointing.run_dir, config.checkpointing.resume, config.devices.process_id) == ("r", "must", None)
+    assert parse_config(xor.Config, ["--run-dir", "r", "--resume=auto", "--log-every", "9"]).training.log_every == 9
+    assert parse_config(xor.Config, ["--run-dir", "r", "--no-resume"]).training.lr == 0.1  # not resuming: defaults
+    saved_run(tmp_path / "runs/xor/latest", lr=0.2)
+    latest = parse_config(xor.Config, ["--resume"], prog="xor.py")  # without --run-dir: the latest run, named
+    assert (latest.training.lr, latest.checkpointing.run_dir) == (0.2, str(Path("runs/xor/latest")))
+    (tmp_path / "c.yaml").write_text("epochs: 3\n")  # a config file's options come over the run's
+    assert parse_config(xor.Config, ["--run-dir", "r", "--resume", "--config", "c.yaml"], prog="xor.py").epochs == 3
+
+
+def test_resume_refuses_options_that_cannot_change_in_one_line_naming_them(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    saved_run(tmp_path / "r", lr=0.3, hidden=4)
+    with pytest.raises(SystemExit) as info:
+        parse_config(
+            xor.Config, ["--run-dir", "r", "--resume", "--lr", "0.1", "--hidden", "8", "--epochs", "9"], prog="xor.py"
+        )
+    assert info.value.code == 2
+    assert capsys.readouterr().err == (
+        "xor.py: error: --resume: the run in r was trained with --hidden 4 --lr 0.3, which cannot change when it "
+        "resumes (given: --hidden 8 --lr 0.1); leave out --hidden --lr to continue it, or start a new run with "
+        "--config r/config.json\n"
+    )
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c/config.json").write_text(json.dumps({"experiment": "circles", "config": {}}))
+    with pytest.raises(SystemExit):
+        parse_config(xor.Config, ["--run-dir", "c", "--resume"], prog="xor.py")
+    assert capsys.readouterr().err == "xor.py: error: --resume c is a run of circles, not of xor\n"
 
 
 def test_resuming_a_finished_run_reports_it_and_touches_nothing(tmp_path, monkeypatch, capsys):
@@ -286,7 +328,10 @@ def test_a_run_dir_from_before_the_nested_groups_resumes_and_loads(tmp_path, mon
         }
     with pytest.raises(SystemExit):  # a changed option is still refused, named as before
         run_xor(["--run-dir", "r", "--resume", "--epochs", "2", "--hidden", "4"])
-    assert "the config differs from the run in r: hidden: saved 8, now 4" in capsys.readouterr().err
+    assert (
+        "the run in r was trained with --hidden 8, which cannot change when it resumes (given: --hidden 4)"
+        in capsys.readouterr().err
+    )
     run_xor(["--run-dir", "r", "--resume", "--epochs", "2"])
     assert "resuming r from step 8" in capsys.readouterr().err
     assert json.loads((tmp_path / "r/summary.json").read_text())["step"] == 16

@@ -12,6 +12,7 @@ import jax
 import pytest
 from _entry import run_entry
 
+from research.errors import ConfigError
 from research.nn import MLP
 from research.population import stack_states
 from research.provenance import git_state, parameter_counts
@@ -174,7 +175,30 @@ def test_from_a_run_reruns_it_into_a_new_directory_and_forks_it_with_flags(tmp_p
     assert again == {**RunDir(tmp_path / "first").read_config()["config"], "run_dir": "again"}
     assert run([*command(["--from", "first", "--seed", "3", "--run-dir", "fork"])[1]]) == 0
     assert RunDir(tmp_path / "fork").read_config()["config"]["seed"] == 3 and untimed("fork") != untimed("first")
+    fork = (tmp_path / "fork/summary.json").read_bytes()
+    assert run(command(["--from", "first", "--resume", "--epochs", "3"])[1]) == 0  # first, not the latest run
+    assert (
+        RunDir(tmp_path / "first").read_summary()["step"] == 3 * 8
+        and (tmp_path / "fork/summary.json").read_bytes() == fork
+    )
     assert run(["--config", "first/config.json"], name="circles") == 2  # a run of xor is no circles config
+
+
+def test_from_a_run_with_resume_continues_that_run(tmp_path, monkeypatch):
+    """`scripts/run --from RUN_DIR --resume`: RUN_DIR itself, its options from its config.json (not the
+    experiment's latest run); `--resume never` forks it as without --resume."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "first").mkdir()
+    (tmp_path / "first/config.json").write_text(json.dumps({"experiment": "xor", "config": {}}))
+    xor = ROOT / "experiments" / "xor.py"
+    assert command(["--from", "first", "--resume"]) == (xor, ["--run-dir", "first", "--resume"])
+    assert command(["--from=first", "--epochs", "9", "--resume", "auto"])[1] == [
+        "--run-dir", "first", "--epochs", "9", "--resume", "auto"
+    ]  # fmt: skip
+    assert command(["--from", "first", "--resume", "--resume", "never"])[1][:2] == ["--config", "first/config.json"]
+    assert command(["--from", "first", "--resume", "--no-resume"])[1][:2] == ["--config", "first/config.json"]
+    with pytest.raises(ConfigError, match="--from first --resume continues the run in first; leave out --run-dir"):
+        command(["--from", "first", "--resume", "--run-dir", "other"])
 
 
 def test_scripts_run_names_the_experiments_and_refuses_an_unknown_one_or_run(tmp_path):

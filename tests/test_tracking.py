@@ -1,6 +1,7 @@
 """Trackers: fit's records reach metrics.jsonl, TensorBoard event files, W&B and MLflow with the same names and
 values, read back through each library's own reader."""
 
+import json
 import os
 import shutil
 import signal
@@ -222,9 +223,11 @@ def assert_same_history(got, expected):
 def test_wandb_mlflow_and_tensorboard_hold_every_record_the_summary_and_files_through_sigterm_and_resume(
     tmp_path, monkeypatch, capsys
 ):
-    """A run stopped by SIGTERM after step 12's record and resumed with --resume auto: one W&B run (two
-    offline files of one id), one MLflow run and the TensorBoard events hold exactly metrics.jsonl's
-    records, the config, the summary and the files; config.json says which runs they are."""
+    """A run stopped by SIGTERM after step 12's record and resumed with --resume auto alone (its options,
+    trackers among them, from its config.json): one W&B run (two offline files of one id), one MLflow
+    run (in its SQLite store) and the TensorBoard events in the run directory hold exactly
+    metrics.jsonl's records, the config, the summary and the files; config.json says which runs they
+    are, and keeps every option the run was started with."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("WANDB_MODE", raising=False)
     log = JsonlTracker.log
@@ -238,13 +241,15 @@ def test_wandb_mlflow_and_tensorboard_hold_every_record_the_summary_and_files_th
     monkeypatch.setattr(JsonlTracker, "log", stop_after_12)
     args = [*XOR, "--epochs", "4", "--run-dir", "r", "--tracker", "wandb,mlflow", "--tensorboard"]
     assert run_xor([*args, "--resume", "auto"]) == 143
-    assert run_xor([*args, "--resume", "auto"]) == 0
+    first = RunDir(tmp_path / "r").read_config()
+    assert run_xor(["--run-dir", "r", "--resume", "auto"]) == 0  # no flag repeated
     start = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("xor: MLP"))
     assert start.endswith("; W&B offline, in the run directory (`wandb sync` it, or set WANDB_MODE=online)")
 
     run = RunDir(tmp_path / "r")
     expected, summary, saved = jsonl_history(run), run.read_summary(), run.read_config()
-    assert saved["trackers"]["wandb"]["mode"] == "offline"
+    assert saved["trackers"] == first["trackers"] and saved["trackers"]["wandb"]["mode"] == "offline"
+    assert saved["config"] == first["config"]  # tracker, tensorboard, the data's sizes, ...: as the run began
     assert sorted(expected) == list(range(4, 33, 4)) and "test/accuracy" in expected[16]
     wandb_runs = read_wandb_runs(run.path)
     assert [w["run_id"] for w in wandb_runs] == [saved["trackers"]["wandb"]["run_id"]] * 2
@@ -306,6 +311,43 @@ def test_a_tracker_without_its_library_is_refused_in_one_line_naming_the_install
     assert info.value.code == 2 and err.count("\n") == 1
     assert err.startswith(f"xor.py: error: --tracker {module} needs the {module} package, which is not installed")
     assert f"pip install -c requirements/constraints.txt -e '.[{module}]'" in err  # a checkout's install
+
+
+@pytest.mark.parametrize(
+    "module, flag, instead",
+    [
+        ("wandb", "--tracker wandb", "give --tracker another value"),
+        ("tensorboardX", "--tensorboard", "pass --no-tensorboard"),
+    ],
+)
+def test_a_tracker_of_the_run_missing_at_resume_is_refused_in_one_line_before_any_work(
+    module, flag, instead, tmp_path, monkeypatch, capsys
+):
+    """A run tracked with W&B (or TensorBoard) resumed where that library is missing: one line, exit 2,
+    nothing written; given the option again without it, the resume goes on without it, as asked."""
+    from research.experiment import load_experiment
+
+    xor = load_experiment("xor")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "r").mkdir()
+    record = {"experiment": "xor", "config": {"tracker": "wandb,mlflow", "tensorboard": True}}
+    (tmp_path / "r/config.json").write_text(json.dumps(record))
+    monkeypatch.setitem(sys.modules, module, None)
+    with pytest.raises(SystemExit) as info:
+        parse_config(xor.Config, ["--run-dir", "r", "--resume"], prog="xor.py")
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith(
+        f"xor.py: error: --resume r: the run's {flag} needs the {module} package, which is not installed"
+    )
+    assert err.endswith(f"; to resume without it, {instead}\n")
+    assert os.listdir(tmp_path / "r") == ["config.json"]
+    without = {"wandb": ["--tracker", "mlflow"], "tensorboardX": ["--no-tensorboard"]}[module]
+    tracking = parse_config(xor.Config, ["--run-dir", "r", "--resume", *without], prog="xor.py").tracking
+    assert (tracking.tracker, tracking.tensorboard) == {
+        "wandb": ("mlflow", True),
+        "tensorboardX": ("wandb,mlflow", False),
+    }[module]
 
 
 def test_tracker_names_are_checked_and_tensorboard_is_a_spelling_of_one(capsys):

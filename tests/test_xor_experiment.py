@@ -71,4 +71,4 @@ def test_resume_without_a_run_and_reuse_of_a_run_dir_are_refused(tmp_path, monke
     assert status == 2 and "already holds a run" in err
     assert (tmp_path / "r/summary.json").read_bytes() == before
     status, err = run("--run-dir", "r", "--resume", "--lr", "0.5")
-    assert status == 2 and "lr: saved 0.1, now 0.5" in err
+    assert status == 2 and "trained with --lr 0.1, which cannot change when it resumes (given: --lr 0.5)" in err

@@ -4,7 +4,7 @@ SIGINT as a request to stop, and the trackers (metrics.jsonl, TensorBoard, W&B, 
 
 from ._checkpoint import CheckpointWriter, checkpoint_digest, load_checkpoint, read_header, save_checkpoint, tree_digest
 from ._mlflow import MlflowTracker
-from ._rundir import Headline, RunDir
+from ._rundir import RUNS_ROOT, Headline, RunDir
 from ._signals import StopSignals
 from ._tracking import (
     TRACKERS,
@@ -24,6 +24,7 @@ from ._tracking import (
 from ._wandb import WandbTracker, read_wandb_runs
 
 __all__ = [
+    "RUNS_ROOT",
     "TRACKERS",
     "CheckpointWriter",
     "Ending",

@@ -13,6 +13,7 @@ from ..install import require_extra
 from ._checkpoint import is_committed, read_header, remove_checkpoint, write_atomic
 from ._single_file import SUFFIX
 
+RUNS_ROOT = Path("runs")  # runs/<experiment>/<run>: where a run goes unless it is told
 _CHECKPOINT = re.compile(r"^step_(\d+)(\.ckpt)?$")  # a directory; a file of the earlier format
 
 
