@@ -677,7 +677,8 @@ def problems(combination: Combination, results: dict[str, dict]) -> list[str]:
         if reference["status"] != 0 or not reference["summary"]:
             found.append(f"nothing to compare with: the 1-device run {combination.reference().id} did not train")
         else:
-            differences = compare(summary, reference["summary"], tolerance=0 if combination.ema == "ema-det" else TOLERANCE)
+            tolerance = 0 if combination.ema == "ema-det" else TOLERANCE
+            differences = compare(summary, reference["summary"], tolerance=tolerance)
             if differences:
                 found.append("differs from 1 device: " + "; ".join(differences))
     if combination.checks_trackers:
@@ -773,11 +774,12 @@ def outcomes_page() -> str:
     lines = [
         "# Which options work with which experiment",
         "",
-        "What `tests/test_combinations.py` runs and expects, written from its table (`python tests/test_combinations.py`",
-        "writes this page again; a test fails while it differs). A run that trains must exit 0, match the same run on",
-        "one device (to float rounding; to the bit with `--deterministic-reduction`) and keep its trackers in step;",
-        "a refusal is one line on stderr, exit status 2, before any work, with the words shown. A dash: not in the",
-        "grid (where placements, EMAs and loaders multiply, the 4-device placements take a pairwise cover of them).",
+        "What `tests/test_combinations.py` runs and expects, written from its table",
+        "(`python tests/test_combinations.py` writes this page again; a test fails while it differs).",
+        "A run that trains must exit 0, match the same run on one device (to float rounding; to the bit",
+        "with `--deterministic-reduction`) and keep its trackers in step; a refusal is one line on stderr,",
+        "exit status 2, before any work, with the words shown. A dash: not in the grid (where placements,",
+        "EMAs and loaders multiply, the 4-device placements take a pairwise cover of them).",
         "",
         f"Options: *EMA, det.* is `{' '.join(EMAS['ema-det'])}`; *torch loader* `{' '.join(LOADERS['torch'])}`. "
         "Placements: "
