@@ -30,7 +30,7 @@ from research.train import (
     linear_probe_accuracy,
     nt_xent,
 )
-from research.train._global_batch import rows_of_global_batch
+from research.train._rows import rows_of_global_batch
 
 WORKER = Path(__file__).parent / "_batch_loss_worker.py"
 MODES = ("plain", "accum", "det", "det-accum")

@@ -36,8 +36,8 @@ from research.train import (
     example_keys,
     train_step,
 )
-from research.train._global_batch import loss_value_and_grad, rows_of_global_batch
 from research.train._micro import micro_batch_value_and_grad, tree_sum
+from research.train._rows import loss_value_and_grad, rows_of_global_batch
 
 ROOT = Path(__file__).parent.parent
 STEPS = "50"

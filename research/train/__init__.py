@@ -23,13 +23,14 @@ from ._evaluate import (
 from ._fine_tuning import check_fine_tuning, trained_pattern, with_adapters
 from ._fit import add_standard_hooks, fit
 from ._frozen import Frozen, check_trainable, only_trainable, trainable_pattern
-from ._global_batch import GlobalBatch, Metrics, example_keys
+from ._global_batch import GlobalBatch
 from ._hooks import Checkpoint, EarlyStopping, Evaluate, NonFiniteGuard, Profile, ShowProgress, Track
 from ._keys import random_normal
 from ._language import NextTokenLoss, evaluate_language_model
 from ._micro import check_micro_batch_loss, tree_sum
 from ._precision import InPrecision, LowPrecision, Precision
 from ._probe import encoded, knn_accuracy, linear_probe_accuracy, probe_evaluator
+from ._rows import Metrics, example_keys
 from ._state import (
     SupervisedStep,
     TrainState,

@@ -14,7 +14,7 @@ import numpy as np
 from ..data import DeviceLoader, HostLoader, as_batch, take_rows
 from ..progress import Progress
 from ..typing import Array, Float, PRNGKeyArray, PyTree, typecheck
-from ._global_batch import batch_rows
+from ._rows import batch_rows
 from ._state import classification_metrics, forward
 
 # per_batch(model, model_state, batch, mask, key) -> a pytree of arrays (say, sums over the batch's real rows)
