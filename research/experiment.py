@@ -67,7 +67,7 @@ from .train import (
     SupervisedStep,
     add_standard_hooks,
 )
-from .train.evaluation import evaluate_state
+from .train.evaluation import check_labelled, evaluate_state
 from .train.reduction import check_micro_batch_loss
 
 logger = logging.getLogger(__name__)  # research.messages: what shows them, and where
@@ -259,6 +259,9 @@ def run_experiment(
     state = initial_state(setup, ema_of(config))
     placement = _checked_for(placement, setup, state)
     _check_early_stopping(config.training, setup)
+    if setup.evaluator is None:  # the default evaluators read labels
+        check_labelled(setup.val_data, "the validation data")
+        check_labelled(setup.eval_data, "the test data")
     writer = jax.process_index() == 0
     plan = plan_run(experiment, config, num_steps=setup.num_steps, writer=writer)
     if isinstance(plan, Finished):
