@@ -46,15 +46,8 @@ from research.nn import ImageResNet
 from research.parallel import batch_axis_name
 from research.report import save_image_grid
 from research.services import Headline, RunDir
-from research.train import (
-    AbstractBatchLoss,
-    SupervisedStep,
-    TrainState,
-    example_keys,
-    forward,
-    nt_xent,
-    probe_evaluator,
-)
+from research.train import AbstractBatchLoss, SupervisedStep, TrainState, example_keys, forward, nt_xent
+from research.train.evaluation import probe_evaluator
 from research.typing import Array, Float, Integer, PRNGKeyArray
 
 

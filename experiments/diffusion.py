@@ -29,7 +29,8 @@ from research.experiment import Setup, run_experiment
 from research.judge import draw_samples, frechet_evaluator, load_judge, real_frechet_distance
 from research.nn import UNet
 from research.services import Headline, RunDir
-from research.train import SupervisedStep, TrainState, batch_evaluator, combined_evaluator, example_keys
+from research.train import SupervisedStep, TrainState, batch_evaluator, example_keys
+from research.train.evaluation import combined_evaluator
 from research.typing import Array, Float, PRNGKeyArray
 
 

@@ -31,17 +31,9 @@ from research.judge import draw_samples, frechet_evaluator, load_judge, real_fre
 from research.nn import Discriminator, Generator
 from research.services import Headline, RunDir
 from research.state import EMA
-from research.train import (
-    AbstractTrainState,
-    GlobalBatch,
-    InPrecision,
-    Precision,
-    Step,
-    combined_evaluator,
-    evaluate_batches,
-    example_keys,
-    mean_of_sums,
-)
+from research.train import AbstractTrainState, GlobalBatch, Step, example_keys
+from research.train.evaluation import combined_evaluator, evaluate_batches, mean_of_sums
+from research.train.precision import InPrecision, Precision
 from research.typing import Array, Float, Int, KeyData, PRNGKeyArray, PyTree
 
 

@@ -55,18 +55,8 @@ from research.data import (
 from research.experiment import Setup, initial_model, run_experiment
 from research.nn import ImageResNet, VisionTransformer, build_model, load_vit
 from research.parallel import batch_axis_name
-from research.train import (
-    Frozen,
-    SupervisedStep,
-    TrainState,
-    check_fine_tuning,
-    classification_metrics,
-    example_keys,
-    forward,
-    only_trainable,
-    trained_pattern,
-    with_adapters,
-)
+from research.train import SupervisedStep, TrainState, classification_metrics, example_keys, forward
+from research.train.fine_tuning import Frozen, check_fine_tuning, only_trainable, trained_pattern, with_adapters
 from research.typing import PRNGKeyArray
 
 ModelName = Literal["resnet", "vit"]

@@ -52,18 +52,9 @@ from research.data import (
 from research.experiment import Setup, initial_model, run_experiment, saved_run_config
 from research.nn import LanguageModel, LoRA, build_model, load_gpt2
 from research.tools.sample import sample_bytes
-from research.train import (
-    FitResult,
-    Frozen,
-    NextTokenLoss,
-    SupervisedStep,
-    TrainState,
-    check_fine_tuning,
-    evaluate_language_model,
-    only_trainable,
-    trained_pattern,
-    with_adapters,
-)
+from research.train import FitResult, NextTokenLoss, SupervisedStep, TrainState
+from research.train.evaluation import evaluate_language_model
+from research.train.fine_tuning import Frozen, check_fine_tuning, only_trainable, trained_pattern, with_adapters
 from research.typing import PRNGKeyArray
 
 GPT2_VOCAB = 50257  # the vocabulary of nanoGPT's and llm.c's GPT-2 token files

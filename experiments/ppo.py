@@ -46,7 +46,8 @@ from research.nn import ActorCritic
 from research.population import evaluate_members, stack_states
 from research.services import Headline, RunDir
 from research.state import EMA
-from research.train import AbstractTrainState, GlobalBatch, Step, tree_sum
+from research.train import AbstractTrainState, GlobalBatch, Step
+from research.train.reduction import tree_sum
 from research.typing import Array, Bool, Float, Int, KeyData, PRNGKeyArray, PyTree
 
 ENVIRONMENTS = ("CartPole-v1", "Acrobot-v1", "MountainCar-v0", "Pendulum-v1", "MountainCarContinuous-v0")

@@ -67,9 +67,9 @@ from .train import (
     Step,
     SupervisedStep,
     add_standard_hooks,
-    check_micro_batch_loss,
-    evaluate_state,
 )
+from .train.evaluation import check_labelled, evaluate_state
+from .train.reduction import check_micro_batch_loss
 
 logger = logging.getLogger(__name__)  # research.messages: what shows them, and where
 
@@ -154,8 +154,8 @@ class Setup:
     - `step`: the `Step` the engine takes (`SupervisedStep(loss_fn)`; the classification loss by default).
     - `lr_schedule`: the optimizer's learning-rate schedule, when it has one (logged as `lr`).
     - `evaluator`: `(state, eval_data, progress=...) -> (metrics, raw_metrics)` (say,
-      `research.train.evaluate_language_model`, or one made by `research.train.batch_evaluator`); `None`:
-      `evaluate_state` (classification), or `evaluate_population` for a population.
+      `research.train.evaluation.evaluate_language_model`, or one made by `research.train.batch_evaluator`);
+      `None`: `evaluate_state` (classification), or `evaluate_population` for a population.
     - `summarize_run`: `(run, summary) -> numbers or None`: once training ended (on process 0; not
       when a finished run is only reported), numbers read from the whole run's `metrics.jsonl` (say,
       the first step a metric crossed a threshold, counting the steps before a resume) for its
@@ -260,6 +260,9 @@ def run_experiment(
     state = initial_state(setup, ema_of(config))
     placement = _checked_for(placement, setup, state)
     _check_early_stopping(config.training, setup)
+    if setup.evaluator is None:  # the default evaluators read labels
+        check_labelled(setup.val_data, "the validation data")
+        check_labelled(setup.eval_data, "the test data")
     writer = jax.process_index() == 0
     plan = plan_run(experiment, config, num_steps=setup.num_steps, writer=writer)
     if isinstance(plan, Finished):

@@ -24,7 +24,8 @@ from .experiment import load_run
 from .frechet import FeatureStatistics, frechet_distance
 from .nn import ImageResNet
 from .report import save_image_grid
-from .train import Evaluator, batch_evaluator, evaluate_batches
+from .train import Evaluator, batch_evaluator
+from .train.evaluation import evaluate_batches
 from .typing import Array, Float, Integer, PRNGKeyArray, typecheck
 
 # sample(model, model_state, keys) -> images [batch, height, width, channels] in [-1, 1], one per key

@@ -22,7 +22,8 @@ from jaxtyping import Key, UInt32
 
 from .data import Batch, DeviceLoader, HostLoader
 from .errors import ConfigError
-from .train import AbstractTrainState, Evaluator, TrainState, classification_metrics, forward, padded_batches
+from .train import AbstractTrainState, Evaluator, TrainState, classification_metrics, forward
+from .train.evaluation import padded_batches
 from .typing import Array, Float, PRNGKeyArray, typecheck
 
 
@@ -146,7 +147,7 @@ def _population_metrics(scores: dict[str, np.ndarray | float]) -> dict[str, floa
 def evaluate_population(
     states: TrainState, data: DeviceLoader | HostLoader, *, progress: bool = False
 ) -> tuple[dict[str, float | list[float]], dict[str, float | list[float]] | None]:
-    """`(metrics, raw_metrics)` of a population, like `research.train.evaluate_state` of one state:
+    """`(metrics, raw_metrics)` of a population, like `research.train.evaluation.evaluate_state` of one state:
     the members' mean `loss` and `accuracy`, each member's (`member_loss`, `member_accuracy`), and
     the ensemble's that averages their probabilities (`ensemble_loss`, `ensemble_accuracy`); of the
     members' EMA models when the states keep one, with the trained models' as `raw_metrics`."""

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from research.cli import RunConfig, main_entry
-from research.data import XORDataset
+from research.data import DeviceLoader, XORDataset
 from research.services import RunDir
 
 ROOT = Path(__file__).parent.parent
@@ -67,6 +67,19 @@ def foreign_checkpoint(tmp_path, monkeypatch):
     saved = json.loads(config_file.read_text())
     saved["config"]["hidden"] = 16
     config_file.write_text(json.dumps(saved))
+
+
+def unlabelled_test_data(tmp_path, monkeypatch):
+    """The test set's inputs alone (a DeviceLoader made with labels=None), under the default evaluator:
+    it used to train every step, then fail in the evaluation's trace (exit 1, no checkpoint)."""
+    built = xor.setup
+
+    def setup(config):
+        made = built(config)
+        test = made.eval_data
+        return dataclasses.replace(made, eval_data=DeviceLoader(test.host.inputs, None, test.batch_size, shuffle=False))
+
+    monkeypatch.setattr(xor, "setup", setup)
 
 
 def swap_dataset(cls):
@@ -128,6 +141,12 @@ CASES = [
         [],
         "the data does not fit the model: research.train._state.classification_metrics parameter 'labels' got f32[32]",
         swap_dataset(FloatLabelXOR),
+    ),
+    (
+        "test data without labels",
+        [],
+        "the test data has no labels (a DeviceLoader made with labels=None), and the default evaluator",
+        unlabelled_test_data,
     ),
     # in this process JAX has started with one CPU device: no more can be simulated
     ("more devices than exist", ["--devices", "4"], "--devices 4: JAX already started with 1 CPU device(s)", None),

@@ -22,15 +22,9 @@ from _batch_loss_worker import NoisyViews
 from research.data import DeviceLoader, colour_jitter, random_resized_crop
 from research.errors import ConfigError
 from research.nn import MLP
-from research.train import (
-    GlobalBatch,
-    SupervisedStep,
-    encoded,
-    knn_accuracy,
-    linear_probe_accuracy,
-    nt_xent,
-)
-from research.train._global_batch import rows_of_global_batch
+from research.train import GlobalBatch, SupervisedStep, nt_xent
+from research.train._rows import rows_of_global_batch
+from research.train.evaluation import encoded, knn_accuracy, linear_probe_accuracy
 
 WORKER = Path(__file__).parent / "_batch_loss_worker.py"
 MODES = ("plain", "accum", "det", "det-accum")

@@ -28,16 +28,10 @@ from research.nn import MLP
 from research.per_example import DPSGDLoss
 from research.population import stack_states
 from research.services import checkpoint_digest
-from research.train import (
-    NextTokenLoss,
-    TrainState,
-    check_micro_batch_loss,
-    classification_loss,
-    example_keys,
-    train_step,
-)
-from research.train._global_batch import loss_value_and_grad, rows_of_global_batch
+from research.train import NextTokenLoss, TrainState, classification_loss, example_keys, train_step
 from research.train._micro import micro_batch_value_and_grad, tree_sum
+from research.train._rows import loss_value_and_grad, rows_of_global_batch
+from research.train.reduction import check_micro_batch_loss
 
 ROOT = Path(__file__).parent.parent
 STEPS = "50"

@@ -28,20 +28,10 @@ from research.data import (
 from research.errors import ConfigError
 from research.experiment import load_experiment, load_run
 from research.nn import DecoderBlock, LanguageModel, LoRA, build_model, causal_attention, named_arrays
-from research.train import (
-    Frozen,
-    GlobalBatch,
-    LowPrecision,
-    NextTokenLoss,
-    SupervisedStep,
-    TrainState,
-    check_trainable,
-    evaluate_language_model,
-    only_trainable,
-    take_step,
-    train_step,
-    trainable_pattern,
-)
+from research.train import GlobalBatch, NextTokenLoss, SupervisedStep, TrainState, take_step, train_step
+from research.train.evaluation import evaluate_language_model
+from research.train.fine_tuning import Frozen, check_trainable, only_trainable, trainable_pattern
+from research.train.precision import LowPrecision
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -20,7 +20,8 @@ from research.nn import MLP
 from research.parallel import Pmap, fsdp, one_device, population_mesh, population_placement, sharded
 from research.population import evaluate_ensemble, evaluate_population, member, num_members, stack_states, with_ema
 from research.services import RunDir, load_checkpoint, read_header
-from research.train import TrainState, evaluate, evaluate_state, fit
+from research.train import TrainState, evaluate, fit
+from research.train.evaluation import evaluate_state
 
 ROOT = Path(__file__).parent.parent
 OPTIMIZER = optax.adam(1e-2)  # one object: members and single runs share the compiled code

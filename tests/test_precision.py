@@ -14,7 +14,8 @@ from research.data import Batch
 from research.errors import ConfigError
 from research.nn import build_model
 from research.per_example import DPSGDLoss
-from research.train import GlobalBatch, InPrecision, SupervisedStep, TrainState, classification_loss, take_step
+from research.train import GlobalBatch, SupervisedStep, TrainState, classification_loss, take_step
+from research.train.precision import InPrecision
 
 
 def _signals(rows: int = 32) -> Batch:

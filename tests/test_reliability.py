@@ -20,7 +20,8 @@ from research.data import DeviceLoader, XORDataset
 from research.errors import NonFiniteError, Preempted
 from research.nn import MLP
 from research.services import CheckpointWriter, RunDir, checkpoint_digest, load_checkpoint, tree_digest
-from research.train import TrainState, evaluate_state, fit
+from research.train import TrainState, fit
+from research.train.evaluation import evaluate_state
 
 ROOT = Path(__file__).parent.parent
 spec = importlib.util.spec_from_file_location("xor_experiment", ROOT / "experiments" / "xor.py")

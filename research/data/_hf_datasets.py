@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import DataError
 from ..install import require_extra
-from ._images import ImageData, _numbered_classes
+from ._image_data import ImageData, numbered_classes
 from ._loaders import Batch
 from ._text import split_held_out
 
@@ -119,7 +119,7 @@ def read_datasets_images(
         parts[split] = Batch(images if mmap else np.asarray(images), _labels(dataset, label, where, names[split]))
     if names["test"] != names["train"]:
         raise DataError(f"{path}: the {_test_split(loaded)} split's classes differ from the train split's")
-    classes = names["train"] or _numbered_classes(parts["train"].labels)
+    classes = names["train"] or numbered_classes(parts["train"].labels)
     return ImageData(parts["train"], parts["test"], classes, "datasets", path)
 
 

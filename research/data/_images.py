@@ -11,20 +11,19 @@ Arrow files) can be memory-mapped, so a data set larger than memory streams from
 `GrainLoader`).
 """
 
-import dataclasses
 import gzip
 import re
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 from jaxtyping import Shaped
 
 from ..errors import DataError
 from ..typing import typecheck
-from ._loaders import Batch, RowArray
+from ._hf_datasets import read_datasets_images
+from ._image_data import Format, ImageData, numbered_classes
+from ._loaders import Batch
 
-Format = Literal["idx", "cifar", "folder", "datasets", "npz", "npy"]
 FORMATS_HELP = (
     "an IDX directory (MNIST-style *-images-idx3-ubyte[.gz] and *-labels-idx1-ubyte[.gz]), a CIFAR-10 "
     "or CIFAR-100 binary directory (data_batch_*.bin + test_batch.bin, or train.bin + test.bin), an image "
@@ -50,59 +49,6 @@ IDX_TYPES = {
     0x0E: np.dtype(">f8"),
 }
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp"}
-
-
-@dataclasses.dataclass(frozen=True)
-class ImageData:
-    """A labelled image data set read from files.
-
-    **Fields:**
-
-    - `train`, `test`: `Batch(inputs, labels)`: `uint8` images `[examples, height, width, channels]`
-      (memory-mapped for an uncompressed IDX file read with `mmap=True`; for a datasets directory so
-      read, `ArrowImages`) and `int32` labels.
-    - `classes`: the class names (an image folder's directories, CIFAR's meta file) or `"0"`, `"1"`, ...
-    - `format`: which reader read it; `path`: what it read.
-    """
-
-    train: Batch
-    test: Batch
-    classes: tuple[str, ...]
-    format: Format
-    path: Path
-
-    def __post_init__(self) -> None:
-        for name, part in (("train", self.train), ("test", self.test)):
-            _check_images(part.inputs, f"{self.path} ({name} images)")
-            if len(part.inputs) != len(part.labels):
-                raise DataError(f"{self.path}: {len(part.inputs)} {name} images but {len(part.labels)} labels")
-            bad = np.flatnonzero((part.labels < 0) | (part.labels >= len(self.classes)))
-            if bad.size:
-                raise DataError(
-                    f"{self.path}: {name} label {int(part.labels[bad[0]])} (example {bad[0]}) is out of "
-                    f"range for {len(self.classes)} classes"
-                )
-        if self.train.inputs.shape[1:] != self.test.inputs.shape[1:]:
-            raise DataError(
-                f"{self.path}: training images are {_size(self.train.inputs)}, test images {_size(self.test.inputs)}"
-            )
-
-    @property
-    def image_shape(self) -> tuple[int, int, int]:
-        """`(height, width, channels)`."""
-        return tuple(self.train.inputs.shape[1:])  # type: ignore[return-value]
-
-
-def _size(images: RowArray) -> str:
-    return "x".join(map(str, images.shape[1:]))
-
-
-def _check_images(images: RowArray, where: str) -> None:
-    if images.dtype != np.uint8 or images.ndim != 4:
-        raise DataError(
-            f"{where}: expected uint8 images [examples, height, width, channels], got {images.dtype} "
-            f"{list(images.shape)}"
-        )
 
 
 def detect_format(path: str | Path) -> Format:
@@ -152,8 +98,6 @@ def read_image_data(
     if format == "folder":
         return read_image_folder(path)
     if format == "datasets":
-        from ._hf_datasets import read_datasets_images  # it imports ImageData from here
-
         return read_datasets_images(path, mmap=mmap, image_column=image_column, label_column=label_column)
     return read_npz(path)
 
@@ -233,7 +177,7 @@ def read_idx_directory(path: str | Path, *, mmap: bool = False) -> ImageData:
                 f"{list(labels.shape)}"
             )
         parts[split] = Batch(images, labels.astype(np.int32))
-    return ImageData(parts["train"], parts["test"], _numbered_classes(parts["train"].labels), "idx", path)
+    return ImageData(parts["train"], parts["test"], numbered_classes(parts["train"].labels), "idx", path)
 
 
 # -- CIFAR -----------------------------------------------------------------------------------------
@@ -363,7 +307,7 @@ def read_npz(path: str | Path) -> ImageData:
                 f"{path}: y_{split} must be one integer label an example, got {labels.dtype} {list(labels.shape)}"
             )
         parts[split] = Batch(images, labels.astype(np.int32))
-    return ImageData(parts["train"], parts["test"], _numbered_classes(parts["train"].labels), "npz", path)
+    return ImageData(parts["train"], parts["test"], numbered_classes(parts["train"].labels), "npz", path)
 
 
 def read_npy_directory(path: str | Path, *, mmap: bool = False) -> ImageData:
@@ -383,15 +327,7 @@ def read_npy_directory(path: str | Path, *, mmap: bool = False) -> ImageData:
                 f"{list(labels.shape)}"
             )
         parts[split] = Batch(images[..., None] if images.ndim == 3 else images, np.asarray(labels, np.int32))
-    return ImageData(parts["train"], parts["test"], _numbered_classes(parts["train"].labels), "npy", path)
-
-
-def _numbered_classes(labels: np.ndarray) -> tuple[str, ...]:
-    """`"0"` .. `"K-1"`, where 0 .. K-1 are the training labels up to the first gap: every class has
-    training examples, so a label past a gap (a damaged byte: 0 .. 9 and a 200) is out of range."""
-    present = np.zeros(int(labels.max(initial=0)) + 2, bool)
-    present[labels[labels >= 0]] = True
-    return tuple(map(str, range(int(np.argmin(present)))))
+    return ImageData(parts["train"], parts["test"], numbered_classes(parts["train"].labels), "npy", path)
 
 
 # -- one array, streamed -----------------------------------------------------------------------------

@@ -34,8 +34,8 @@ import jax.numpy as jnp
 
 from ..errors import ConfigError
 from ..typing import Array, Float, PRNGKeyArray, PyTree, typecheck
-from ._global_batch import Metrics, batch_rows, batch_split_over, rows_in_global_batch, rows_of_global_batch
 from ._micro import _mean_state, tree_sum
+from ._rows import Metrics, batch_rows, batch_split_over, rows_in_global_batch, rows_of_global_batch
 
 
 class AbstractBatchLoss(eqx.Module):

@@ -11,10 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..data import DeviceLoader, HostLoader, as_batch, take_rows
+from ..data import Batch, DeviceLoader, HostLoader, as_batch, take_rows
+from ..errors import DataError
 from ..progress import Progress
 from ..typing import Array, Float, PRNGKeyArray, PyTree, typecheck
-from ._global_batch import batch_rows
+from ._rows import batch_rows
 from ._state import classification_metrics, forward
 
 # per_batch(model, model_state, batch, mask, key) -> a pytree of arrays (say, sums over the batch's real rows)
@@ -85,6 +86,18 @@ def mean_of_sums(results: list[dict[str, Any]], size: int) -> dict[str, float]:
     names = list(results[0])
     totals = np.sum(np.stack([np.stack([r[name] for name in names]) for r in results]), axis=0)
     return {name: float(total / size) for name, total in zip(names, totals, strict=True)}
+
+
+def check_labelled(data: DeviceLoader | HostLoader | None, what: str) -> None:
+    """Refuse, before any training, data the default evaluators (`evaluate_state`, a population's) cannot
+    score: a `DeviceLoader` made with `labels=None` has no labels, and the evaluation would fail only once
+    every step had trained, deep inside a trace. (A torch loader's batches are not looked into.)"""
+    if isinstance(data, DeviceLoader) and not isinstance(data.host, Batch):
+        raise DataError(
+            f"{what} has no labels (a DeviceLoader made with labels=None), and the default evaluator scores "
+            "a classifier's predictions against labels: give labelled data, or Setup(evaluator=...) (say, one "
+            "made by research.train.batch_evaluator)"
+        )
 
 
 def evaluate(

@@ -13,8 +13,8 @@ import optax
 from ..errors import ConfigError
 from ..nn import path_name
 from ..typing import PRNGKeyArray, PyTree
-from ._global_batch import LossFn
 from ._precision import LowPrecision
+from ._rows import LossFn
 
 TRAINABLE_PRESETS = {"all": "", "head": r"^head\."}  # "": every name
 

@@ -12,7 +12,7 @@ import optax
 from ..data import Batch, DeviceLoader, HostLoader
 from ..typing import Array, Float, Int, PRNGKeyArray, typecheck
 from ._evaluate import padded_batches
-from ._global_batch import Metrics
+from ._rows import Metrics
 from ._state import TrainState
 
 LN2 = math.log(2.0)

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from ..errors import ConfigError
 from ..typing import PRNGKeyArray, PyTree
-from ._global_batch import (
+from ._rows import (
     LossFn,
     batch_rows,
     batch_split_over,

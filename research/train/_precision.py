@@ -16,7 +16,7 @@ from ..errors import ConfigError
 from ..nn import cast_floating
 from ..typing import Array, Float, PRNGKeyArray, PyTree
 from ._batch_loss import AbstractBatchLoss
-from ._global_batch import LossFn, Metrics
+from ._rows import LossFn, Metrics
 
 Precision = Literal["float32", "bf16"]
 COMPUTE_DTYPES = {"float32": jnp.dtype("float32"), "bf16": jnp.dtype("bfloat16")}

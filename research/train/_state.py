@@ -14,8 +14,9 @@ from ..data import Batch
 from ..errors import ConfigError
 from ..state import EMA
 from ..typing import Array, Bool, Float, Int, Integer, KeyData, PRNGKeyArray, PyTree, typecheck
-from ._global_batch import GlobalBatch, LossFn, Metrics, example_keys
+from ._global_batch import GlobalBatch
 from ._precision import InPrecision, Precision
+from ._rows import LossFn, Metrics, example_keys
 from ._step import AbstractTrainState, Step, take_step
 
 

@@ -22,8 +22,9 @@ import jax.numpy as jnp
 from ..errors import ConfigError
 from ..state import EMA
 from ..typing import Array, Int, KeyData, PRNGKeyArray, PyTree
-from ._global_batch import GlobalBatch, Metrics
+from ._global_batch import GlobalBatch
 from ._keys import split_key_data
+from ._rows import Metrics
 
 
 class AbstractTrainState(eqx.Module):
