@@ -5,7 +5,7 @@ dataclass of options, each declared with `option(...)`. An experiment's config h
 honour as fields and adds its own options: `RunConfig` holds the two every run takes (`training`,
 `checkpointing`), `WithDevices`, `WithEMA` and `WithTracking` add one group each, and `TrainConfig`
 holds those five; an experiment that fine-tunes a pretrained model holds `FineTuning` itself
-(`fine_tuning: FineTuning = group(FineTuning)`; `research.train.check_fine_tuning` and its neighbours
+(`fine_tuning: FineTuning = group(FineTuning)`; `research.train.fine_tuning.check_fine_tuning` and its neighbours
 read it). To change a group's defaults, an experiment subclasses the group and holds that:
 
     @dataclasses.dataclass(frozen=True)

@@ -160,7 +160,7 @@ class ImageResNet(eqx.Module):
         scale = 255.0 if jnp.issubdtype(x.dtype, jnp.integer) else 1.0
         mean, std = (jnp.asarray(s, jnp.float32).reshape(1, 1, -1) for s in (self.mean, self.std))
         x = (x.astype(jnp.float32) / scale - mean) / std
-        x = x.astype(self.stem.weight.dtype)  # computing in bf16 (research.train.LowPrecision): from here on
+        x = x.astype(self.stem.weight.dtype)  # computing in bf16 (research.train.precision.LowPrecision): from here on
         h, state = self.stem_norm(conv2d_as_matmul(self.stem, jnp.transpose(x, (2, 0, 1))), state)
         h = jax.nn.relu(h)
         for block in self.blocks:

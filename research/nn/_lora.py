@@ -44,7 +44,8 @@ class LoRA(eqx.Module):
 
     **Arguments:**
 
-    - `model`: the base model (train its adapters alone: `research.train.Frozen` with the pattern `^adapters\\.`).
+    - `model`: the base model (train its adapters alone: `research.train.fine_tuning.Frozen` with the pattern
+      `^adapters\\.`).
     - `rank`: the rank of each update.
     - `targets`: a regular expression searched in the linear layers' names.
     - `alpha`: the update is scaled by `alpha / rank`.

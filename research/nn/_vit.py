@@ -123,7 +123,7 @@ class VisionTransformer(eqx.Module):
         if jnp.issubdtype(x.dtype, jnp.integer):
             mean, std = (jnp.asarray(s, jnp.float32).reshape(1, 1, -1) for s in (self.mean, self.std))
             x = (x.astype(jnp.float32) / 255 - mean) / std
-        x = x.astype(self.patch_embedding.weight.dtype)  # computing in bf16 (research.train.LowPrecision)
+        x = x.astype(self.patch_embedding.weight.dtype)  # computing in bf16 (research.train.precision.LowPrecision)
         side, p = self.image_size // self.patch, self.patch
         patches = x.reshape(side, p, side, p, self.channels).transpose(0, 2, 4, 1, 3).reshape(side * side, -1)
         tokens = jnp.concatenate([self.class_token[None], jax.vmap(self.patch_embedding)(patches)]) + self.positions

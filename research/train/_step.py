@@ -99,7 +99,7 @@ class Step(eqx.Module):
         )
 
     def with_precision(self, precision: str) -> "Step":
-        """This step computing its losses in `precision` (`--precision`; `research.train.InPrecision`). A step
+        """This step computing its losses in `precision` (`--precision`; `research.train.precision.InPrecision`). A step
         that does not say how refuses."""
         if precision == "float32":
             return self
