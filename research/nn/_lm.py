@@ -74,14 +74,33 @@ def causal_attention(
     kernel (`jax.nn.dot_product_attention`, which skips the masked half and keeps no [tokens, tokens]
     matrix); elsewhere, and where cuDNN refuses the head width or layout, `attention` under a causal mask.
     The two agree to float rounding (tests/test_lm.py)."""
-    tokens = query.shape[0]
-    causal_mask = jnp.tril(jnp.ones((tokens, tokens), bool))
     if fused_attention_available() and query.dtype in (jnp.bfloat16, jnp.float16):
         try:
             return jax.nn.dot_product_attention(query, keys, values, is_causal=True, implementation="cudnn")
         except (NotImplementedError, RuntimeError, ValueError):
             pass  # no cuDNN, or a head width or layout it lacks: XLA's attention below computes the same
-    return checkpoint_name(attention(query, keys, values, causal_mask), "attended")
+    return checkpoint_name(blocked_causal_attention(query, keys, values), "attended")
+
+
+def blocked_causal_attention(
+    query: Float[Array, "tokens heads qk_size"],
+    keys: Float[Array, "tokens heads qk_size"],
+    values: Float[Array, "tokens heads vo_size"],
+    blocks: int = 4,
+    min_rows: int = 32,
+) -> Float[Array, "tokens heads vo_size"]:
+    """`attention` under a causal mask, the queries taken in up to `blocks` blocks of at least `min_rows` rows,
+    each against the keys up to its last row only: the blocks above the diagonal, all masked, are neither
+    computed nor differentiated (4 blocks: 10/16 of the work; docs/benchmarks.md, case (i)). A masked logit
+    adds an exact zero to its row's sums, so each row's softmax is the same, to float rounding."""
+    tokens = query.shape[0]
+    rows = max(min_rows, -(-tokens // blocks))
+    parts = []
+    for start in range(0, tokens, rows):
+        end = min(start + rows, tokens)
+        mask = jnp.tril(jnp.ones((end - start, end), bool), k=start)
+        parts.append(attention(query[start:end], keys[:end], values[:end], mask))
+    return jnp.concatenate(parts)
 
 
 def dense(
