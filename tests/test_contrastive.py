@@ -54,15 +54,20 @@ def test_it_needs_data(capsys):
 
 @pytest.mark.slow
 def test_a_short_run_learns_features_a_probe_reads_better_than_the_initial_encoders(digits, tmp_path):
-    """4 epochs (44 steps) of a small encoder (8 channels, one block a stage) on the digits: the probe's and the
-    k-NN's test accuracy rise well above the encoder's at initialisation (83.6% and 75.0% here, 91.7% and 92.5%
-    after); every evaluation logs both."""
+    """4 epochs (44 steps) of a small encoder (8 channels, one block a stage) on the digits: the probe's test
+    accuracy rises by more than 5 points above the encoder's at initialisation, the k-NN's by more than 10; every
+    evaluation logs both. Measured on a CPU (`--seed` 0, 1, 2): the probe 83.6% -> 91.7%, 84.4% -> 93.6%, 78.6%
+    -> 91.1% (8.1, 9.2, 12.5 points), the k-NN 75.0% -> 92.2%, 78.3% -> 90.6%, 74.2% -> 90.0% (17.2, 12.2, 15.8
+    points): 5 and 10 are about half their mean gains. With `--lr 0` the encoder stays as it started and this
+    fails."""
     run = tmp_path / "run"
     argv = ["--data", str(digits), *SMALL, "--epochs", "4", "--eval-every", "22", "--log-every", "11"]
     assert run_entry([*argv, "--run-dir", str(run)], "contrastive") == 0
     summary = RunDir(run).read_summary()
-    assert summary["test_probe_accuracy"] > summary["probe_accuracy_init"] + 0.05
-    assert summary["test_knn_accuracy"] > summary["knn_accuracy_init"] + 0.1
+    for name, margin in (("probe", 0.05), ("knn", 0.1)):
+        trained, initial = summary[f"test_{name}_accuracy"], summary[f"{name}_accuracy_init"]
+        message = f"{name}: {trained:.1%}, not {100 * margin:.0f} points above the initial encoder's {initial:.1%}"
+        assert trained > initial + margin, message
     records = RunDir(run).read_metrics()
     assert [r["step"] for r in records if "test/probe_accuracy" in r] == [22, 44]
     losses = [r["train/loss"] for r in records if "train/loss" in r]
