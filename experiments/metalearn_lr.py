@@ -14,7 +14,7 @@ its average) and reports its test accuracy. Run `./scripts/run metalearn_lr --he
 """
 
 import dataclasses
-from typing import Literal
+from typing import ClassVar, Literal
 
 import equinox as eqx
 import jax
@@ -36,7 +36,7 @@ from research.errors import ConfigError
 from research.experiment import Setup, run_experiment
 from research.nn import MLP, build_model
 from research.population import member, num_members
-from research.services import RunDir
+from research.services import Headline, RunDir
 from research.train import (
     FitResult,
     SupervisedStep,
@@ -74,6 +74,7 @@ class Config(TrainConfig):
     """Learn the SGD learning rate of an MNIST-1D MLP by gradient descent through an unrolled training run,
     from each of --start-lrs; print the learned rates beside the published ~0.62."""
 
+    headline: ClassVar[Headline] = Headline("accuracy")
     batch_splits_over_devices = False  # --batch-size is the inner runs'; the members go on the devices
     training: MetalearnTraining = group(MetalearnTraining)
     start_lrs: tuple[float, ...] = option(

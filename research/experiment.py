@@ -29,6 +29,7 @@ from .config import (
     devices_of,
     ema_of,
     flat_options,
+    headline_of,
     micro_batches,
     option_fields,
     profile_window,
@@ -112,7 +113,7 @@ def config_record(experiment: str, config: RunConfig, setup: "Setup", state: Abs
     networks (of one member in a population), the headline metric, the machine, library versions, the git
     commit, the command."""
     members = population.num_members(state) or None
-    headline = type(config).headline
+    headline = headline_of(config)
     return {
         "experiment": experiment,
         "config": config.to_dict(),
@@ -248,6 +249,7 @@ def run_experiment(
     device options (`devices_of`) on one. With several processes every process trains and
     evaluates, and only process 0 writes the run directory.
     """
+    headline_of(config)  # every experiment declares the number its runs are judged by
     devices = devices_of(config)
     check_device_count(devices.devices)
     placement = make_placement(devices.parallel, devices.devices, micro_batches(devices))
@@ -268,7 +270,7 @@ def run_experiment(
     if isinstance(plan, Finished):
         if writer:
             logger.info(plan.note())
-            print(summary_line(experiment, plan.summary, plan.run, type(config).headline))
+            print(summary_line(experiment, plan.summary, plan.run, headline_of(config)))
         return plan.summary
     state, header = _starting_state(plan, state, placement, writer)
     trackers = _open_trackers(experiment, config, plan.run, header.get("step", 0)) if writer else RunTrackers({})
@@ -374,7 +376,7 @@ def _run_and_summarize(
         summary.update((setup.summarize_run(run.dir, summary) if setup.summarize_run is not None else None) or {})
         run.dir.write_summary(summary)
         plot_curves([run.dir], [run.dir.path.resolve().name], run.dir.path / "curves.png", pool=curves)
-        print(summary_line(run.experiment, summary, run.dir, type(run.config).headline))
+        print(summary_line(run.experiment, summary, run.dir, headline_of(run.config)))
     return summary
 
 
@@ -418,7 +420,7 @@ def add_default_hooks(engine: Engine, run: Run, *, start: int) -> None:
     training, checkpointing = config.training, config.checkpointing
     hook_states = run.header.get("hooks")
     header = {"experiment": run.experiment, "config": config.to_dict()}
-    headline = type(config).headline
+    headline = headline_of(config)
     minutes = checkpointing.checkpoint_minutes
     resumable = _resumable_hooks(training, setup, headline)
     for name, hook in resumable.items():

@@ -82,6 +82,10 @@ def unlabelled_test_data(tmp_path, monkeypatch):
     monkeypatch.setattr(xor, "setup", setup)
 
 
+def no_headline(tmp_path, monkeypatch):
+    monkeypatch.setattr(xor.Config, "headline", None)
+
+
 def swap_dataset(cls):
     return lambda tmp_path, monkeypatch: monkeypatch.setattr(xor, "XORDataset", cls)
 
@@ -164,6 +168,12 @@ CASES = [
         "mnist1d",
     ),
     ("EMA decay of 1 or more", ["--ema-decay", "1.5"], "--ema-decay must be in [0, 1) (got 1.5)", None, "mnist1d"),
+    (
+        "an experiment without a headline",
+        [],
+        "declares no headline, the number its runs are judged by",
+        no_headline,
+    ),
 ]
 
 
