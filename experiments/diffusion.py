@@ -198,7 +198,7 @@ def setup(config: Config) -> Setup:
         of the model as it starts (untrained)."""
         if judge is None:
             return None
-        untrained, _ = frechet_evaluator(judge, sample)(build_state(config, image_shape), test_data)
+        untrained = frechet_evaluator(judge, sample)(build_state(config, image_shape), test_data)
         return {
             "fid_real_vs_real": real_frechet_distance(judge, data.train.inputs, data.test.inputs),
             "fid_untrained": untrained["fid"],

@@ -373,7 +373,7 @@ def main(config: Config) -> dict:
     trained: dict[str, LanguageModel] = {}  # the final model (the EMA's with --ema-decay), to sample from
 
     def throughput(result: FitResult) -> dict:
-        model = result.state.model if result.state.ema is None else result.state.ema.average[0]
+        model = result.state.averaged().model
         trained["model"] = model.merged() if isinstance(model, LoRA) else model
         return {f"{unit}_per_s": (result.steps_per_s or 0.0) * tokens_per_step}
 

@@ -160,19 +160,16 @@ def _trained_inner_model(model: LearnedLearningRate, inputs: Array, labels: Arra
 class InnerRunEvaluator:
     """Evaluate each member by training the inner MLP with its learning rate (the first inner run of
     `runs`) and measuring that MLP on the test set: `loss`, `accuracy` (the members' means),
-    `member_loss`, `member_accuracy`; with `--ema-decay`, of the averaged rate, and of the trained one as
-    the raw metrics."""
+    `member_loss`, `member_accuracy`."""
 
     runs: Batch
 
-    def __call__(self, states: TrainState, data: DeviceLoader | HostLoader, *, progress: bool = False) -> tuple:
+    def __call__(self, states: TrainState, data: DeviceLoader | HostLoader, *, progress: bool = False) -> dict:
         def trained_inner_model(model: LearnedLearningRate, model_state: None, data, *, progress: bool) -> dict:
             return evaluate(_trained_inner_model(model, self.runs.inputs[0], self.runs.labels[0]), None, data)
 
         per_member = model_evaluator(trained_inner_model)
-        scores = [per_member(member(states, k), data) for k in range(num_members(states))]
-        metrics = _of_members([averaged for averaged, _ in scores])
-        return metrics, None if states.ema is None else _of_members([raw for _, raw in scores])
+        return _of_members([per_member(member(states, k), data) for k in range(num_members(states))])
 
 
 def _of_members(scores: list[dict]) -> dict:

@@ -69,7 +69,7 @@ from .train import (
     SupervisedStep,
     add_standard_hooks,
 )
-from .train.evaluation import check_labelled, evaluate_state
+from .train.evaluation import averaged_and_raw, check_labelled, evaluate_state
 from .train.reduction import check_micro_batch_loss
 
 logger = logging.getLogger(__name__)  # research.messages: what shows them, and where
@@ -154,7 +154,8 @@ class Setup:
     - `val_data`: a validation set like `eval_data` (`None`: none), evaluated with it, as `val/...`.
     - `step`: the `Step` the engine takes (`SupervisedStep(loss_fn)`; the classification loss by default).
     - `lr_schedule`: the optimizer's learning-rate schedule, when it has one (logged as `lr`).
-    - `evaluator`: `(state, eval_data, progress=...) -> (metrics, raw_metrics)` (say,
+    - `evaluator`: `(state, eval_data, progress=...) -> metrics` of the state it is given, the EMA's weights
+      in it and then the trained ones (`averaged_and_raw`) when the run keeps an EMA (say,
       `research.train.evaluation.evaluate_language_model`, or one made by `research.train.batch_evaluator`);
       `None`: `evaluate_state` (classification), or `evaluate_population` for a population.
     - `summarize_run`: `(run, summary) -> numbers or None`: once training ended (on process 0; not
@@ -529,8 +530,9 @@ def _evaluate_finished(run: Run, state: AbstractTrainState) -> FitResult:
     leaves, treedef = jax.tree.flatten(arrays)
     placed = placement.place(leaves)
     state = eqx.combine(jax.tree.unflatten(treedef, placement.gather(placed)), rest)  # restored FSDP shards: whole
-    metrics, raw = (None, None) if setup.eval_data is None else setup.evaluate_with()(state, setup.eval_data)
-    val = None if setup.val_data is None else setup.evaluate_with()(state, setup.val_data)[0]
+    evaluator = setup.evaluate_with()
+    metrics, raw = (None, None) if setup.eval_data is None else averaged_and_raw(evaluator, state, setup.eval_data)
+    val = None if setup.val_data is None else evaluator(state.averaged(), setup.val_data)
     records = run.dir.read_metrics()
     last = records[-1] if records else {}
     train = {k[len("train/") :]: v for k, v in last.items() if k.startswith("train/")}

@@ -89,7 +89,7 @@ def _frechet(results: list[dict[str, np.ndarray]], size: int) -> dict[str, float
 
 
 def frechet_evaluator(judge: Judge, sample: Sampler) -> Evaluator:
-    """An evaluator of a generative run's state (the EMA model's and the trained one's): `fid`, the Fréchet
+    """An evaluator of a generative run's state: `fid`, the Fréchet
     distance in the judge's feature space between the test images (`eval_data`, images alone) and as many
     images `sample(model, model_state, keys)` draws, from keys that are the same at every evaluation."""
     return batch_evaluator(_Features(judge, sample), _frechet)
@@ -134,5 +134,5 @@ def sample_images(sample: Sampler, model: Any, model_state: Any, count: int, *, 
 def draw_samples(path: Path, sample: Sampler, state: Any, *, count: int = 64, seed: int = 0) -> Path:
     """A grid of `count` images drawn from the same keys at every call (samples.png), by the model a train
     state stands for (its EMA's when it keeps one)."""
-    model, model_state = state.ema.average if state.ema is not None else (state.model, state.model_state)
-    return save_image_grid(path, sample_images(sample, model, model_state, count, seed=seed))
+    shown = state.averaged()
+    return save_image_grid(path, sample_images(sample, shown.model, shown.model_state, count, seed=seed))
