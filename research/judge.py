@@ -115,6 +115,25 @@ def real_frechet_distance(judge: Judge, train: np.ndarray, test: np.ndarray, *, 
     return frechet_distance(FeatureStatistics.of(features(train[:count])), FeatureStatistics.of(features(test)))
 
 
+def frechet_baselines(judge: Judge, sample: Sampler, untrained: Any, train: np.ndarray, test: Any) -> dict[str, float]:
+    """The Fréchet distances a generative run's own `fid` is read beside (its `Setup.summarize_run`):
+    `fid_real_vs_real`, of as many training images as `test` (a `DeviceLoader` of the test images) holds
+    (`real_frechet_distance`), and `fid_untrained`, of the `untrained` state's model."""
+    return {
+        "fid_real_vs_real": real_frechet_distance(judge, train, test.host),
+        "fid_untrained": frechet_evaluator(judge, sample)(untrained, test)["fid"],
+    }
+
+
+def print_frechet(experiment: str, summary: dict[str, Any]) -> None:
+    """The line a generative run prints after its summary, when it was judged: its distance and the baselines'."""
+    if "fid_real_vs_real" in summary:
+        print(
+            f"{experiment}: Fréchet distance to the test images {summary['test_fid']:.4g}; of the untrained model "
+            f"{summary['fid_untrained']:.4g}, of as many training images {summary['fid_real_vs_real']:.4g}"
+        )
+
+
 def to_uint8(images: Float[Array, "*batch height width channels"]) -> Integer[Array, "*batch height width channels"]:
     """Generated images in [-1, 1] as stored ones: uint8, 0-255."""
     return jnp.round((jnp.clip(images, -1, 1) + 1) * 127.5).astype(jnp.uint8)
