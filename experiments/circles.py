@@ -1,6 +1,7 @@
 """Two noisy concentric circles: the experiment that docs/adding_an_experiment.md writes line by line."""
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import numpy as np
@@ -10,6 +11,7 @@ from research.cli import TrainConfig, Training, group, main_entry, option, posit
 from research.data import DeviceLoader
 from research.experiment import Setup, run_experiment
 from research.nn import build_model
+from research.services import Headline
 from research.train import TrainState
 from research.typing import Float, Int, typecheck
 
@@ -24,6 +26,7 @@ class CirclesTraining(Training):
 class Config(TrainConfig):
     """Tell the inner circle from the outer one with a tanh MLP (Adam, cosine learning-rate decay)."""
 
+    headline: ClassVar[Headline] = Headline("accuracy")
     training: CirclesTraining = group(CirclesTraining)
     epochs: int = option(10, "passes over the 2,000 training points", check=positive, resumable=True)
     hidden: int = option(32, "units in each of the two hidden layers", check=positive)

@@ -219,7 +219,7 @@ def setup(config: Config) -> Setup:
             np.concatenate([train.inputs[:8, None] / 255, pairs], axis=1).swapaxes(0, 1).reshape(24, *data.image_shape)
         )
         save_image_grid(run.path / "views.png", np.round(grid * 255).astype(np.uint8), columns=8)
-        initial, _ = evaluator(start(), labelled(test))
+        initial = evaluator(start(), labelled(test))
         return {f"{name}_init": value for name, value in initial.items()}
 
     return Setup(

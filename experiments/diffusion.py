@@ -26,7 +26,7 @@ import optax
 from research.cli import EMA, ConfigError, TrainConfig, Training, group, main_entry, option, positive, unit_interval
 from research.data import FORMATS_HELP, IMAGE_COLUMN_HELP, LABEL_COLUMN_HELP, DeviceLoader, read_image_data
 from research.experiment import Setup, run_experiment
-from research.judge import draw_samples, frechet_evaluator, load_judge, real_frechet_distance
+from research.judge import draw_samples, frechet_baselines, frechet_evaluator, load_judge, print_frechet
 from research.nn import UNet
 from research.services import Headline, RunDir
 from research.train import SupervisedStep, TrainState, batch_evaluator, example_keys
@@ -193,16 +193,9 @@ def setup(config: Config) -> Setup:
     judge = None if config.judge is None else load_judge(config.judge, image_shape)
     evaluators = [batch_evaluator(TestLoss(schedule))] + ([] if judge is None else [frechet_evaluator(judge, sample)])
 
-    def summarize(run: RunDir, summary: dict[str, Any]) -> dict[str, Any] | None:
-        """The Fréchet distances to compare the run's with: of as many training images (real vs real), and
-        of the model as it starts (untrained)."""
-        if judge is None:
-            return None
-        untrained, _ = frechet_evaluator(judge, sample)(build_state(config, image_shape), test_data)
-        return {
-            "fid_real_vs_real": real_frechet_distance(judge, data.train.inputs, data.test.inputs),
-            "fid_untrained": untrained["fid"],
-        }
+    def baselines(run: RunDir, summary: dict[str, Any]) -> dict[str, float]:
+        """The Fréchet distances to read the run's beside: of as many training images, of the untrained model."""
+        return frechet_baselines(judge, sample, build_state(config, image_shape), data.train.inputs, test_data)
 
     return Setup(
         build_state=lambda: build_state(config, image_shape),
@@ -211,18 +204,14 @@ def setup(config: Config) -> Setup:
         eval_data=test_data,
         step=SupervisedStep(DenoisingLoss(schedule)),
         evaluator=combined_evaluator(*evaluators),
-        summarize_run=summarize,
+        summarize_run=None if judge is None else baselines,
         draw=lambda state, directory: draw_samples(directory / "samples.png", sample, state),
     )
 
 
 def main(config: Config) -> dict:
     summary = run_experiment("diffusion", config, setup(config))
-    if "fid_real_vs_real" in summary:
-        print(
-            f"diffusion: Fréchet distance to the test images {summary['test_fid']:.4g}; of the untrained model "
-            f"{summary['fid_untrained']:.4g}, of as many training images {summary['fid_real_vs_real']:.4g}"
-        )
+    print_frechet("diffusion", summary)
     return summary
 
 

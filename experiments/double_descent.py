@@ -19,7 +19,7 @@ import json
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import optax
@@ -39,7 +39,7 @@ from research.cli import (
 from research.data import MNIST1D_CLASSES, MNIST1D_LENGTH, DeviceLoader, corrupt_labels, load_mnist1d
 from research.experiment import RUNS_ROOT, Setup, run_experiment
 from research.nn import build_model
-from research.services import RunDir
+from research.services import Headline, RunDir
 from research.tools import sweep
 from research.train import FitResult, TrainState, evaluate
 
@@ -112,6 +112,7 @@ class Config(TrainConfig):
     """MNIST-1D with noisy training labels: MLPs of growing width, their test error (the double descent
     curve) and its peak beside the notebook's. One run per width (--width), or all of --widths."""
 
+    headline: ClassVar[Headline] = Headline("accuracy")
     training: DoubleDescentTraining = group(DoubleDescentTraining)
     width: int | None = option(
         None, "train the one MLP of this hidden width; unset: a run for each of --widths and the curve", check=positive

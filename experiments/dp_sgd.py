@@ -9,7 +9,7 @@ the expected batch size goes to the optimizer. The privacy spent, epsilon at `--
 """
 
 import dataclasses
-from typing import Literal
+from typing import ClassVar, Literal
 
 import jax
 import optax
@@ -29,6 +29,7 @@ from research.data import DeviceLoader, load_mnist1d
 from research.experiment import Setup, run_experiment
 from research.nn import build_model
 from research.per_example import DPSGDLoss, PoissonLoader
+from research.services import Headline
 from research.train import SupervisedStep, TrainState
 
 
@@ -44,6 +45,7 @@ class DPSGDTraining(Training):
 class Config(TrainConfig):
     """Train the MNIST-1D CNN with DP-SGD; print the test accuracy and the privacy spent (epsilon at delta)."""
 
+    headline: ClassVar[Headline] = Headline("accuracy")
     training: DPSGDTraining = group(DPSGDTraining)
     noise_multiplier: float = option(
         2.0, "sigma: noise std on the clipped sum, in units of --clip-norm", check=non_negative

@@ -10,7 +10,7 @@ Run with `./scripts/run ensemble --help` for the options.
 
 import dataclasses
 import time
-from typing import Literal
+from typing import ClassVar, Literal
 
 import jax
 import numpy as np
@@ -21,6 +21,7 @@ from research.data import MNIST1D_CLASSES, MNIST1D_LENGTH, load_mnist1d, train_a
 from research.experiment import Setup, run_experiment
 from research.nn import build_model
 from research.population import member, stack_states
+from research.services import Headline
 from research.train import TrainState, evaluate, fit
 
 
@@ -37,6 +38,7 @@ class Config(TrainConfig):
     """Train --num-members MNIST-1D models from different seeds in one compiled program; print each
     member's test accuracy and the averaged-prediction ensemble's."""
 
+    headline: ClassVar[Headline] = Headline("accuracy")
     training: EnsembleTraining = group(EnsembleTraining)
     num_members: int = option(8, "K: members, each with its own initialisation and training key", check=positive)
     model: Literal["mlp", "cnn"] = option(

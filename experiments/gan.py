@@ -27,14 +27,13 @@ import optax
 from research.cli import ConfigError, TrainConfig, Training, group, main_entry, option, positive, unit_interval
 from research.data import FORMATS_HELP, IMAGE_COLUMN_HELP, LABEL_COLUMN_HELP, DeviceLoader, read_image_data
 from research.experiment import Setup, run_experiment
-from research.judge import draw_samples, frechet_evaluator, load_judge, real_frechet_distance
+from research.judge import draw_samples, frechet_baselines, frechet_evaluator, load_judge, print_frechet
 from research.nn import Discriminator, Generator
 from research.services import Headline, RunDir
-from research.state import EMA
-from research.train import AbstractTrainState, GlobalBatch, Step, example_keys
+from research.train import AbstractNetworksState, GlobalBatch, Network, Step, example_keys
 from research.train.evaluation import combined_evaluator, evaluate_batches, mean_of_sums
 from research.train.precision import InPrecision, Precision
-from research.typing import Array, Float, Int, KeyData, PRNGKeyArray, PyTree
+from research.typing import Array, Float, PRNGKeyArray
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,32 +64,11 @@ class Config(TrainConfig):
     )
 
 
-class GANState(AbstractTrainState):
-    """A GAN's train state: both networks and their Adam states; the run's model is the generator."""
+class GANState(AbstractNetworksState):
+    """A GAN's train state: the generator (the run's model) and the discriminator, each with its Adam."""
 
-    step: Int[Array, ""]
-    generator: Generator
-    discriminator: Discriminator
-    g_opt_state: PyTree
-    d_opt_state: PyTree
-    key: KeyData
-    g_optimizer: optax.GradientTransformation = eqx.field(static=True)
-    d_optimizer: optax.GradientTransformation = eqx.field(static=True)
-    ema: EMA | None = None
-
-    @property
-    def model(self) -> Generator:
-        return self.generator
-
-    @property
-    def model_state(self) -> None:
-        return None
-
-    def with_ema(self, decay: float) -> "GANState":
-        return dataclasses.replace(self, ema=EMA.init((self.generator, None), decay))
-
-    def networks(self) -> dict[str, eqx.Module]:
-        return {"generator": self.generator, "discriminator": self.discriminator}
+    generator: Network
+    discriminator: Network
 
 
 def to_signed(images: Array) -> Float[Array, "*batch height width channels"]:
@@ -135,17 +113,12 @@ class GeneratorLoss(eqx.Module):
         return loss, ({"g_loss": loss}, None)
 
 
-def _update(optimizer: optax.GradientTransformation, model: Any, grads: Any, opt_state: Any) -> tuple[Any, Any]:
-    updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_inexact_array))
-    return eqx.apply_updates(model, updates), opt_state
-
-
 class GANStep(Step):
     """`critic_steps` discriminator updates, each on every `critic_steps`-th row of the batch (rows `i`,
-    `i + critic_steps`, ...: on any placement the same images), then one generator update; the EMA of the
-    generator follows. Metrics: the last discriminator update's `d_loss`, `d_real`, `d_fake`, the
-    generator's `g_loss`, and both gradients' norms. `grad_accum` (`--grad-accum`) takes each gradient in
-    parts; `precision` (`--precision`) computes each network's loss in it (the other network in float32)."""
+    `i + critic_steps`, ...: on any placement the same images), then one generator update. Metrics: the last
+    discriminator update's `d_loss`, `d_real`, `d_fake`, the generator's `g_loss`, and both gradients' norms.
+    `grad_accum` (`--grad-accum`) takes each gradient in parts; `precision` (`--precision`) computes each
+    network's loss in it (the other network in float32)."""
 
     latent: int = eqx.field(static=True)
     critic_steps: int = eqx.field(static=True, default=1)
@@ -164,29 +137,24 @@ class GANStep(Step):
 
     def __call__(self, state: GANState, batch: Array, key: PRNGKeyArray, global_batch: GlobalBatch):
         keys = jax.random.split(key, self.critic_steps + 1)
-        discriminator, d_opt_state = state.discriminator, state.d_opt_state
+        generator = state.generator.model
         for i in range(self.critic_steps):
-            d_loss = self._in_precision(DiscriminatorLoss(state.generator, self.latent))
+            d_loss = self._in_precision(DiscriminatorLoss(generator, self.latent))
             (_, (metrics, _)), d_grads = global_batch.value_and_grad(
-                d_loss, discriminator, None, batch[i :: self.critic_steps], keys[i], grad_accum=self.grad_accum
+                d_loss,
+                state.discriminator.model,
+                None,
+                batch[i :: self.critic_steps],
+                keys[i],
+                grad_accum=self.grad_accum,
             )
-            discriminator, d_opt_state = _update(state.d_optimizer, discriminator, d_grads, d_opt_state)
-        g_loss = self._in_precision(GeneratorLoss(discriminator, self.latent))
+            state = state.updated("discriminator", d_grads)
+        g_loss = self._in_precision(GeneratorLoss(state.discriminator.model, self.latent))
         (_, (g_metrics, _)), g_grads = global_batch.value_and_grad(
-            g_loss, state.generator, None, batch[:: self.critic_steps], keys[-1], grad_accum=self.grad_accum
-        )
-        generator, g_opt_state = _update(state.g_optimizer, state.generator, g_grads, state.g_opt_state)
-        ema = None if state.ema is None else state.ema.update((generator, None))[0]
-        new = dataclasses.replace(
-            state,
-            generator=generator,
-            discriminator=discriminator,
-            g_opt_state=g_opt_state,
-            d_opt_state=d_opt_state,
-            ema=ema,
+            g_loss, generator, None, batch[:: self.critic_steps], keys[-1], grad_accum=self.grad_accum
         )
         norms = {"d_grad_norm": optax.tree.norm(d_grads), "g_grad_norm": optax.tree.norm(g_grads)}
-        return new, {**metrics, **g_metrics, **norms}
+        return state.updated("generator", g_grads), {**metrics, **g_metrics, **norms}
 
 
 class HeldOut(eqx.Module):
@@ -209,17 +177,12 @@ class HeldOut(eqx.Module):
 
 
 def held_out_evaluator(config: Config):
-    """`d_loss`, `d_real`, `d_fake` of the discriminator on the test images and the generator's images (the
-    EMA generator's, and the trained one's as `test_raw/...`, when the state keeps an EMA)."""
+    """`d_loss`, `d_real`, `d_fake` of the discriminator on the test images and the generator's images."""
     per_batch = eqx.filter_jit(HeldOut(config.latent))
 
-    def evaluate(state: GANState, data: Any, *, progress: bool = False):
-        def of(generator: Generator) -> dict[str, float]:
-            networks = eqx.nn.inference_mode((generator, state.discriminator))
-            return mean_of_sums(*evaluate_batches(per_batch, networks, None, data, progress=progress))
-
-        raw = of(state.generator)
-        return (raw, None) if state.ema is None else (of(state.ema.average[0]), raw)
+    def evaluate(state: GANState, data: Any, *, progress: bool = False) -> dict[str, float]:
+        networks = eqx.nn.inference_mode((state.model, state.discriminator.model))
+        return mean_of_sums(*evaluate_batches(per_batch, networks, None, data, progress=progress))
 
     return evaluate
 
@@ -251,16 +214,11 @@ def build_state(config: Config, image_shape: tuple[int, int, int]) -> GANState:
     height, width, channels = image_shape
     generator = Generator(config.latent, height, width, channels, config.features, key=g_key)
     discriminator = Discriminator(height, width, channels, config.features, key=d_key)
-    g_optimizer = d_optimizer = adam(config.training.lr, config.beta1)
-    return GANState(
-        step=jnp.zeros((), jnp.int32),
-        generator=generator,
-        discriminator=discriminator,
-        g_opt_state=g_optimizer.init(eqx.filter(generator, eqx.is_inexact_array)),
-        d_opt_state=d_optimizer.init(eqx.filter(discriminator, eqx.is_inexact_array)),
-        key=jax.random.key_data(train_key),
-        g_optimizer=g_optimizer,
-        d_optimizer=d_optimizer,
+    optimizer = adam(config.training.lr, config.beta1)
+    return GANState.create(
+        generator=Network.create(generator, optimizer),
+        discriminator=Network.create(discriminator, optimizer),
+        key=train_key,
     )
 
 
@@ -285,16 +243,9 @@ def setup(config: Config) -> Setup:
     sample = sampler(config)
     evaluators = [held_out_evaluator(config)] + ([] if judge is None else [frechet_evaluator(judge, sample)])
 
-    def summarize(run: RunDir, summary: dict[str, Any]) -> dict[str, Any] | None:
-        """The Fréchet distances to compare the run's with: of as many training images (real vs real), and
-        of the model as it starts (untrained)."""
-        if judge is None:
-            return None
-        untrained, _ = frechet_evaluator(judge, sample)(build_state(config, image_shape), test_data)
-        return {
-            "fid_real_vs_real": real_frechet_distance(judge, data.train.inputs, data.test.inputs),
-            "fid_untrained": untrained["fid"],
-        }
+    def baselines(run: RunDir, summary: dict[str, Any]) -> dict[str, float]:
+        """The Fréchet distances to read the run's beside: of as many training images, of the untrained model."""
+        return frechet_baselines(judge, sample, build_state(config, image_shape), data.train.inputs, test_data)
 
     return Setup(
         build_state=lambda: build_state(config, image_shape),
@@ -303,18 +254,14 @@ def setup(config: Config) -> Setup:
         eval_data=test_data,
         step=GANStep(config.latent, config.critic_steps),
         evaluator=combined_evaluator(*evaluators),
-        summarize_run=summarize,
+        summarize_run=None if judge is None else baselines,
         draw=lambda state, directory: draw_samples(directory / "samples.png", sample, state),
     )
 
 
 def main(config: Config) -> dict:
     summary = run_experiment("gan", config, setup(config))
-    if "fid_real_vs_real" in summary:
-        print(
-            f"gan: Fréchet distance to the test images {summary['test_fid']:.4g}; of the untrained model "
-            f"{summary['fid_untrained']:.4g}, of as many training images {summary['fid_real_vs_real']:.4g}"
-        )
+    print_frechet("gan", summary)
     return summary
 
 

@@ -12,7 +12,7 @@ test accuracy stays far below in the same budget. Run `./scripts/run grokking --
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import optax
@@ -31,7 +31,7 @@ from research.cli import (
 from research.data import DeviceLoader, modular_addition
 from research.experiment import Setup, run_experiment
 from research.nn import LastTokenClassifier
-from research.services import RunDir
+from research.services import Headline, RunDir
 from research.train import TrainState
 
 THRESHOLD = 0.99  # "memorized" and "grokked": 99% accuracy on the training and on the test pairs
@@ -65,6 +65,7 @@ class Config(TrainConfig):
     """Train a one-layer transformer on a + b mod p until it groks; print when it memorized and when it
     generalized beside the published figures."""
 
+    headline: ClassVar[Headline] = Headline("accuracy")
     training: GrokkingTraining = group(GrokkingTraining)
     modulus: int = option(59, "p: the task is a + b mod p over all p² pairs (a, b) of 0 .. p-1", check=at_least_two)
     train_fraction: float = option(0.3, "fraction of the p² pairs in the training set", check=open_unit_interval)

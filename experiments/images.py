@@ -15,7 +15,7 @@ run, in full, in part (`--trainable`) or through LoRA adapters (`--lora-rank`); 
 import copy
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import equinox as eqx
 import jax
@@ -55,6 +55,7 @@ from research.data import (
 from research.experiment import Setup, initial_model, run_experiment
 from research.nn import ImageResNet, VisionTransformer, build_model, load_vit
 from research.parallel import batch_axis_name
+from research.services import Headline
 from research.train import SupervisedStep, TrainState, classification_metrics, example_keys, forward
 from research.train.fine_tuning import Frozen, check_fine_tuning, only_trainable, trained_pattern, with_adapters
 from research.typing import PRNGKeyArray
@@ -92,6 +93,7 @@ class ImagesFineTuning(FineTuning):
 class Config(TrainConfig):
     """Train a ResNet or a ViT on the images of --data (its training set; evaluated on its test set)."""
 
+    headline: ClassVar[Headline] = Headline("accuracy")
     training: ImagesTraining = group(ImagesTraining)
     data: str | None = option(None, f"the images: {FORMATS_HELP} (default: none; required)")
     image_column: str | None = option(None, IMAGE_COLUMN_HELP)

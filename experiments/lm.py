@@ -16,6 +16,7 @@ and evaluated on the first `--eval-windows` windows of the held-out tokens.
 import dataclasses
 import functools
 from pathlib import Path
+from typing import ClassVar
 
 import equinox as eqx
 import jax
@@ -51,6 +52,7 @@ from research.data import (
 )
 from research.experiment import Setup, initial_model, run_experiment, saved_run_config
 from research.nn import LanguageModel, LoRA, build_model, load_gpt2
+from research.services import Headline
 from research.tools.sample import sample_bytes
 from research.train import FitResult, NextTokenLoss, SupervisedStep, TrainState
 from research.train.evaluation import evaluate_language_model
@@ -95,6 +97,7 @@ class LMFineTuning(FineTuning):
 class Config(TrainConfig):
     """Train a GPT-style byte-level language model (AdamW, warmup + cosine decay, gradient clipping at 1)."""
 
+    headline: ClassVar[Headline] = Headline("accuracy")
     training: LMTraining = group(LMTraining)
     steps: int = option(4800, "training steps", check=positive, resumable=True)
     weight_decay: float = option(0.0, "decoupled weight decay (AdamW)", check=non_negative)
@@ -370,7 +373,7 @@ def main(config: Config) -> dict:
     trained: dict[str, LanguageModel] = {}  # the final model (the EMA's with --ema-decay), to sample from
 
     def throughput(result: FitResult) -> dict:
-        model = result.state.model if result.state.ema is None else result.state.ema.average[0]
+        model = result.state.averaged().model
         trained["model"] = model.merged() if isinstance(model, LoRA) else model
         return {f"{unit}_per_s": (result.steps_per_s or 0.0) * tokens_per_step}
 

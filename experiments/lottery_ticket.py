@@ -21,7 +21,7 @@ Run `./scripts/run lottery_ticket --help` for the options.
 """
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -34,7 +34,7 @@ from research.data import MNIST1D_CLASSES, MNIST1D_LENGTH, load_mnist1d, train_a
 from research.errors import ConfigError
 from research.experiment import Setup, run_experiment
 from research.nn import MLP, Masked, build_model
-from research.services import RunDir
+from research.services import Headline, RunDir
 from research.train import StepInfo, TrainState
 from research.typing import PRNGKeyArray, PyTree
 
@@ -67,6 +67,7 @@ class Config(WithDevices, WithTracking):
     initial weights; print its accuracy, the dense network's and two controls' (a random mask, and the
     ticket's mask reinitialised) beside the published ones. One run of (--rounds + 3) x --steps steps."""
 
+    headline: ClassVar[Headline] = Headline("accuracy")
     training: LotteryTraining = group(LotteryTraining)
     rounds: int = option(90, "pruning rounds after the dense one; the last one's network is the ticket", check=positive)
     schedule_length: int = option(

@@ -14,7 +14,7 @@ its average) and reports its test accuracy. Run `./scripts/run metalearn_lr --he
 """
 
 import dataclasses
-from typing import Literal
+from typing import ClassVar, Literal
 
 import equinox as eqx
 import jax
@@ -36,7 +36,7 @@ from research.errors import ConfigError
 from research.experiment import Setup, run_experiment
 from research.nn import MLP, build_model
 from research.population import member, num_members
-from research.services import RunDir
+from research.services import Headline, RunDir
 from research.train import (
     FitResult,
     SupervisedStep,
@@ -74,6 +74,7 @@ class Config(TrainConfig):
     """Learn the SGD learning rate of an MNIST-1D MLP by gradient descent through an unrolled training run,
     from each of --start-lrs; print the learned rates beside the published ~0.62."""
 
+    headline: ClassVar[Headline] = Headline("accuracy")
     batch_splits_over_devices = False  # --batch-size is the inner runs'; the members go on the devices
     training: MetalearnTraining = group(MetalearnTraining)
     start_lrs: tuple[float, ...] = option(
@@ -159,19 +160,16 @@ def _trained_inner_model(model: LearnedLearningRate, inputs: Array, labels: Arra
 class InnerRunEvaluator:
     """Evaluate each member by training the inner MLP with its learning rate (the first inner run of
     `runs`) and measuring that MLP on the test set: `loss`, `accuracy` (the members' means),
-    `member_loss`, `member_accuracy`; with `--ema-decay`, of the averaged rate, and of the trained one as
-    the raw metrics."""
+    `member_loss`, `member_accuracy`."""
 
     runs: Batch
 
-    def __call__(self, states: TrainState, data: DeviceLoader | HostLoader, *, progress: bool = False) -> tuple:
+    def __call__(self, states: TrainState, data: DeviceLoader | HostLoader, *, progress: bool = False) -> dict:
         def trained_inner_model(model: LearnedLearningRate, model_state: None, data, *, progress: bool) -> dict:
             return evaluate(_trained_inner_model(model, self.runs.inputs[0], self.runs.labels[0]), None, data)
 
         per_member = model_evaluator(trained_inner_model)
-        scores = [per_member(member(states, k), data) for k in range(num_members(states))]
-        metrics = _of_members([averaged for averaged, _ in scores])
-        return metrics, None if states.ema is None else _of_members([raw for _, raw in scores])
+        return _of_members([per_member(member(states, k), data) for k in range(num_members(states))])
 
 
 def _of_members(scores: list[dict]) -> dict:

@@ -12,7 +12,7 @@ Run `./scripts/run mnist1d --help` for the options.
 import dataclasses
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import jax
 import optax
@@ -29,6 +29,7 @@ from research.data import (
 )
 from research.experiment import Setup, run_experiment
 from research.nn import build_model, model_names
+from research.services import Headline
 from research.train import TrainState
 
 # Python puts this script's directory first on sys.path, and there this file would shadow the
@@ -137,6 +138,7 @@ class Config(TrainConfig):
     """Train one model of the zoo on MNIST-1D (4,000 training / 1,000 test signals of length 40).
     Options whose default is None take the model's value from RECIPES in experiments/mnist1d.py."""
 
+    headline: ClassVar[Headline] = Headline("accuracy")
     training: MNIST1DTraining = group(MNIST1DTraining)
     model: ModelName = option("cnn", "which model of research.nn to train")
     steps: int | None = option(

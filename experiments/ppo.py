@@ -45,10 +45,9 @@ from research.install import require_extra
 from research.nn import ActorCritic
 from research.population import evaluate_members, stack_states
 from research.services import Headline, RunDir
-from research.state import EMA
-from research.train import AbstractTrainState, GlobalBatch, Step
+from research.train import AbstractNetworksState, GlobalBatch, Network, Step
 from research.train.reduction import tree_sum
-from research.typing import Array, Bool, Float, Int, KeyData, PRNGKeyArray, PyTree
+from research.typing import Array, Bool, Float, Int, PRNGKeyArray, PyTree
 
 ENVIRONMENTS = ("CartPole-v1", "Acrobot-v1", "MountainCar-v0", "Pendulum-v1", "MountainCarContinuous-v0")
 
@@ -113,32 +112,13 @@ class Live(eqx.Module):
     episode_length: Int[Array, " envs"]
 
 
-class PPOState(AbstractTrainState):
-    """PPO's train state: the policy, its optimizer state and the live environments; the run's model is the
-    policy (evaluated, exported, played by scripts/rollout)."""
+class PPOState(AbstractNetworksState):
+    """PPO's train state: the policy (the run's model: evaluated, exported, played by scripts/rollout) with its
+    optimizer, and the live environments."""
 
-    step: Int[Array, ""]
-    policy: ActorCritic
-    opt_state: PyTree
+    policy: Network
     live: Live
     last_episode: Float[Array, "2"]  # the mean return and length of the last episodes to end
-    key: KeyData
-    optimizer: optax.GradientTransformation = eqx.field(static=True)
-    ema: EMA | None = None
-
-    @property
-    def model(self) -> ActorCritic:
-        return self.policy
-
-    @property
-    def model_state(self) -> None:
-        return None
-
-    def with_ema(self, decay: float) -> "PPOState":
-        return dataclasses.replace(self, ema=EMA.init((self.policy, None), decay))
-
-    def networks(self) -> dict[str, eqx.Module]:
-        return {"policy": self.policy}
 
 
 # -- the policy's distribution: categorical over logits, or a diagonal Gaussian around a mean ------------
@@ -293,21 +273,13 @@ class PPOStep(Step):
         env_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(rollout_key, batch)  # an environment's own
         live = jax.tree.map(lambda x: x[batch], state.live)
         invariant = global_batch.micro_batches is not None
-        transitions, live, finished = self.rollout(state.policy, live, env_keys, layout_invariant=invariant)
-        policy, opt_state, metrics = self.update(state, transitions, update_key, global_batch)
+        transitions, live, finished = self.rollout(state.model, live, env_keys, layout_invariant=invariant)
+        policy, metrics = self.update(state.policy, transitions, update_key, global_batch)
         every = gathered(batch, axis)
         lives = jax.tree.map(lambda whole, rows: whole.at[every].set(gathered(rows, axis)), state.live, live)
-        ema = None if state.ema is None else state.ema.update((policy, None))[0]
         episodes = episode_metrics(*(gathered(x, axis) for x in finished), state.last_episode)
-        new = dataclasses.replace(
-            state,
-            policy=policy,
-            opt_state=opt_state,
-            live=lives,
-            ema=ema,
-            last_episode=jnp.stack([episodes["episode_return"], episodes["episode_length"]]),
-        )
-        return new, {**metrics, **episodes}
+        last_episode = jnp.stack([episodes["episode_return"], episodes["episode_length"]])
+        return dataclasses.replace(state, policy=policy, live=lives, last_episode=last_episode), {**metrics, **episodes}
 
     def rollout(
         self, policy: ActorCritic, live: Live, keys: PRNGKeyArray, *, layout_invariant: bool = False
@@ -352,8 +324,8 @@ class PPOStep(Step):
         return Transitions(*rows, advantage, target), live, ended
 
     def update(
-        self, state: PPOState, transitions: Transitions, key: PRNGKeyArray, global_batch: GlobalBatch
-    ) -> tuple[ActorCritic, PyTree, dict[str, Array]]:
+        self, policy: Network, transitions: Transitions, key: PRNGKeyArray, global_batch: GlobalBatch
+    ) -> tuple[Network, dict[str, Array]]:
         """`epochs` x `minibatches` updates; advantages normalised over the global rollout. Minibatch `m` of an
         epoch is every environment's time steps `order[m * n : (m + 1) * n]` of the epoch's random order of time
         steps, so the global batch's minibatches do not depend on which device holds which environment."""
@@ -363,17 +335,15 @@ class PPOStep(Step):
         orders = jax.vmap(lambda k: jax.random.permutation(k, self.rollout_steps))(jax.random.split(key, self.epochs))
         times = orders[:, : share * self.minibatches].reshape(self.epochs * self.minibatches, share)
 
-        def one(carry, time: Int[Array, " share"]):
-            policy, opt_state = carry
+        def one(policy: Network, time: Int[Array, " share"]):
             minibatch = jax.tree.map(lambda x: x[:, time], transitions)
             (_, (metrics, _)), grads = global_batch.value_and_grad(
-                self.loss, policy, None, minibatch, key, grad_accum=self.grad_accum
+                self.loss, policy.model, None, minibatch, key, grad_accum=self.grad_accum
             )
-            updates, opt_state = state.optimizer.update(grads, opt_state, eqx.filter(policy, eqx.is_inexact_array))
-            return (eqx.apply_updates(policy, updates), opt_state), {**metrics, "grad_norm": optax.tree.norm(grads)}
+            return policy.updated(grads), {**metrics, "grad_norm": optax.tree.norm(grads)}
 
-        (policy, opt_state), metrics = jax.lax.scan(one, (state.policy, state.opt_state), times)
-        return policy, opt_state, jax.tree.map(jnp.mean, metrics)
+        policy, metrics = jax.lax.scan(one, policy, times)
+        return policy, jax.tree.map(jnp.mean, metrics)
 
 
 def episode_metrics(
@@ -443,17 +413,11 @@ def play_episodes(
 
 def greedy_evaluator(config: Config):
     """`return` and `length`: the means over the evaluation set's episodes (its rows: episode indices) of the
-    greedy policy (the EMA's, and the trained one's as `test_raw/...`, when the state keeps an EMA)."""
+    greedy policy."""
 
-    def evaluate(state: PPOState, data: DeviceLoader, *, progress: bool = False):
-        keys = episode_keys(data.host)
-
-        def of(policy: ActorCritic) -> dict[str, float]:
-            returns, lengths = play(policy, config.env, keys)
-            return {"return": float(jnp.mean(returns)), "length": float(jnp.mean(lengths))}
-
-        raw = of(state.policy)
-        return (raw, None) if state.ema is None else (of(state.ema.average[0]), raw)
+    def evaluate(state: PPOState, data: DeviceLoader, *, progress: bool = False) -> dict[str, float]:
+        returns, lengths = play(state.model, config.env, episode_keys(data.host))
+        return {"return": float(jnp.mean(returns)), "length": float(jnp.mean(lengths))}
 
     return evaluate
 
@@ -496,14 +460,8 @@ def build_agent(config: Config, key: PRNGKeyArray) -> PPOState:
     optimizer = ppo_optimizer(
         config.training.lr, config.max_grad_norm, updates, num_steps(config) if config.anneal_lr else None
     )
-    return PPOState(
-        step=jnp.zeros((), jnp.int32),
-        policy=policy,
-        opt_state=optimizer.init(eqx.filter(policy, eqx.is_inexact_array)),
-        live=live,
-        last_episode=jnp.zeros(2),
-        key=jax.random.key_data(train_key),
-        optimizer=optimizer,
+    return PPOState.create(
+        policy=Network.create(policy, optimizer), live=live, last_episode=jnp.zeros(2), key=train_key
     )
 
 

@@ -5,7 +5,7 @@ MLP 2 -> 8 (tanh) -> 1 on noisy XOR points, sigmoid cross-entropy on the logit, 
 """
 
 import dataclasses
-from typing import Literal
+from typing import ClassVar, Literal
 
 import jax
 import optax
@@ -14,6 +14,7 @@ from research.cli import TrainConfig, Training, group, main_entry, option, posit
 from research.data import DeviceLoader, TorchLoader, XORDataset, make_dataloader
 from research.experiment import Setup, run_experiment
 from research.nn import build_model
+from research.services import Headline
 from research.train import TrainState
 
 
@@ -28,6 +29,7 @@ class XorTraining(Training):
 class Config(TrainConfig):
     """Train an MLP on noisy XOR (2,500 training points, 500 test points)."""
 
+    headline: ClassVar[Headline] = Headline("accuracy")
     training: XorTraining = group(XorTraining)
     epochs: int = option(100, "passes over the training set", check=positive, resumable=True)
     hidden: int = option(8, "hidden units", check=positive)

@@ -447,11 +447,11 @@ class RunConfig(Options):
     defaults, and adds its own options.
 
     `headline` (a class variable, not an option) names the evaluation metric the experiment's runs are
-    judged by and its direction (`Headline("fid", goal="min", percent=False)`): the summary line, the
-    best checkpoint kept, `scripts/compare_runs` and `scripts/sweep`'s objective use it; test accuracy,
-    highest, by default."""
+    judged by and its direction (`Headline("accuracy")`, `Headline("fid", goal="min", percent=False)`): the
+    summary line, the best checkpoint kept, `scripts/compare_runs` and `scripts/sweep`'s objective use it.
+    Every experiment declares one (`headline_of`)."""
 
-    headline: typing.ClassVar[Headline] = Headline()
+    headline: typing.ClassVar[Headline | None] = None
     # False for an experiment whose `--batch-size` is not the rows the devices split (metalearn_lr's is its
     # inner runs' batch; its population's members are what its devices take): the batch checks then skip it.
     batch_splits_over_devices: typing.ClassVar[bool] = True
@@ -483,6 +483,17 @@ class WithTracking(RunConfig):
 @dataclasses.dataclass(frozen=True)
 class TrainConfig(WithDevices, WithEMA, WithTracking):
     """Every option group: the config of an experiment that honours them all."""
+
+
+def headline_of(config: type[RunConfig] | RunConfig) -> Headline:
+    """The headline an experiment's config declares; refused, before any work, when it declares none."""
+    config_class = config if isinstance(config, type) else type(config)
+    if config_class.headline is None:
+        raise ConfigError(
+            f"{config_class.__module__}.{config_class.__name__} declares no headline, the number its runs are judged "
+            'by: give it `headline: ClassVar[Headline] = Headline("accuracy")` (or the metric its evaluation reports)'
+        )
+    return config_class.headline
 
 
 def devices_of(config: RunConfig) -> Devices:

@@ -29,6 +29,7 @@ from .config import (
     devices_of,
     ema_of,
     flat_options,
+    headline_of,
     micro_batches,
     option_fields,
     profile_window,
@@ -68,7 +69,7 @@ from .train import (
     SupervisedStep,
     add_standard_hooks,
 )
-from .train.evaluation import check_labelled, evaluate_state
+from .train.evaluation import averaged_and_raw, check_labelled, evaluate_state
 from .train.reduction import check_micro_batch_loss
 
 logger = logging.getLogger(__name__)  # research.messages: what shows them, and where
@@ -112,7 +113,7 @@ def config_record(experiment: str, config: RunConfig, setup: "Setup", state: Abs
     networks (of one member in a population), the headline metric, the machine, library versions, the git
     commit, the command."""
     members = population.num_members(state) or None
-    headline = type(config).headline
+    headline = headline_of(config)
     return {
         "experiment": experiment,
         "config": config.to_dict(),
@@ -153,7 +154,8 @@ class Setup:
     - `val_data`: a validation set like `eval_data` (`None`: none), evaluated with it, as `val/...`.
     - `step`: the `Step` the engine takes (`SupervisedStep(loss_fn)`; the classification loss by default).
     - `lr_schedule`: the optimizer's learning-rate schedule, when it has one (logged as `lr`).
-    - `evaluator`: `(state, eval_data, progress=...) -> (metrics, raw_metrics)` (say,
+    - `evaluator`: `(state, eval_data, progress=...) -> metrics` of the state it is given, the EMA's weights
+      in it and then the trained ones (`averaged_and_raw`) when the run keeps an EMA (say,
       `research.train.evaluation.evaluate_language_model`, or one made by `research.train.batch_evaluator`);
       `None`: `evaluate_state` (classification), or `evaluate_population` for a population.
     - `summarize_run`: `(run, summary) -> numbers or None`: once training ended (on process 0; not
@@ -248,6 +250,7 @@ def run_experiment(
     device options (`devices_of`) on one. With several processes every process trains and
     evaluates, and only process 0 writes the run directory.
     """
+    headline_of(config)  # every experiment declares the number its runs are judged by
     devices = devices_of(config)
     check_device_count(devices.devices)
     placement = make_placement(devices.parallel, devices.devices, micro_batches(devices))
@@ -268,7 +271,7 @@ def run_experiment(
     if isinstance(plan, Finished):
         if writer:
             logger.info(plan.note())
-            print(summary_line(experiment, plan.summary, plan.run, type(config).headline))
+            print(summary_line(experiment, plan.summary, plan.run, headline_of(config)))
         return plan.summary
     state, header = _starting_state(plan, state, placement, writer)
     trackers = _open_trackers(experiment, config, plan.run, header.get("step", 0)) if writer else RunTrackers({})
@@ -374,7 +377,7 @@ def _run_and_summarize(
         summary.update((setup.summarize_run(run.dir, summary) if setup.summarize_run is not None else None) or {})
         run.dir.write_summary(summary)
         plot_curves([run.dir], [run.dir.path.resolve().name], run.dir.path / "curves.png", pool=curves)
-        print(summary_line(run.experiment, summary, run.dir, type(run.config).headline))
+        print(summary_line(run.experiment, summary, run.dir, headline_of(run.config)))
     return summary
 
 
@@ -418,7 +421,7 @@ def add_default_hooks(engine: Engine, run: Run, *, start: int) -> None:
     training, checkpointing = config.training, config.checkpointing
     hook_states = run.header.get("hooks")
     header = {"experiment": run.experiment, "config": config.to_dict()}
-    headline = type(config).headline
+    headline = headline_of(config)
     minutes = checkpointing.checkpoint_minutes
     resumable = _resumable_hooks(training, setup, headline)
     for name, hook in resumable.items():
@@ -527,8 +530,9 @@ def _evaluate_finished(run: Run, state: AbstractTrainState) -> FitResult:
     leaves, treedef = jax.tree.flatten(arrays)
     placed = placement.place(leaves)
     state = eqx.combine(jax.tree.unflatten(treedef, placement.gather(placed)), rest)  # restored FSDP shards: whole
-    metrics, raw = (None, None) if setup.eval_data is None else setup.evaluate_with()(state, setup.eval_data)
-    val = None if setup.val_data is None else setup.evaluate_with()(state, setup.val_data)[0]
+    evaluator = setup.evaluate_with()
+    metrics, raw = (None, None) if setup.eval_data is None else averaged_and_raw(evaluator, state, setup.eval_data)
+    val = None if setup.val_data is None else evaluator(state.averaged(), setup.val_data)
     records = run.dir.read_metrics()
     last = records[-1] if records else {}
     train = {k[len("train/") :]: v for k, v in last.items() if k.startswith("train/")}

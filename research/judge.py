@@ -89,7 +89,7 @@ def _frechet(results: list[dict[str, np.ndarray]], size: int) -> dict[str, float
 
 
 def frechet_evaluator(judge: Judge, sample: Sampler) -> Evaluator:
-    """An evaluator of a generative run's state (the EMA model's and the trained one's): `fid`, the Fréchet
+    """An evaluator of a generative run's state: `fid`, the Fréchet
     distance in the judge's feature space between the test images (`eval_data`, images alone) and as many
     images `sample(model, model_state, keys)` draws, from keys that are the same at every evaluation."""
     return batch_evaluator(_Features(judge, sample), _frechet)
@@ -115,6 +115,25 @@ def real_frechet_distance(judge: Judge, train: np.ndarray, test: np.ndarray, *, 
     return frechet_distance(FeatureStatistics.of(features(train[:count])), FeatureStatistics.of(features(test)))
 
 
+def frechet_baselines(judge: Judge, sample: Sampler, untrained: Any, train: np.ndarray, test: Any) -> dict[str, float]:
+    """The Fréchet distances a generative run's own `fid` is read beside (its `Setup.summarize_run`):
+    `fid_real_vs_real`, of as many training images as `test` (a `DeviceLoader` of the test images) holds
+    (`real_frechet_distance`), and `fid_untrained`, of the `untrained` state's model."""
+    return {
+        "fid_real_vs_real": real_frechet_distance(judge, train, test.host),
+        "fid_untrained": frechet_evaluator(judge, sample)(untrained, test)["fid"],
+    }
+
+
+def print_frechet(experiment: str, summary: dict[str, Any]) -> None:
+    """The line a generative run prints after its summary, when it was judged: its distance and the baselines'."""
+    if "fid_real_vs_real" in summary:
+        print(
+            f"{experiment}: Fréchet distance to the test images {summary['test_fid']:.4g}; of the untrained model "
+            f"{summary['fid_untrained']:.4g}, of as many training images {summary['fid_real_vs_real']:.4g}"
+        )
+
+
 def to_uint8(images: Float[Array, "*batch height width channels"]) -> Integer[Array, "*batch height width channels"]:
     """Generated images in [-1, 1] as stored ones: uint8, 0-255."""
     return jnp.round((jnp.clip(images, -1, 1) + 1) * 127.5).astype(jnp.uint8)
@@ -134,5 +153,5 @@ def sample_images(sample: Sampler, model: Any, model_state: Any, count: int, *, 
 def draw_samples(path: Path, sample: Sampler, state: Any, *, count: int = 64, seed: int = 0) -> Path:
     """A grid of `count` images drawn from the same keys at every call (samples.png), by the model a train
     state stands for (its EMA's when it keeps one)."""
-    model, model_state = state.ema.average if state.ema is not None else (state.model, state.model_state)
-    return save_image_grid(path, sample_images(sample, model, model_state, count, seed=seed))
+    shown = state.averaged()
+    return save_image_grid(path, sample_images(sample, shown.model, shown.model_state, count, seed=seed))

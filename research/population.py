@@ -146,16 +146,11 @@ def _population_metrics(scores: dict[str, np.ndarray | float]) -> dict[str, floa
 
 def evaluate_population(
     states: TrainState, data: DeviceLoader | HostLoader, *, progress: bool = False
-) -> tuple[dict[str, float | list[float]], dict[str, float | list[float]] | None]:
-    """`(metrics, raw_metrics)` of a population, like `research.train.evaluation.evaluate_state` of one state:
-    the members' mean `loss` and `accuracy`, each member's (`member_loss`, `member_accuracy`), and
-    the ensemble's that averages their probabilities (`ensemble_loss`, `ensemble_accuracy`); of the
-    members' EMA models when the states keep one, with the trained models' as `raw_metrics`."""
-    raw = _population_metrics(evaluate_ensemble(states.model, states.model_state, data))
-    if states.ema is None:
-        return raw, None
-    models, model_states = states.ema.average
-    return _population_metrics(evaluate_ensemble(models, model_states, data)), raw
+) -> dict[str, float | list[float]]:
+    """The metrics of a population, like `research.train.evaluation.evaluate_state` of one state: the
+    members' mean `loss` and `accuracy`, each member's (`member_loss`, `member_accuracy`), and the
+    ensemble's that averages their probabilities (`ensemble_loss`, `ensemble_accuracy`)."""
+    return _population_metrics(evaluate_ensemble(states.model, states.model_state, data))
 
 
 def evaluate_members(evaluator: Evaluator) -> Evaluator:
@@ -164,17 +159,8 @@ def evaluate_members(evaluator: Evaluator) -> Evaluator:
     and `member_<metric>` their values (what `scripts/sweep --vmapped` writes into each member's run)."""
 
     def evaluate(states: AbstractTrainState, data: DeviceLoader | HostLoader, *, progress: bool = False):
-        results = [evaluator(member(states, k), data, progress=progress) for k in range(num_members(states))]
-        metrics = _member_metrics([metrics for metrics, _ in results])
-        assert metrics is not None  # every member has metrics; the raw ones only with an EMA
-        return metrics, _member_metrics([raw for _, raw in results])
+        each = [evaluator(member(states, k), data, progress=progress) for k in range(num_members(states))]
+        means = {name: float(np.mean([m[name] for m in each])) for name in each[0]}
+        return {**means, **{f"member_{name}": [float(m[name]) for m in each] for name in each[0]}}
 
     return evaluate
-
-
-def _member_metrics(each: list[dict[str, float] | None]) -> dict[str, float | list[float]] | None:
-    if each[0] is None:
-        return None
-    members = [m for m in each if m is not None]
-    means = {name: float(np.mean([m[name] for m in members])) for name in members[0]}
-    return {**means, **{f"member_{name}": [float(m[name]) for m in members] for name in members[0]}}

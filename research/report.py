@@ -53,7 +53,8 @@ def run_summary(result: FitResult, losses: tuple[str, ...] = ("loss",)) -> dict[
 
 def summary_line(experiment: str, summary: dict[str, Any], run: RunDir, headline: Headline = Headline()) -> str:
     """What a run prints when it ends (and when it is resumed after it finished): its `headline` number
-    (with the EMA, the trained model's beside it; a population's members and ensemble), the losses."""
+    (with the EMA, the trained model's beside it; a population's members and ensemble), the losses; when
+    the evaluation did not report the headline (a GAN without a judge's fid), its test numbers instead."""
     name, key = headline.metric, headline.summary_key
     raw = f", without EMA {headline.shown(summary[f'test_raw_{name}'])}" if f"test_raw_{name}" in summary else ""
     if f"test_ensemble_{name}" in summary:
@@ -67,9 +68,10 @@ def summary_line(experiment: str, summary: dict[str, Any], run: RunDir, headline
     what = f"mean member test {name}" if f"test_ensemble_{name}" in summary else f"test {name}"
     what = what.replace("_", " ")
     train_losses = sorted(k for k in summary if k.startswith("train_") and k.endswith("loss") and "member_" not in k)
+    shown = ("test_loss",) if key in summary else sorted(k for k in summary if _test_number(k, summary[k]))
     losses = [
         f"{k.replace('_', ' ')} {_number(summary[k])}"
-        for k in ("test_loss", *train_losses)
+        for k in (*shown, *train_losses)
         if k in summary and k != headline.summary_key
     ]
     headline_part = f"{what} {headline.shown(summary[key])}{raw} " if key in summary else ""
@@ -79,6 +81,11 @@ def summary_line(experiment: str, summary: dict[str, Any], run: RunDir, headline
         f"at step {summary['step']}{early}, {summary['wall_seconds']:.1f} s\nrun directory: {run.path} "
         "(learning curves: curves.png)"
     )
+
+
+def _test_number(key: str, value: Any) -> bool:
+    """Whether `key` is a number of the test evaluation, of the model the run stands for."""
+    return key.startswith("test_") and not key.startswith(("test_raw_", "test_member_")) and isinstance(value, float)
 
 
 def _number(value: Any) -> str:

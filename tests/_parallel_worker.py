@@ -11,7 +11,7 @@ goes through `research.experiment.run_experiment`, so it writes a normal run dir
 import dataclasses
 import functools
 import sys
-from typing import Literal
+from typing import ClassVar, Literal
 
 from jaxtyping import install_import_hook
 
@@ -29,6 +29,7 @@ with install_import_hook("research", "beartype.beartype"):  # the same shape che
     from research.nn import MLP, BatchNorm
     from research.parallel import batch_axis_name, exit_together, setup_devices
     from research.per_example import DPSGDLoss
+    from research.services import Headline
     from research.train import SupervisedStep, TrainState, classification_loss
     from research.typing import Array, Float, PRNGKeyArray
 
@@ -69,6 +70,7 @@ class WorkerTraining(Training):
 
 @dataclasses.dataclass(frozen=True)
 class Config(TrainConfig):
+    headline: ClassVar[Headline] = Headline("accuracy")
     training: WorkerTraining = group(WorkerTraining)
     model: Literal["mlp", "batchnorm", "dpsgd", "wide"] = option(
         "mlp",

@@ -10,12 +10,15 @@ import importlib.util
 import json
 from pathlib import Path
 
+import equinox as eqx
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from research.cli import RunConfig, main_entry
 from research.data import DeviceLoader, XORDataset
 from research.services import RunDir
+from research.train import Step, SupervisedStep
 
 ROOT = Path(__file__).parent.parent
 spec = importlib.util.spec_from_file_location("xor_experiment_bad_input", ROOT / "experiments" / "xor.py")
@@ -80,6 +83,33 @@ def unlabelled_test_data(tmp_path, monkeypatch):
         return dataclasses.replace(made, eval_data=DeviceLoader(test.host.inputs, None, test.batch_size, shuffle=False))
 
     monkeypatch.setattr(xor, "setup", setup)
+
+
+class BrokenStep(Step):
+    """xor's `SupervisedStep` with its result broken as `how` says: what the engine refuses before any step."""
+
+    how: str = eqx.field(static=True)
+    finite_metrics: tuple[str, ...] = eqx.field(static=True, default=("loss", "grad_norm"))
+
+    def __call__(self, state, batch, key, global_batch):
+        new, metrics = SupervisedStep()(state, batch, key, global_batch)
+        if self.how == "vector":
+            metrics = {**metrics, "loss": jnp.stack([metrics["loss"], metrics["loss"]])}
+        if self.how == "ema":  # as steps did before the engine kept the EMA
+            new = dataclasses.replace(new, ema=new.ema.update((new.model, new.model_state))[0])
+        return new, metrics
+
+
+def swap_step(step):
+    def swap(tmp_path, monkeypatch):
+        built = xor.setup
+        monkeypatch.setattr(xor, "setup", lambda config: dataclasses.replace(built(config), step=step))
+
+    return swap
+
+
+def no_headline(tmp_path, monkeypatch):
+    monkeypatch.setattr(xor.Config, "headline", None)
 
 
 def swap_dataset(cls):
@@ -164,6 +194,30 @@ CASES = [
         "mnist1d",
     ),
     ("EMA decay of 1 or more", ["--ema-decay", "1.5"], "--ema-decay must be in [0, 1) (got 1.5)", None, "mnist1d"),
+    (
+        "an experiment without a headline",
+        [],
+        "declares no headline, the number its runs are judged by",
+        no_headline,
+    ),
+    (
+        "step metrics that are not scalars",
+        [],
+        r"the step BrokenStep's metrics must each be a float32 scalar: loss is float32[2]",
+        swap_step(BrokenStep("vector")),
+    ),
+    (
+        "a step without its finite metrics",
+        [],
+        "the step BrokenStep declares finite_metrics ['loss', 'gradient_norm'], but its metrics",
+        swap_step(BrokenStep("none", ("loss", "gradient_norm"))),
+    ),
+    (
+        "a step that moves the EMA itself",
+        ["--ema-decay", "0.5"],
+        "the step changed state.ema, but the engine moves the EMA after every step",
+        swap_step(BrokenStep("ema")),
+    ),
 ]
 
 

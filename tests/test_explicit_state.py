@@ -182,7 +182,7 @@ def test_ema_follows_training_without_changing_it_and_is_what_fit_evaluates(load
     expected = jax.tree.map(
         lambda *w: sum(c * np.asarray(x, np.float64) for c, x in zip(weights, w, strict=True)) / weights.sum(), *models
     )
-    averaged_model, averaged_state = state.averaged_model()
+    averaged_model, averaged_state = state.averaged().model, state.averaged().model_state
     for x, y in zip(jax.tree.leaves(eqx.filter(averaged_model, eqx.is_array)), jax.tree.leaves(expected), strict=True):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
     assert running_statistics(averaged_state)[0] == 12  # the counter follows; the statistics are averaged
@@ -256,7 +256,7 @@ def test_an_experiment_with_ema_reports_both_models_and_resumes_bitwise(tmp_path
         tmp_path / "straight/checkpoints/step_000000076", xor.build_state(config).with_ema(config.ema.ema_decay)
     )
     test = DeviceLoader.from_dataset(xor.XORDataset(500, seed=123), 128, shuffle=False)
-    assert evaluate(*restored.averaged_model(), test) == {
+    assert evaluate(restored.averaged().model, restored.averaged().model_state, test) == {
         "loss": summary["test_loss"],
         "accuracy": summary["test_accuracy"],
     }

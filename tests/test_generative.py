@@ -118,7 +118,7 @@ def test_a_gan_run_trains_both_networks_and_reports_the_frechet_distance_of_its_
     assert matplotlib.image.imread(path / "samples.png").shape[:2] == grid_size(64)
     assert (path / "curves.png").exists()
     # Two discriminator updates a step: its Adam has counted 200, the generator's 100.
-    assert int(state.d_opt_state.count) == 200 and int(state.g_opt_state.count) == 100
+    assert int(state.discriminator.opt_state.count) == 200 and int(state.generator.opt_state.count) == 100
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ from research.experiment import load_experiment, load_run
 from research.population import evaluate_population
 from research.services import checkpoint_digest, tree_digest
 from research.train import evaluate
+from research.train.evaluation import averaged_and_raw
 
 xor = load_experiment("xor")
 
@@ -120,7 +121,7 @@ def test_a_loaded_ensemble_is_its_stacked_population(tmp_path, monkeypatch, mnis
 
     assert loaded.step == summary["step"] == 40 and loaded.state.step.shape == (3,)
     assert serialised(loaded.state) == payload(loaded.checkpoint)
-    metrics, raw = evaluate_population(loaded.state, loaded.setup.eval_data)
+    metrics, raw = averaged_and_raw(evaluate_population, loaded.state, loaded.setup.eval_data)
     assert {f"test_{k}": v for k, v in metrics.items()} == {
         k: summary[k] for k in summary if k.startswith("test_") and not k.startswith("test_raw_")
     }

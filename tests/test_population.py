@@ -113,7 +113,7 @@ def test_a_population_keeps_an_ema_per_member_and_resumes_from_its_checkpoint(xo
         alone = fit(member(states, k), train, num_steps=50, steps_per_call=25, progress=False)
         for a, b in zip(arrays(member(whole.state, k).ema), arrays(alone.state.ema), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-        ema_metrics, _ = evaluate_state(alone.state, test)
+        ema_metrics = evaluate_state(alone.state.averaged(), test)
         assert whole.eval_metrics["member_accuracy"][k] == pytest.approx(ema_metrics["accuracy"], abs=1e-6)
     assert whole.raw_eval_metrics is not None and len(whole.raw_eval_metrics["member_accuracy"]) == 2
     record = run.read_metrics()[-1]

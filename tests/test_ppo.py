@@ -169,7 +169,7 @@ def test_it_learns_cartpole_and_scripts_rollout_plays_the_evaluated_episodes(tmp
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     first = next(r for r in RunDir(tmp_path / "run").read_metrics() if "test/return" in r)
     untrained, _ = ppo.play_episodes(
-        ppo.build_agent(ppo.Config.from_options(), jax.random.key(0)).policy, "CartPole-v1", 16
+        ppo.build_agent(ppo.Config.from_options(), jax.random.key(0)).model, "CartPole-v1", 16
     )
     assert summary["test_return"] > 150 > 4 * float(np.mean(untrained)), (summary, untrained)
     assert first["step"] == 100 and summary["last_100_return"] is not None

@@ -16,8 +16,9 @@ from research.errors import ConfigError
 from research.nn import MLP
 from research.population import stack_states
 from research.provenance import git_state, parameter_counts
+from research.report import summary_line
 from research.run import command
-from research.services import RunDir
+from research.services import Headline, RunDir
 from research.train import TrainState
 
 ROOT = Path(__file__).parent.parent
@@ -217,3 +218,21 @@ def test_scripts_run_names_the_experiments_and_refuses_an_unknown_one_or_run(tmp
     assert result.returncode == 2
     assert result.stderr == f"run: error: --from: no run in {tmp_path}: it has no config.json\n"
     assert command(["xor", "--epochs", "2"]) == (ROOT / "experiments" / "xor.py", ["--epochs", "2"])
+
+
+def test_the_summary_line_shows_the_headline_or_else_the_test_numbers(tmp_path):
+    """A GAN run without a judge reports no fid, its headline: its line shows the test numbers it has."""
+    run = RunDir(tmp_path)
+    common = {"train_d_loss": 1.3, "train_g_loss": 0.75, "step": 24, "wall_seconds": 5.0}
+    held_out = {"test_d_loss": 1.38, "test_d_real": 0.5, "test_raw_d_loss": 1.4, "test_member_d_loss": [1.3, 1.4]}
+    fid = Headline("fid", goal="min", percent=False)
+    line = summary_line("gan", {**common, **held_out}, run, fid).splitlines()[0]
+    assert (
+        line
+        == "gan: (test d loss 1.3800, test d real 0.5000, train d loss 1.3000, train g loss 0.7500) at step 24, 5.0 s"
+    )
+    line = summary_line("gan", {**common, **held_out, "test_fid": 12.5}, run, fid).splitlines()[0]
+    assert line == "gan: test fid 12.5 (train d loss 1.3000, train g loss 0.7500) at step 24, 5.0 s"
+    classifier = {"test_accuracy": 0.5, "test_loss": 0.7, "train_loss": 0.69, "step": 3, "wall_seconds": 1.0}
+    line = summary_line("xor", classifier, run, Headline("accuracy")).splitlines()[0]
+    assert line == "xor: test accuracy 50.00% (test loss 0.7000, train loss 0.6900) at step 3, 1.0 s"

@@ -48,6 +48,7 @@ from typing import Any
 
 from .. import install
 from ..cli import RunConfig, devices_of, parse_config, use_compilation_cache
+from ..config import headline_of
 from ..errors import ConfigError, Preempted, ResearchInputError
 from ..experiment import RUNS_ROOT, experiment_script, load_experiment
 from ..messages import messages_to_stderr
@@ -371,7 +372,7 @@ def sweep(args: Any) -> int:
         raise UsageError("a key is given twice")
     check_passed_flags(args.flags, axes)
     args.sweep_dir = Path(args.sweep_dir or default_sweep_dir(args.experiment, args.search, [a.key for a in axes]))
-    headline = module.Config.headline  # the experiment's own number, unless --metric names another
+    headline = headline_of(module.Config)  # the experiment's own number, unless --metric names another
     args.metric = args.metric or headline.summary_key
     if args.direction is None:
         own = args.metric == headline.summary_key

@@ -20,6 +20,7 @@ from ._global_batch import GlobalBatch
 from ._hooks import Checkpoint, EarlyStopping, Evaluate, NonFiniteGuard, Profile, ShowProgress, Track
 from ._keys import random_normal
 from ._language import NextTokenLoss
+from ._networks import AbstractNetworksState, Network
 from ._rows import Metrics, example_keys
 from ._state import (
     SupervisedStep,
@@ -33,6 +34,7 @@ from ._step import AbstractTrainState, Step, take_step
 
 __all__ = [
     "AbstractBatchLoss",
+    "AbstractNetworksState",
     "AbstractTrainState",
     "Checkpoint",
     "EarlyStopping",
@@ -42,6 +44,7 @@ __all__ = [
     "FitResult",
     "GlobalBatch",
     "Metrics",
+    "Network",
     "NextTokenLoss",
     "NonFiniteGuard",
     "Profile",

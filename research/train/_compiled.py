@@ -22,10 +22,11 @@ from ..debug import RetraceLog
 from ..parallel import Leaves, Placement, one_device
 from ..typing import Array, PyTree
 from ._global_batch import GlobalBatch
+from ._networks import strong
 from ._packing import Packing, describe_spec
 from ._state import SupervisedStep
 from ._stats import Layout, StepMetrics, StepStats, layout_of
-from ._step import AbstractTrainState, Step, all_finite, counted, split_key, take_step
+from ._step import AbstractTrainState, Step, advanced, all_finite, split_key, take_step
 
 
 class CompiledTrainer:
@@ -90,7 +91,7 @@ class CompiledTrainer:
     def leaves(self, state: AbstractTrainState) -> Leaves:
         """The arrays of `state` as `step` and `run` take them (packed when the trainer packs)."""
         dynamic, _ = eqx.partition(state, eqx.is_array)
-        leaves, treedef = jax.tree.flatten(dynamic)
+        leaves, treedef = jax.tree.flatten(strong(dynamic))  # a weakly typed leaf would compile the step again
         if treedef != self._treedef:
             raise ValueError(
                 "this state does not have the structure the trainer was compiled for "
@@ -213,7 +214,7 @@ class CompiledTrainer:
         def apply(s: Any, half_and_key: tuple[Any, Any], metrics: Any) -> tuple[Any, Any]:
             half, key = half_and_key
             new, metrics = step.apply(s, half, metrics)
-            return counted(s, new, key), metrics
+            return advanced(s, new, key), metrics
 
         gradients = eqx.filter_vmap(self.placement.per_device(gradient), in_axes=members)(old, batch)
         return _member_by_member(apply, old, *gradients)

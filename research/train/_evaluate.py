@@ -1,6 +1,6 @@
 """Evaluation: every example of a data set once, in batches of one size (the last one padded and its
-padding masked out), through a per-batch function; and evaluators of a train state, which evaluate the
-model it stands for (the EMA's, when it keeps one) and the trained model beside it."""
+padding masked out), through a per-batch function; evaluators of a train state; and `averaged_and_raw`,
+the one place that hands an evaluator the state with the EMA's weights and, beside it, the trained one."""
 
 import math
 from collections.abc import Callable, Iterable
@@ -20,8 +20,8 @@ from ._state import classification_metrics, forward
 
 # per_batch(model, model_state, batch, mask, key) -> a pytree of arrays (say, sums over the batch's real rows)
 PerBatch = Callable[[Any, Any, Any, Float[Array, " batch"], PRNGKeyArray], PyTree]
-# evaluate(state, data, progress=...) -> (metrics, raw_metrics or None), like `evaluate_state`.
-Evaluator = Callable[..., tuple[dict[str, Any], dict[str, Any] | None]]
+# evaluate(state, data, progress=...) -> metrics of that state (`averaged_and_raw` chooses which weights it holds).
+Evaluator = Callable[..., dict[str, Any]]
 EVAL_SEED = 0  # the root of the keys a per-batch function gets: the same at every evaluation
 
 
@@ -117,18 +117,23 @@ def evaluate(
     return mean_of_sums(results, size)
 
 
-def model_evaluator(evaluate_model: Callable[..., dict[str, Any]]) -> Evaluator:
-    """An evaluator of train states from `evaluate_model(model, model_state, data, progress=...) -> metrics`:
-    `(metrics, raw_metrics)`, `metrics` of the model the state stands for (its EMA `(model, model_state)`
-    when it keeps one, else the trained model) and `raw_metrics` of the trained model when there is an
-    EMA (else `None`). `fit` logs them as `test/...` and `test_raw/...`."""
+def averaged_and_raw(
+    evaluator: Evaluator, state: Any, data: DeviceLoader | HostLoader, *, progress: bool = False
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """`(metrics, raw_metrics)`: `evaluator`'s metrics of the state as the run stands for it (`state.averaged()`:
+    the EMA's weights in place of the trained ones, when it keeps an EMA) and, with an EMA, of the trained
+    state (else `None`); logged as `test/...` and `test_raw/...`. Every evaluation goes through it, so no
+    evaluator chooses between the two itself."""
+    metrics = evaluator(state.averaged(), data, progress=progress)
+    return metrics, None if state.ema is None else evaluator(state, data, progress=progress)
 
-    def evaluator(state: Any, data: DeviceLoader | HostLoader, *, progress: bool = False) -> tuple[dict, dict | None]:
-        raw = evaluate_model(state.model, state.model_state, data, progress=progress)
-        if state.ema is None:
-            return raw, None
-        model, model_state = state.ema.average
-        return evaluate_model(model, model_state, data, progress=progress), raw
+
+def model_evaluator(evaluate_model: Callable[..., dict[str, Any]]) -> Evaluator:
+    """An evaluator of train states from `evaluate_model(model, model_state, data, progress=...) -> metrics`,
+    of the state's `(model, model_state)` (the EMA's, when `averaged_and_raw` hands it the averaged state)."""
+
+    def evaluator(state: Any, data: DeviceLoader | HostLoader, *, progress: bool = False) -> dict[str, Any]:
+        return evaluate_model(state.model, state.model_state, data, progress=progress)
 
     return evaluator
 
@@ -151,14 +156,11 @@ def batch_evaluator(
 def combined_evaluator(*evaluators: Evaluator) -> Evaluator:
     """One evaluator whose metrics are those of `evaluators` together (say a test loss and a Fréchet distance)."""
 
-    def evaluate(state: Any, data: DeviceLoader | HostLoader, *, progress: bool = False) -> tuple[dict, dict | None]:
-        results = [evaluator(state, data, progress=progress) for evaluator in evaluators]
-        raw = None if all(r is None for _, r in results) else {k: v for _, r in results for k, v in (r or {}).items()}
-        return {k: v for metrics, _ in results for k, v in metrics.items()}, raw
+    def evaluate(state: Any, data: DeviceLoader | HostLoader, *, progress: bool = False) -> dict[str, Any]:
+        return {k: v for evaluator in evaluators for k, v in evaluator(state, data, progress=progress).items()}
 
     return evaluate
 
 
 evaluate_state: Evaluator = model_evaluator(evaluate)
-evaluate_state.__doc__ = """`(metrics, raw_metrics)` of a `TrainState` of a classifier: mean loss and accuracy
-(`evaluate`) of the model it stands for (the EMA's when it keeps one) and, with an EMA, of the trained model."""
+evaluate_state.__doc__ = """Mean loss and accuracy (`evaluate`) of a `TrainState` of a classifier."""

@@ -21,7 +21,7 @@ from ..errors import ConfigError, NonFiniteError
 from ..progress import Progress
 from ..services import CheckpointWriter, Headline, RunDir, Tracker
 from ._engine import StepInfo
-from ._evaluate import Evaluator, evaluate_state
+from ._evaluate import Evaluator, averaged_and_raw, evaluate_state
 
 
 @dataclasses.dataclass
@@ -60,7 +60,7 @@ class Evaluate:
     name: str = "test"
 
     def __call__(self, info: StepInfo) -> None:
-        metrics, raw = self.evaluator(info.state, self.data, progress=self.progress)
+        metrics, raw = averaged_and_raw(self.evaluator, info.state, self.data, progress=self.progress)
         info.record.update({f"{self.name}/{k}": v for k, v in metrics.items()})
         info.record.update({f"{self.name}_raw/{k}": v for k, v in (raw or {}).items()})
 

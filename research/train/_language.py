@@ -58,22 +58,15 @@ def _masked_sums(model: eqx.Module, tokens: Array, targets: Array, mask: Array) 
 
 def evaluate_language_model(
     state: TrainState, data: DeviceLoader | HostLoader, *, progress: bool = False, bytes_per_token: float = 1.0
-) -> tuple[dict[str, float], dict[str, float] | None]:
+) -> dict[str, float]:
     """The evaluator of a language model (`Setup.evaluator`, `fit(evaluator=...)`): mean next-token
-    `loss`, `accuracy` and `bits_per_byte` (as `NextTokenLoss` reckons it) over every window of `data`,
-    `(metrics, raw_metrics)` as `evaluate_state` gives them (the EMA model's and the trained one's when the
-    state keeps an EMA)."""
-
-    def measure(model: eqx.Module) -> dict[str, float]:
-        batches, size = padded_batches(data)
-        sums = [
-            _masked_sums(model, jnp.asarray(b.inputs), jnp.asarray(b.labels), jnp.asarray(mask)) for b, mask in batches
-        ]
-        loss, accuracy = np.sum(jax.device_get(sums), axis=0) / size
-        bits_per_byte = float(loss / (LN2 * bytes_per_token))
-        return {"loss": float(loss), "accuracy": float(accuracy), "bits_per_byte": bits_per_byte}
-
-    raw = measure(state.model)
-    if state.ema is None:
-        return raw, None
-    return measure(state.averaged_model()[0]), raw
+    `loss`, `accuracy` and `bits_per_byte` (as `NextTokenLoss` reckons it) of the state's model over every
+    window of `data`."""
+    batches, size = padded_batches(data)
+    sums = [
+        _masked_sums(state.model, jnp.asarray(b.inputs), jnp.asarray(b.labels), jnp.asarray(mask))
+        for b, mask in batches
+    ]
+    loss, accuracy = np.sum(jax.device_get(sums), axis=0) / size
+    bits_per_byte = float(loss / (LN2 * bytes_per_token))
+    return {"loss": float(loss), "accuracy": float(accuracy), "bits_per_byte": bits_per_byte}

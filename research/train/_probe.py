@@ -112,10 +112,10 @@ def knn_accuracy(
 def probe_evaluator(
     features: FeaturesFn, train_data: DeviceLoader | HostLoader, *, classes: int, k: int = 20
 ) -> Evaluator:
-    """An evaluator of train states (`model_evaluator`: the EMA's model too, when the state keeps one) whose
-    metrics are `probe_accuracy` (`linear_probe_accuracy` fitted on the features of every example of
-    `train_data`, measured on those of the evaluation data) and `knn_accuracy` (`knn_accuracy` with `k`
-    neighbours among the same training features). `features(model, model_state, inputs)`: the frozen
+    """An evaluator of train states (`model_evaluator`) whose metrics are `probe_accuracy`
+    (`linear_probe_accuracy` fitted on the features of every example of `train_data`, measured on those of
+    the evaluation data) and `knn_accuracy` (`knn_accuracy` with `k` neighbours among the same training
+    features). `features(model, model_state, inputs)`: the frozen
     encoder's features of a batch of inputs; `train_data` and the evaluation data are labelled batches."""
 
     def evaluate_model(model: Any, model_state: Any, data: DeviceLoader | HostLoader, *, progress: bool = False):

@@ -15,6 +15,7 @@ from ..errors import ConfigError
 from ..state import EMA
 from ..typing import Array, Bool, Float, Int, Integer, KeyData, PRNGKeyArray, PyTree, typecheck
 from ._global_batch import GlobalBatch
+from ._networks import Network, apply_gradient
 from ._precision import InPrecision, Precision
 from ._rows import LossFn, Metrics, example_keys
 from ._step import AbstractTrainState, Step, take_step
@@ -54,43 +55,25 @@ class TrainState(AbstractTrainState):
         model_state: eqx.nn.State | None = None,
         ema_decay: float = 0.0,
     ) -> "TrainState":
-        """A fresh state at step 0; the optimizer is initialised on the model's floating-point arrays.
-        `ema_decay > 0` also keeps a debiased EMA of the model (see `with_ema`)."""
+        """A fresh state at step 0: the one network of an `AbstractNetworksState` (`Network.create`: the
+        optimizer initialised on the model's floating-point arrays, every array strongly typed) in the flat
+        fields every supervised run's checkpoints hold. `ema_decay > 0` also keeps a debiased EMA of the
+        model (see `with_ema`)."""
         if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
             key = jax.random.key_data(key)
+        network = Network.create(model, optimizer, model_state=model_state)
         state = cls(
             step=jnp.zeros((), jnp.int32),
-            model=model,
-            model_state=_strong(model_state),
-            opt_state=optimizer.init(eqx.filter(model, eqx.is_inexact_array)),
+            model=network.model,
+            model_state=network.model_state,
+            opt_state=network.opt_state,
             key=jnp.asarray(key, jnp.uint32),
             optimizer=optimizer,
         )
         return state.with_ema(ema_decay) if ema_decay else state
 
-    def with_ema(self, decay: float, *, debias: bool = True) -> "TrainState":
-        """This state with an EMA of `(model, model_state)` starting here (`decay` in [0, 1)).
-
-        Debiased (the default), the average after `n` more steps is a weighted mean of those `n`
-        models only, so it does not matter where it starts.
-        """
-        return dataclasses.replace(self, ema=EMA.init((self.model, self.model_state), decay, debias=debias))
-
-    def averaged_model(self) -> tuple[eqx.Module, eqx.nn.State | None]:
-        """`(model, model_state)` of the EMA; what evaluation uses when the EMA is on."""
-        if self.ema is None:
-            raise ValueError("this TrainState keeps no EMA of the model; build it with ema_decay > 0 or with_ema(...)")
-        return self.ema.average
-
     def networks(self) -> dict[str, eqx.Module]:
         return {"model": self.model}
-
-
-def _strong(tree: PyTree) -> PyTree:
-    """`tree` with weakly typed arrays made strong (same values and dtypes). Equinox creates some
-    state leaves (BatchNorm's counter) weakly typed, but a checkpoint restores them strong: without
-    this, a resumed run would compile its step again."""
-    return jax.tree.map(lambda x: jnp.asarray(x, dtype=x.dtype) if eqx.is_array(x) and x.weak_type else x, tree)
 
 
 @typecheck
@@ -164,8 +147,8 @@ def classification_loss(
 
 class SupervisedStep(Step):
     """Supervised training, today's step: the gradient of `loss_fn` on the state's model for the global
-    batch, one update of the state's optax optimizer, the EMA's update; metrics are the loss's and
-    `grad_norm`, the global norm of the gradient.
+    batch and one update of the state's optax optimizer (the engine moves the EMA); metrics are the loss's
+    and `grad_norm`, the global norm of the gradient.
 
     **Fields:**
 
@@ -220,21 +203,10 @@ class SupervisedStep(Step):
     def apply(
         self, state: "TrainState", gradient: tuple[PyTree, Any], metrics: Metrics
     ) -> tuple["TrainState", Metrics]:
-        """The second half: the optimizer's update, the EMA's, and the metrics with `grad_norm`."""
+        """The second half: the optimizer's update, and the metrics with `grad_norm`."""
         grads, model_state = gradient
-        params = eqx.filter(state.model, eqx.is_inexact_array)
-        updates, opt_state = state.optimizer.update(grads, state.opt_state, params)
-        model = eqx.apply_updates(state.model, updates)
-        ema = None if state.ema is None else state.ema.update((model, model_state))[0]
-        new_state = TrainState(
-            step=state.step,
-            model=model,
-            model_state=model_state,
-            opt_state=opt_state,
-            key=state.key,
-            optimizer=state.optimizer,
-            ema=ema,
-        )
+        model, opt_state = apply_gradient(state.optimizer, state.model, grads, state.opt_state)
+        new_state = dataclasses.replace(state, model=model, model_state=model_state, opt_state=opt_state)
         return new_state, {**metrics, "grad_norm": optax.tree.norm(grads)}
 
 
@@ -253,7 +225,7 @@ def train_step(
     loss's own `value_and_grad`, when it has one, as DP-SGD's does); metrics gain `grad_norm`, the
     global norm of the gradient. The step's key is split from `state.key` (so no two steps share
     dropout masks) and the new model state (BatchNorm statistics) comes out of the loss. When
-    `state.ema` is set, it is updated with the new `(model, model_state)`.
+    `state.ema` is set, `take_step` moves it to the new `(model, model_state)`.
 
     `axis_name` names a device axis (`jax.pmap`) over which `batch` is split: the gradient and the
     metrics are combined over it as the loss says (`loss_value_and_grad`), and each example keeps the

@@ -35,9 +35,6 @@ class Layout:
 
 def layout_of(shapes: dict[str, Any], finite: tuple[str, ...]) -> Layout:
     """The `StepStats` layout of a step's metrics (arrays or `jax.ShapeDtypeStruct`s) and its `finite_metrics`."""
-    missing = [name for name in finite if name not in shapes]
-    if missing:
-        raise ValueError(f"the step declares finite_metrics {list(finite)}, but its metrics lack {missing}")
     return Layout(tuple((name, tuple(value.shape)) for name, value in sorted(shapes.items())), tuple(finite))
 
 

@@ -1,19 +1,20 @@
 """The step as a value: a `Step` is how one training step changes a state, passed to the engine by the
 experiment; an `AbstractTrainState` is what the engine needs of that state.
 
-The engine owns the two things every state has: the step counter and the key. `take_step` splits the
-state's key into the next state's key and this step's key, calls the step with this step's key, and
-counts the step; the step changes everything else (models, optimizer states, an EMA, a rollout). So a
-step is a pure function of (state, batch, key), the single source of truth for resume, and the engine
-can vmap it (a population), place it (one device, pmap, a mesh, FSDP), skip it when it goes non-finite
-and checkpoint its state, whatever it holds.
+The engine owns what every state has: the step counter, the key and the EMA. `take_step` splits the
+state's key into the next state's key and this step's key, calls the step with this step's key, counts
+the step and moves the EMA (when the state keeps one) to the new model; the step changes everything else
+(models, optimizer states, a rollout). So a step is a pure function of (state, batch, key), the single
+source of truth for resume, and the engine can vmap it (a population), place it (one device, pmap, a
+mesh, FSDP), skip it when it goes non-finite and checkpoint its state, whatever it holds.
 
 Supervised training is one step (`research.train.SupervisedStep`); a GAN's alternating updates are
 another (`experiments/gan.py`).
 """
 
 import abc
-from typing import Any
+import dataclasses
+from typing import Any, TypeVar
 
 import equinox as eqx
 import jax
@@ -26,23 +27,27 @@ from ._global_batch import GlobalBatch
 from ._keys import split_key_data
 from ._rows import Metrics
 
+State = TypeVar("State", bound="AbstractTrainState")
+
 
 class AbstractTrainState(eqx.Module):
     """What the engine needs of a training state (an `eqx.Module`; subclass it with the fields a step
-    carries: models, optimizer states, anything else).
+    carries: models, optimizer states, anything else; `research.train.AbstractNetworksState` derives all
+    but the fields from named networks).
 
     **Fields every state has:**
 
     - `step`: the number of steps taken (`Int[Array, ""]`); the engine counts it.
     - `key`: raw PRNG key data (`jax.random.key_data`, so that it serialises), split by the engine once a step.
-    - `ema`: `None`, or an `research.state.EMA` of `(model, model_state)`, updated by the step; what is
-      evaluated, exported and sampled when it is there (`--ema-decay`).
+    - `ema`: `None`, or an `research.state.EMA` of `(model, model_state)`, which the engine moves after every
+      step; what is evaluated, exported and sampled when it is there (`--ema-decay`).
     - `model`, `model_state`: the model the run trains for (evaluated, exported, sampled: a GAN's
       generator) and its `eqx.nn.State` (or `None`); a field or a property.
 
     **Methods:**
 
     - `with_ema(decay)`: this state with an EMA of `(model, model_state)` starting here.
+    - `averaged()`: this state as evaluation sees it, the EMA's weights in place of the trained ones.
     - `networks()`: every trained network by name (`{"generator": ..., "discriminator": ...}`), whose
       parameters a run's config.json counts.
     """
@@ -53,11 +58,27 @@ class AbstractTrainState(eqx.Module):
     model: eqx.AbstractVar[Any]
     model_state: eqx.AbstractVar[Any]
 
-    @abc.abstractmethod
-    def with_ema(self, decay: float) -> "AbstractTrainState": ...
+    def with_ema(self: State, decay: float, *, debias: bool = True) -> State:
+        """This state with an EMA of `(model, model_state)` starting here (`decay` in [0, 1)).
+
+        Debiased (the default), the average after `n` more steps is a weighted mean of those `n`
+        models only, so it does not matter where it starts.
+        """
+        return dataclasses.replace(self, ema=EMA.init((self.model, self.model_state), decay, debias=debias))
+
+    def averaged(self: State) -> State:
+        """This state with the EMA's `(model, model_state)` in place of the trained ones: what evaluation,
+        sampling and export see when the state keeps an EMA (itself when it keeps none)."""
+        if self.ema is None:
+            return self
+        return eqx.tree_at(lambda s: (s.model, s.model_state), self, self.ema.average, is_leaf=_is_none)
 
     @abc.abstractmethod
     def networks(self) -> dict[str, eqx.Module]: ...
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
 
 
 class Step(eqx.Module):
@@ -74,8 +95,8 @@ class Step(eqx.Module):
 
     **`__call__(state, batch, key, global_batch)`:**
 
-    - `state`: an `AbstractTrainState`; return it with everything changed but `step` and `key` (the
-      engine counts the step and advances the key).
+    - `state`: an `AbstractTrainState`; return it with everything changed but `step`, `key` and `ema` (the
+      engine counts the step, advances the key and moves the EMA).
     - `batch`: any pytree whose leaves have a leading row axis (this device's rows of the global batch
       when the placement splits it).
     - `key`: this step's key.
@@ -122,17 +143,47 @@ def split_key(key_data: KeyData) -> tuple[KeyData, PRNGKeyArray]:
     return jax.random.key_data(key), step_key
 
 
-def counted(state: Any, new: Any, key: KeyData) -> Any:
-    """`new` (what a step made of `state`) one step on from `state`, with the next key."""
+def advanced(state: Any, new: Any, key: KeyData) -> Any:
+    """`new` (what a step made of `state`) one step on from `state`: counted, with the next key, and its EMA
+    (when it keeps one) moved to its new `(model, model_state)`. The engine keeps the EMA so that no step can
+    forget it (its evaluations would silently be of the first weights); a step that moved it itself would
+    move it twice, and is refused."""
+    if new.ema is not None:
+        if any(a is not b for a, b in zip(jax.tree.leaves(new.ema), jax.tree.leaves(state.ema), strict=False)):
+            raise ConfigError(
+                "the step changed state.ema, but the engine moves the EMA after every step: return the state's "
+                "ema as the step received it"
+            )
+        new = eqx.tree_at(lambda s: s.ema, new, new.ema.update((new.model, new.model_state))[0])
     return eqx.tree_at(lambda s: (s.step, s.key), new, (state.step + 1, key))
 
 
 def take_step(step: Step, state: Any, batch: PyTree, global_batch: GlobalBatch) -> tuple[Any, Metrics]:
     """One step of `step` on `state`: the state's key split, the step taken with this step's key, the
-    step counted (`counted`)."""
+    step counted and the EMA moved (`advanced`)."""
     key, step_key = split_key(state.key)
     new, metrics = step(state, batch, step_key, global_batch)
-    return counted(state, new, key), metrics
+    check_metrics(type(step).__name__, metrics, step.finite_metrics)
+    return advanced(state, new, key), metrics
+
+
+def check_metrics(step: str, metrics: Any, finite: tuple[str, ...]) -> None:
+    """Refuse, while the first step is traced (before any work), metrics the engine cannot keep as the step's
+    numbers: a dict of float32 scalars by name (one member's, in a population) holding every name of `finite`."""
+    if not isinstance(metrics, dict) or not all(isinstance(name, str) for name in metrics):
+        raise ConfigError(f"the step {step} returned {type(metrics).__name__} metrics: return a dict of them by name")
+    wrong = [
+        f"{name} is {jnp.result_type(value)}{list(jnp.shape(value))}"
+        for name, value in sorted(metrics.items())
+        if jnp.result_type(value) != jnp.float32 or jnp.shape(value) != ()
+    ]
+    if wrong:
+        raise ConfigError(f"the step {step}'s metrics must each be a float32 scalar: {', '.join(wrong)}")
+    missing = [name for name in finite if name not in metrics]
+    if missing:
+        raise ConfigError(
+            f"the step {step} declares finite_metrics {list(finite)}, but its metrics {sorted(metrics)} lack {missing}"
+        )
 
 
 def all_finite(metrics: dict[str, Array], names: tuple[str, ...]) -> Array:
