@@ -329,6 +329,7 @@ def test_a_tracker_without_its_library_is_refused_in_one_line_naming_the_install
     "module, flag, instead",
     [
         ("wandb", "--tracker wandb", "give --tracker another value"),
+        ("mlflow", "--tracker mlflow", "give --tracker another value"),
         ("tensorboardX", "--tensorboard", "pass --no-tensorboard"),
     ],
 )
@@ -354,10 +355,15 @@ def test_a_tracker_of_the_run_missing_at_resume_is_refused_in_one_line_before_an
     )
     assert err.endswith(f"; to resume without it, {instead}\n")
     assert os.listdir(tmp_path / "r") == ["config.json"]
-    without = {"wandb": ["--tracker", "mlflow"], "tensorboardX": ["--no-tensorboard"]}[module]
+    without = {
+        "wandb": ["--tracker", "mlflow"],
+        "mlflow": ["--tracker", "wandb"],
+        "tensorboardX": ["--no-tensorboard"],
+    }[module]
     tracking = parse_config(xor.Config, ["--run-dir", "r", "--resume", *without], prog="xor.py").tracking
     assert (tracking.tracker, tracking.tensorboard) == {
         "wandb": ("mlflow", True),
+        "mlflow": ("wandb", True),
         "tensorboardX": ("wandb,mlflow", False),
     }[module]
 
