@@ -146,6 +146,9 @@ def test_a_skeleton_of_shapes_alone_restores_the_same_arrays_and_is_checked_alik
         assert tree_digest(restored) == tree_digest(saved)
     with pytest.raises(CheckpointError, match=r"saved \(8, 2\) float32, expected \(16, 2\) float32"):
         load_checkpoint(tmp_path / "a", eqx.filter_eval_shape(make_state, 0, 16))
+    for path in (tmp_path / "a", tmp_path / "old.ckpt"):  # while JAX traces (a skeleton that restores another run)
+        inside = eqx.filter_eval_shape(lambda path=path: tree_digest(load_checkpoint(path, abstract)[0]))
+        assert inside == tree_digest(saved)  # restored concretely, a constant of the trace
 
 
 def test_a_single_file_checkpoint_of_the_earlier_format_still_loads(tmp_path):

@@ -230,12 +230,15 @@ def load_checkpoint(
         differences = _describe_differences(header["leaves"], leaf_summary(skeleton))
         if differences:
             raise CheckpointError(f"checkpoint {path} is of a different architecture: {differences}")
-    if single_file:
-        return _single_file.deserialise(path, payload, skeleton), header
-    arrays, rest = eqx.partition(skeleton, is_array_leaf)
-    leaves, treedef = jax.tree.flatten(arrays)
-    restored = _restore(path, leaves, sharding, array_names(skeleton) if named else None)
-    return eqx.combine(jax.tree.unflatten(treedef, restored), rest), header
+    # Concrete arrays even when called while JAX traces (a skeleton traced for its shapes, `load_run`'s, whose
+    # model starts from another run's checkpoint: `--init-from RUN_DIR`).
+    with jax.ensure_compile_time_eval():
+        if single_file:
+            return _single_file.deserialise(path, payload, skeleton), header
+        arrays, rest = eqx.partition(skeleton, is_array_leaf)
+        leaves, treedef = jax.tree.flatten(arrays)
+        restored = _restore(path, leaves, sharding, array_names(skeleton) if named else None)
+        return eqx.combine(jax.tree.unflatten(treedef, restored), rest), header
 
 
 def tree_digest(tree: Any) -> str:
