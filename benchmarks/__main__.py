@@ -21,6 +21,7 @@ CASES = {
     "j": "deterministic",
     "k": "generative",
     "l": "ppo",
+    "m": "startup",
 }
 
 
@@ -55,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         _population,
         _ppo,
         _report,
+        _startup,
         _xor,
     )
 
@@ -71,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         "deterministic": _deterministic,
         "generative": _generative,
         "ppo": _ppo,
+        "startup": _startup,
     }
     start = time.perf_counter()
     info = _report.machine()

@@ -215,7 +215,26 @@ def targets(results: dict) -> list[tuple[str, str, str, bool | None]]:
                 r >= 1,
             )
         )
+    if "startup" in results:
+        run, sample = (_wall_and(results["startup"][key]) for key in ("run", "sample"))
+        training = run["compilation (a cache hit: tracing, loading)"] + run["training, evaluation, checkpoints"]
+        ratio = run["wall time"] / training
+        rows.append(
+            (
+                "(m) a second `xor --epochs 3` run: its wall time vs its training (issue 58)",
+                "<= 2x",
+                f"{ratio:.1f}x ({run['wall time']:.1f} s, training {training:.1f} s)",
+                ratio <= 2,
+            )
+        )
+        wall = sample["wall time"]
+        rows.append(("(m) `research sample` of a finished lm run (issue 58)", "< 10 s", f"{wall:.1f} s", wall < 10))
     return rows
+
+
+def _wall_and(timings: list[Timing]) -> dict[str, float]:
+    """Each phase's median seconds by name."""
+    return {t.name: t.median for t in timings}
 
 
 def write_markdown(path: Path, results: dict, info: dict, quick: bool, seconds: float, findings: str) -> None:
@@ -406,6 +425,8 @@ def write_markdown(path: Path, results: dict, info: dict, quick: bool, seconds: 
         lines += _generative_section(results["generative"])
     if "ppo" in results:
         lines += _ppo_section(results["ppo"])
+    if "startup" in results:
+        lines += _startup_section(results["startup"])
     lines += ["", findings.strip(), ""]
     path.write_text("\n".join(lines))
 
@@ -588,6 +609,43 @@ def _ppo_section(l_: dict) -> list[str]:
     if l_.get("peer"):
         lines += ["", f"- {l_['peer']}"]
     return lines
+
+
+def _startup_section(m: dict) -> list[str]:
+    def table(timings: list[Timing], first: list[Timing], unit: str, first_name: str) -> list[str]:
+        wall = timings[-1].median
+        rows = [
+            f"| phase | {unit} (median) | IQR | of the wall time | {first_name} |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for t, f in zip(timings, first, strict=True):
+            q1, q3 = t.quartiles
+            rows.append(
+                f"| {t.name} | {_fmt_seconds(t.median)} | {_fmt_seconds(q1)} - {_fmt_seconds(q3)} | "
+                f"{100 * t.median / wall:.0f}% | {_fmt_seconds(f.median)} |"
+            )
+        return rows
+
+    return [
+        "",
+        "## (m) How fast a small run starts: a second run, and a sample of a finished one",
+        "",
+        f"`research run xor --epochs 3 --no-progress` ({m['steps']} steps) run a second time, each in a fresh "
+        "process (`python -m benchmarks._startup_probe`, which runs the command as `research` does and notes when "
+        "each phase ends) with the compilation cache the first run filled (a scratch directory, "
+        f"`$RESEARCH_COMPILATION_CACHE_DIR`); median of {m['repeats']} runs, the first run beside. "
+        "Compilation is `Engine.fit`'s calls up to its first stop (`compile_seconds`: tracing, lowering, then "
+        "the cache's program or XLA's); training the rest of `fit` (the steps, the evaluations, the checkpoints); "
+        "exit is from the command's return to the process's end.",
+        "",
+        *table(m["run"], m["first_run"], "second run", "first run"),
+        "",
+        f"`research sample RUN_DIR` (256 bytes, generated twice: the first call compiles) of a finished `research "
+        f"run {' '.join(m['lm'])}`, in a fresh process; median of {m['repeats']} samples after the first, which "
+        "compiles the generation loop into the cache (beside).",
+        "",
+        *table(m["sample"], m["first_sample"], "a sample", "first sample"),
+    ]
 
 
 def write_chart(path: Path, results: dict) -> str | None:

@@ -37,6 +37,7 @@ class Timing:
             "min": min(self.seconds),
             "max": max(self.seconds),
             "repeats": len(self.seconds),
+            "seconds": list(self.seconds),
             "note": self.note,
             **self.extra,
         }

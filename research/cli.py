@@ -21,7 +21,6 @@ the flags given again may change only the `resumable` ones.
 
 import contextlib
 import dataclasses
-import difflib
 import functools
 import importlib.util
 import inspect
@@ -66,6 +65,7 @@ from .config import (
     check_option,
     check_resumable,
     closed_unit_interval,
+    config_name,
     devices_of,
     ema_of,
     flag_name,
@@ -82,6 +82,7 @@ from .config import (
     strip_optional,
     tracking_of,
     unit_interval,
+    unknown_options,
 )
 from .errors import ConfigError, Preempted, ResearchInputError
 from .install import command
@@ -327,10 +328,20 @@ def _parsed(config_class: type, args: list[str], prog: str, defaults: dict[str, 
             raise
         raise _Refused(_missing_value(args, config_class)) from None
     flat = flat_options(config_class, typing.cast(dict[str, Any], values))
-    refusal = _bad_values(flat) or (f"unrecognized arguments: {' '.join(unknown)}" if unknown else None)
+    refusal = _bad_values(flat) or (_unrecognized(unknown, config_class, prog) if unknown else None)
     if refusal:
         raise _Refused(refusal)
     return flat
+
+
+def _unrecognized(unknown: list[str], config_class: type, prog: str) -> str:
+    """The refusal of what tyro did not take: flags the config does not have (as `Options.from_dict` and
+    config files say it), else the stray words."""
+    flags = [arg.partition("=")[0] for arg in unknown if arg.startswith("--")]
+    if not flags:
+        return f"unrecognized arguments: {' '.join(unknown)}"
+    names = [flag.removeprefix("--").replace("-", "_") for flag in dict.fromkeys(flags)]
+    return unknown_options(names, option_fields(config_class), config_name(config_class), spell=flag_name)
 
 
 def run_to_restore(resume: Any, run_dir: str | None, experiment: str | None) -> Path | None:
@@ -447,11 +458,10 @@ def _file_options(config_class: type, path: Path, prog: str, label: str) -> dict
     """`read_config_file`'s options as the options' types hold them; an option `config_class` lacks is refused."""
     values = read_config_file(path, config_class, _experiment_of(prog), label)
     fields = option_fields(config_class)
+    unknown = [key for key in values if key not in fields]
+    if unknown:
+        raise ConfigError(f"{label}: {unknown_options(unknown, fields, config_name(config_class))}")
     for key in values:
-        if key not in fields:
-            close = difflib.get_close_matches(key, fields, n=1)
-            hint = f" (did you mean {close[0]}?)" if close else f"; its options: {', '.join(sorted(fields))}"
-            raise ConfigError(f"{label}: '{key}' is not an option of {Path(prog).stem}{hint}")
         values[key] = _from_file(values[key], fields[key][1])
     return values
 

@@ -35,11 +35,14 @@ these classes by `research.cli`.
 """
 
 import dataclasses
+import difflib
 import functools
 import json
+import sys
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Literal, Protocol, TypeVar
 
 from .errors import ConfigError
@@ -103,6 +106,28 @@ def flag_name(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
 
 
+def config_name(config_class: type) -> str:
+    """What messages call a config class: its experiment's name for an experiment's `Config` (`xor`), else
+    the class's name (`TrainConfig`)."""
+    if config_class.__name__ != "Config":
+        return config_class.__qualname__
+    script = getattr(sys.modules.get(config_class.__module__), "__file__", None)  # the experiment's script
+    return Path(script).stem if script else config_class.__module__.rpartition(".")[2]
+
+
+def unknown_options(unknown: Sequence[str], known: Iterable[str], owner: str, spell: Callable[[str], str] = str) -> str:
+    """The one message for options that `owner` (an experiment) does not have, wherever they were given,
+    each spelled as it was (`spell`: `flag_name` for flags): `--epoch is not an option of xor (did you mean
+    --epochs?)` on the command line, `epoch is not an option of xor (did you mean epochs?)` from Python or
+    a config file; with no close name, the options instead."""
+    known = sorted(known)
+    close = {name: difflib.get_close_matches(name, known, n=1) for name in unknown}
+    several = len(unknown) > 1
+    meant = [spell(match[0]) + (f" for {spell(name)}" if several else "") for name, match in close.items() if match]
+    tail = f" (did you mean {', '.join(meant)}?)" if meant else f"; its options: {', '.join(map(spell, known))}"
+    return f"{', '.join(map(spell, unknown))} {'are not options' if several else 'is not an option'} of {owner}{tail}"
+
+
 def group(group_class: type) -> Any:
     """A config field holding an option group, built with its defaults unless given."""
     return dataclasses.field(default_factory=group_class, metadata={"group": True})
@@ -152,9 +177,9 @@ class Options:
         JSON) becomes a tuple, and recipe options are resolved (`Recipes`). `ConfigError` names any key
         that is not an option."""
         flat = flat_options(cls, values)
-        unknown = sorted(set(flat) - set(option_fields(cls)))
+        unknown = [name for name in flat if name not in option_fields(cls)]
         if unknown:
-            raise ConfigError(f"{', '.join(unknown)}: not options of {cls.__module__}.{cls.__qualname__}")
+            raise ConfigError(unknown_options(unknown, option_fields(cls), config_name(cls)))
         config = _build(cls, flat)
         if isinstance(config, Recipes):
             return config.resolved()
@@ -168,9 +193,9 @@ class Options:
     def replace(self: OptionsT, **options: Any) -> OptionsT:
         """This config with some options (by name, whatever group holds them) changed; recipes are not
         resolved again (`dataclasses.replace` for a config of groups)."""
-        unknown = sorted(set(options) - set(option_fields(type(self))))
+        unknown = [name for name in options if name not in option_fields(type(self))]
         if unknown:
-            raise ConfigError(f"{', '.join(unknown)}: not options of {type(self).__qualname__}")
+            raise ConfigError(unknown_options(unknown, option_fields(type(self)), config_name(type(self))))
         return _build(type(self), {**self.to_dict(), **options})
 
 

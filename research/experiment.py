@@ -626,7 +626,8 @@ def load_run(run_dir: str | Path, **overrides: Any) -> LoadedRun:
     """The trained model of a run directory, rebuilt in one call without training.
 
     The config comes from `config.json` through the experiment script's `Config`; the skeleton from
-    its `setup(config)` and `initial_state` (with the EMA of `--ema-decay`); the arrays from the newest
+    its `setup(config)` and `initial_state` (with the EMA of `--ema-decay`), traced for its shapes
+    (`eqx.filter_eval_shape`) rather than computed; the arrays from the newest
     valid checkpoint (a damaged newer one is skipped with a warning). `setup` builds the run's data
     too (MNIST-1D from its cache in `--data-dir`, relative to the current directory: generated again
     where it is missing). A tracker whose library is not installed here (`--tracker wandb` trained on a
@@ -657,7 +658,9 @@ def load_run(run_dir: str | Path, **overrides: Any) -> LoadedRun:
     untracked = _untracked(module.Config, saved["config"])
     config = _rebuild_config(module.Config, saved["config"], run.config_file, {**untracked, **overrides})
     setup = module.setup(config)
-    state, header = load_checkpoint(checkpoint, initial_state(setup, ema_of(config)))
+    # The skeleton's shapes only: drawing the step-0 arrays that the checkpoint's replace costs compilations.
+    skeleton = eqx.filter_eval_shape(lambda: initial_state(setup, ema_of(config)))
+    state, header = load_checkpoint(checkpoint, skeleton)
     summary = run.read_summary()
     if summary is not None and summary.get("step") != header["step"]:
         summary = None  # the run ended at a later step whose checkpoint is damaged

@@ -14,12 +14,18 @@
   stderr: what the library printed before it logged, byte for byte (so a warning's text keeps its
   `warning: ` prefix, which a handler that formats the level too shows twice).
 
+A command-line process also skips Python's last garbage collection at exit (`gc.freeze` registered with
+`atexit` by `messages_to_stderr`): it walks every object the imports and JAX made, to free memory the ending
+process gives back anyway, and was a large part of a small run's wall time (`scripts/bench` case (m)).
+
 What stays a `print`: the command line's own output (a summary line on stdout, the one line
 `prog: error: ...` before a non-zero exit, the tools' `sweep: ...` lines), and progress reports
 (`research.progress`).
 """
 
+import atexit
 import contextlib
+import gc
 import logging
 import sys
 from collections.abc import Iterator
@@ -43,6 +49,18 @@ class _CurrentStderr(logging.Handler):
             self.handleError(record)
 
 
+_exit_registered = False
+
+
+def _skip_the_last_collection() -> None:
+    """Register `gc.freeze` to run at exit, once a process. Frozen objects are left out of the collection
+    Python makes as it ends; reference counting still frees the rest, and the exit handlers run as before."""
+    global _exit_registered
+    if not _exit_registered:
+        atexit.register(gc.freeze)
+        _exit_registered = True
+
+
 @contextlib.contextmanager
 def messages_to_stderr() -> Iterator[None]:
     """While open, the `research` logger's messages of level INFO and above are written to the current
@@ -52,7 +70,9 @@ def messages_to_stderr() -> Iterator[None]:
     closing, the logger is as it was, so that running a command in-process (the tests do) leaves no
     handler behind. A decorator too: `@messages_to_stderr()`.
 
-    A level set on the `research` logger beforehand is kept (`WARNING` silences the INFO lines)."""
+    A level set on the `research` logger beforehand is kept (`WARNING` silences the INFO lines). The
+    process, a command line's, skips Python's last garbage collection at exit (the module's docstring)."""
+    _skip_the_last_collection()
     logger = logging.getLogger("research")
     if any(isinstance(handler, _CurrentStderr) for handler in logger.handlers):
         yield

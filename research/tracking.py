@@ -24,6 +24,7 @@ from .services import (
     TensorBoardTracker,
     WandbTracker,
     parse_trackers,
+    summary_metrics,
 )
 
 
@@ -62,11 +63,12 @@ class RunTrackers:
             self.log(record["step"], {k: v for k, v in record.items() if k != "step"})
 
     def close(self, ending: Ending, summary: Mapping[str, Any] | None = None, files: Sequence[Path] = ()) -> None:
-        """Give each tracker the summary and the files that exist, then finish it with `ending`."""
+        """Give each tracker the summary (its metrics under their records' names: `summary_metrics`) and the
+        files that exist, then finish it with `ending`."""
         for tracker in self.trackers.values():
             try:
                 if summary is not None:
-                    tracker.log_summary(summary)
+                    tracker.log_summary(summary_metrics(summary))
                 tracker.log_files([path for path in files if path.is_file()])
             finally:
                 tracker.finish(ending)

@@ -85,3 +85,23 @@ def test_quick_ppo_case_times_the_engine_against_rejax(tmp_path):
         assert [row["name"].split(":")[0] for row in rows] == ["ours", "rejax"][: 1 + have_rejax]
         assert all(row["median"] > 0 and row["repeats"] >= 2 for row in rows)
         assert math.isfinite(rows[0]["episode_return"]) and rows[0]["episode_return"] > 0
+
+
+@pytest.mark.slow
+def test_quick_startup_case_breaks_each_commands_wall_time_into_its_phases(tmp_path):
+    """(m): a second xor run and samples of a finished lm run, each a fresh process, timed phase by phase; the
+    phases of each command follow one another, so they add up to its wall time; the targets are reported."""
+    assert main(["--quick", "--cases", "m", "--out", str(tmp_path)]) == 0
+    report = (tmp_path / "benchmarks.md").read_text()
+    startup = json.loads((tmp_path / "benchmarks.json").read_text())["results"]["startup"]
+    assert "## (m) How fast a small run starts: a second run, and a sample of a finished one" in report
+    assert "| (m) a second `xor --epochs 3` run: its wall time vs its training (issue 58) | <= 2x |" in report
+    assert "| (m) `research sample` of a finished lm run (issue 58) | < 10 s |" in report
+    assert startup["steps"] == 57
+    for key, runs in (("run", 2), ("first_run", 1), ("sample", 2), ("first_sample", 1)):
+        *phases, wall = startup[key]
+        assert wall["name"] == "wall time" and wall["repeats"] == runs and wall["min"] > 0
+        assert all(phase["min"] >= 0 for phase in phases), phases
+        for i in range(runs):  # each run's phases, one after another, make its wall time
+            total = sum(phase["seconds"][i] for phase in phases)
+            assert math.isclose(total, wall["seconds"][i], rel_tol=1e-9), (key, i)

@@ -47,7 +47,7 @@ def test_a_call_trains_the_run_the_command_line_trains_and_returns_it_loaded(tmp
     ("options", "message"),
     [
         ({"epochs": 0}, "--epochs must be positive (got 0)"),
-        ({"epoch": 2}, "epoch: not options of experiments.xor.Config"),
+        ({"epoch": 2}, "epoch is not an option of xor (did you mean epochs?)"),
         ({"loader": "grain"}, "--loader must be one of device, torch (got 'grain')"),
         ({"hidden": "8"}, "--hidden must be int (got '8')"),
     ],

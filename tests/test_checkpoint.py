@@ -131,6 +131,26 @@ def test_a_checkpoint_of_another_architecture_is_refused(tmp_path):
     assert ".model.layers[0].weight: saved (8, 2) float32, expected (16, 2) float32" in str(info.value)
 
 
+def test_a_skeleton_of_shapes_alone_restores_the_same_arrays_and_is_checked_alike(tmp_path):
+    """A skeleton made by `eqx.filter_eval_shape` (no array computed) restores every leaf as a concrete
+    skeleton does, in both formats, and a wrong shape in it is refused the same way."""
+    saved = make_state(seed=1)
+    save_checkpoint(tmp_path / "a", saved, {"step": 0})
+    single_file_checkpoint(tmp_path / "old.ckpt", saved, {"step": 0})
+    abstract = eqx.filter_eval_shape(make_state, 2)
+    leaves = jax.tree.leaves(abstract)
+    assert len(leaves) == len(jax.tree.leaves(saved)) and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+    for path in (tmp_path / "a", tmp_path / "old.ckpt"):
+        restored, _ = load_checkpoint(path, abstract)
+        assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(restored))
+        assert tree_digest(restored) == tree_digest(saved)
+    with pytest.raises(CheckpointError, match=r"saved \(8, 2\) float32, expected \(16, 2\) float32"):
+        load_checkpoint(tmp_path / "a", eqx.filter_eval_shape(make_state, 0, 16))
+    for path in (tmp_path / "a", tmp_path / "old.ckpt"):  # while JAX traces (a skeleton that restores another run)
+        inside = eqx.filter_eval_shape(lambda path=path: tree_digest(load_checkpoint(path, abstract)[0]))
+        assert inside == tree_digest(saved)  # restored concretely, a constant of the trace
+
+
 def test_a_single_file_checkpoint_of_the_earlier_format_still_loads(tmp_path):
     saved = make_state(seed=5)
     path = tmp_path / "old.ckpt"

@@ -107,7 +107,8 @@ def test_an_option_the_experiment_does_not_take_is_refused_and_not_in_its_help(c
     with pytest.raises(SystemExit) as info:
         parse_config(Small, ["--ema-decay", "0.9"], prog="small.py")
     assert info.value.code == 2
-    assert capsys.readouterr().err == "small.py: error: unrecognized arguments: --ema-decay 0.9\n"
+    err = capsys.readouterr().err
+    assert err.startswith("small.py: error: --ema-decay is not an option of Small") and err.count("\n") == 1
 
 
 def test_groups_not_taken_are_absent_and_read_as_their_defaults_only_when_asked_for():
@@ -132,7 +133,9 @@ def test_groups_not_taken_are_absent_and_read_as_their_defaults_only_when_asked_
         (["--batch-size", "many"], "argument --batch-size: invalid int value: 'many'"),
         (["--lr", "fast"], "argument --lr: invalid float value: 'fast'"),
         (["--resume", "maybe"], "argument --resume: invalid choice: 'maybe' (choose from 'auto', 'must', 'never')"),
-        (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--bogus"], "--bogus is not an option of test_cli; its options: --batch-size, --checkpoint-every, "),
+        (["--bogus", "7"], "--bogus is not an option of test_cli"),  # a flag's value: no stray word of its own
+        (["7"], "unrecognized arguments: 7"),
         (["--resume", "auto"], "--resume auto needs --run-dir"),
         (["--devices", "3"], "--batch-size 128 is not divisible by the 3 devices"),
         (["--devices", "2", "--parallel", "none"], "--parallel none trains on one device, not 2"),
@@ -341,7 +344,7 @@ def test_a_config_file_may_nest_options_by_group(tmp_path, capsys):
     (tmp_path / "c.yaml").write_text("training:\n  lr: 0.3\n  batch-size: 64\nepochs: 2\ndevices: {ema_decay: 0.5}\n")
     with pytest.raises(SystemExit):  # ema_decay is not a device option: a group holds its own options only
         parse_config(xor.Config, ["--config", str(tmp_path / "c.yaml")], prog="xor.py")
-    assert "'devices.ema_decay' is not an option of xor" in capsys.readouterr().err
+    assert "devices.ema_decay is not an option of xor" in capsys.readouterr().err
     (tmp_path / "c.yaml").write_text("training:\n  lr: 0.3\n  batch-size: 64\nepochs: 2\nema: {ema_decay: 0.5}\n")
     config = parse_config(xor.Config, ["--config", str(tmp_path / "c.yaml"), "--lr", "0.2"], prog="xor.py")
     assert (config.training.lr, config.training.batch_size, config.epochs, config.ema.ema_decay) == (0.2, 64, 2, 0.5)
@@ -436,3 +439,47 @@ def test_gpu_check_outside_a_checkout_is_one_line_exit_2(capsys, monkeypatch):
     monkeypatch.setattr(install, "checkout", lambda: None)
     code, output = run_command(["gpu-check", "--tiny"], capsys)
     assert code == 2 and output.count("\n") == 1 and "scripts/gpu-check in a checkout" in output, output
+
+
+def test_an_unknown_option_is_one_message_on_the_command_line_from_python_and_in_a_config_file(
+    tmp_path, monkeypatch, capsys
+):
+    """`--epoch`, `epoch=` and `epoch:` (for epochs) are refused by one message, with the option meant, spelled
+    as each was given: a flag, a keyword, a key (and a sweep's axis, a key too)."""
+    import research
+    from research.tools import sweep
+
+    monkeypatch.chdir(tmp_path)
+    experiment = load_experiment("xor")
+    refusals = []
+    for argv in (["--epoch", "3"], ["--epoch=3"]):
+        with pytest.raises(SystemExit):
+            parse_config(experiment.Config, argv, prog="xor.py")
+        refusals.append(capsys.readouterr().err)
+    (tmp_path / "c.yaml").write_text("epoch: 3\n")
+    with pytest.raises(SystemExit):
+        parse_config(experiment.Config, ["--config", "c.yaml"], prog="xor.py")
+    refusals.append(capsys.readouterr().err)
+    for call in (lambda: experiment.Config.from_options(epoch=3), lambda: research.train_experiment("xor", epoch=3)):
+        with pytest.raises(ConfigError) as refused:
+            call()
+        refusals.append(f"{refused.value}\n")
+    with pytest.raises(SystemExit):
+        sweep.main(["xor", "epoch=1,2"])
+    refusals.append(capsys.readouterr().err)
+    message = "epoch is not an option of xor (did you mean epochs?)\n"
+    assert refusals == [
+        f"xor.py: error: {message.replace('epoch', '--epoch')}",
+        f"xor.py: error: {message.replace('epoch', '--epoch')}",
+        f"xor.py: error: --config c.yaml: {message}",
+        message,
+        message,
+        f"sweep: error: {message}",
+    ]
+    assert not (tmp_path / "runs").exists()
+    with pytest.raises(
+        ConfigError, match=r"^epoch, lrr are not options of xor \(did you mean epochs for epoch, lr for"
+    ):
+        experiment.Config.from_options(epoch=3, lrr=0.1)
+    with pytest.raises(ConfigError, match=r"^zzz is not an option of xor; its options: batch_size, checkpoint_every, "):
+        experiment.Config.from_options(zzz=1)

@@ -367,7 +367,7 @@ REFUSALS = (
     Refuses("dp_sgd_oddbatch", "cannot be split evenly over 4 devices", placement="pmap4"),
     Refuses("dp_sgd_oddbatch", "cannot be split evenly over 4 devices", placement="sharded4"),
     # an average of the weights across its rewinds would mean nothing: the option does not exist
-    Refuses("lottery_ticket", "unrecognized arguments: --ema-decay", ema="ema-det"),
+    Refuses("lottery_ticket", "--ema-decay is not an option of lottery_ticket", ema="ema-det"),
     # a member's step is one unrolled run: no rows to split; its members are spread over a mesh's devices
     Refuses("metalearn_lr", "has no batch to split into micro-batches", ema="ema-det"),
     Refuses("metalearn_lr", "spreads its members over the devices of a mesh", placement="pmap4"),

@@ -1,5 +1,6 @@
-"""The persistent compilation cache every experiment script turns on (`research.cli.use_compilation_cache`):
-a second run loads every program it compiles from the cache, and no number changes."""
+"""The persistent compilation cache every experiment script and the tools that load a run turn on
+(`research.cli.use_compilation_cache`): a second run loads every program it compiles from the cache, and no
+number changes."""
 
 import os
 import re
@@ -19,11 +20,16 @@ CACHE_TROUBLE = re.compile(r"Error (reading|writing) persistent compilation cach
 
 
 def run_xor(cwd: Path, cache: Path, *args: str) -> subprocess.CompletedProcess:
+    return run_command(cwd, cache, str(ROOT / "experiments/xor.py"), *ARGS, *args)
+
+
+def run_command(cwd: Path, cache: Path, *argv: str) -> subprocess.CompletedProcess:
+    """`python ARGV` in `cwd` with `cache` as its compilation cache, each program it compiles logged."""
     env = {k: v for k, v in os.environ.items() if k not in ("RESEARCH_COMPILATION_CACHE", "JAX_COMPILATION_CACHE_DIR")}
     env["RESEARCH_COMPILATION_CACHE_DIR"] = str(cache)
     env["JAX_EXPLAIN_CACHE_MISSES"] = "true"  # each program compiled afresh says so, with its cache key
     result = subprocess.run(
-        [sys.executable, str(ROOT / "experiments/xor.py"), *ARGS, *args],
+        [sys.executable, *argv],
         cwd=cwd,
         env=env,
         capture_output=True,
@@ -74,3 +80,20 @@ def test_a_warm_cache_serves_every_program_and_changes_no_number(tmp_path):
     off = run_xor(tmp_path, tmp_path / "unused", "--run-dir", "off", "--no-compilation-cache")
     assert not (tmp_path / "unused").exists() and off.returncode == 0
     assert numbers(tmp_path / "cold") == numbers(tmp_path / "warm") == numbers(tmp_path / "off")
+
+
+@pytest.mark.slow
+def test_the_tools_that_load_a_run_keep_their_programs_in_the_cache_too(tmp_path):
+    """`research sample` of a finished run compiles its generation loop once: a second sample in a fresh
+    process loads every program the first kept."""
+    cache = tmp_path / "cache"
+    (tmp_path / "text.txt").write_bytes(b"the quick brown fox jumps over the lazy dog. " * 200)
+    shape = "--dim 16 --depth 1 --heads 2 --context 16 --batch-size 8 --steps 2 --steps-per-call 2 --log-every 2"
+    run_command(tmp_path, cache, "-m", "research.run", "lm", *shape.split(), "--text", "text.txt", "--run-dir", "lm")
+    trained = entries(cache)
+    first = run_command(tmp_path, cache, "-m", "research.tools.sample", "lm", "--bytes", "16")
+    written = {name.removesuffix("-cache") for name in entries(cache) - trained}
+    assert written and written <= compiled(first)  # the sampling loop, new to the cache
+    second = run_command(tmp_path, cache, "-m", "research.tools.sample", "lm", "--bytes", "16")
+    assert not compiled(second) & written
+    assert second.stdout == first.stdout  # the same bytes, from the same key

@@ -29,7 +29,7 @@ def digits(tmp_path_factory):
     "argv, message",
     [
         (["--precision", "bf16"], "--precision bf16: the loss SimCLRLoss takes its gradients its own way"),
-        (["--clip-norm", "1.0"], "unrecognized arguments: --clip-norm 1.0"),  # DP-SGD's: not an option here
+        (["--clip-norm", "1.0"], "--clip-norm is not an option of contrastive"),  # DP-SGD's: not an option here
         (["--crop-scale", "1.5"], "--crop-scale is a fraction of the image's area, at most 1"),
         (["--batch-size", "2048"], "--batch-size 2048 is more than the 1437 images"),
         (["--grad-accum", "3"], "--batch-size 128 is not divisible by --grad-accum 3"),

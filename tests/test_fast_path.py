@@ -1,6 +1,7 @@
 """The pieces the fast path rewrote for speed compute exactly what the straightforward code does."""
 
 import json
+import logging
 
 import equinox as eqx
 import jax
@@ -174,6 +175,37 @@ def test_packing_round_trips_every_leaf_bitwise_and_leaves_other_dtypes_out_of_t
     for before, after in zip(leaves, jax.jit(packing.unpack)(packed), strict=True):
         assert after.dtype == before.dtype and after.shape == before.shape
         np.testing.assert_array_equal(np.atleast_1d(after).view(np.uint8), np.atleast_1d(before).view(np.uint8))
+
+
+def compiled_programs(fn) -> list[str]:
+    """The programs `fn()` compiles in a process that has compiled nothing yet (its in-memory caches cleared)."""
+    jax.clear_caches()
+    logger, records = logging.getLogger("jax"), []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger.addHandler(handler)
+    try:
+        with jax.log_compiles(True):
+            fn()
+    finally:
+        logger.removeHandler(handler)
+    return [m.split(" ")[1] for m in records if m.startswith("Compiling ")]
+
+
+def test_the_host_side_of_packing_and_an_evaluations_batches_compile_one_program_at_most():
+    """What runs outside the compiled step runs as few programs as it can: every program a process traces,
+    lowers and compiles (or loads from the cache) again, each op run by itself one more; the host packing
+    compiles none, the evaluation batches of a device loader one gather."""
+    leaves = [jnp.float32(-0.5), jnp.asarray([[1.5, np.nan]], jnp.float32), jnp.int32(-7), jnp.asarray([1], jnp.uint16)]
+    packing = Packing.of(leaves)
+    assert compiled_programs(lambda: packing.unpack_on_host(packing.pack_on_host(leaves))) == []
+    for before, after in zip(leaves, packing.unpack_on_host(packing.pack_on_host(leaves)), strict=True):
+        np.testing.assert_array_equal(np.atleast_1d(after).view(np.uint8), np.atleast_1d(before).view(np.uint8))
+    data = DeviceLoader.from_dataset(XORDataset(100, seed=2), 32, shuffle=False)
+    assert compiled_programs(lambda: list(data.padded_batches())) == ["jit(take_rows)"]
+    (inputs, labels), mask = list(data.padded_batches())[-1]
+    np.testing.assert_array_equal(inputs, np.asarray(data.arrays[0])[[96, 97, 98, 99] + [0] * 28])
+    assert mask.tolist() == [1.0] * 4 + [0.0] * 28
 
 
 def test_only_small_states_with_several_32_bit_leaves_are_packed():

@@ -80,7 +80,7 @@ def test_a_job_stopped_by_its_signal_checkpoints_requeues_and_finishes_the_run_b
         "0",
     ]
     module, script = sweep._experiment("xor")
-    axes = [sweep.parse_axis("lr=0.3", sweep.sweepable_fields(module.Config))]
+    axes = [sweep.parse_axis("lr=0.3", sweep.sweepable_fields(module.Config), "xor")]
     runs = [sweep._make_run(script, tmp_path / name, args, axes, {"lr": "0.3"}) for name in ("cut", "straight")]
     [straight] = submit_and_collect(
         runs[1:], "submitit-local", tmp_path / "straight", Options(), wait=True, finished=lambda outcome: None

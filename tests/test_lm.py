@@ -1,6 +1,7 @@
 """The byte-level language model: the model, its text data, its loss and scale tools (gradient
 accumulation, remat, bf16), its evaluator, and the experiment end to end. Tiny models: fast."""
 
+import hashlib
 import json
 import shutil
 import subprocess
@@ -149,6 +150,18 @@ def test_text_windows_split_and_file_order(tmp_path):
     assert bytes(read_text_bytes(tmp_path / "a.txt")) == b"a" * 10
     reference = reference_bits_per_byte(whole[:30], whole[30:])
     assert 0 < reference["zlib"] and reference["unigram"] > 0
+
+
+def test_a_folders_files_come_in_the_order_of_their_paths_hashes_without_skipped_folders(tmp_path):
+    """Every file of the folder and its subfolders, but none under a `__pycache__` or `site-packages` and
+    none through a link to a folder, ordered by the SHA-256 of its path relative to the folder."""
+    files = ["a.py", "b.txt", "sub/c.py", "sub/deeper/d.py", ".hidden/e"]
+    for name in [*files, "__pycache__/x.py", "sub/site-packages/y.py"]:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(name.encode())
+    (tmp_path / "linked").symlink_to(tmp_path / "sub", target_is_directory=True)
+    by_hash = sorted(files, key=lambda name: hashlib.sha256(name.encode()).hexdigest())
+    assert bytes(read_text_bytes(tmp_path)) == "".join(by_hash).encode()
 
 
 def test_default_text_is_the_standard_library():

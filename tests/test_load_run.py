@@ -6,9 +6,11 @@ import json
 import shutil
 import warnings
 
+import jax
 import pytest
 
 import research
+import research.experiment
 from research.errors import CheckpointError
 from research.experiment import load_experiment, load_run
 from research.population import evaluate_population
@@ -61,6 +63,24 @@ def test_a_loaded_xor_run_is_its_last_checkpoint_and_scores_its_summary(tmp_path
     else:
         assert loaded.ema_model is None and loaded.ema_model_state is None
         assert trained == {"loss": summary["test_loss"], "accuracy": summary["test_accuracy"]}
+
+
+def test_loading_computes_no_step_0_state_for_the_checkpoint_to_replace(tmp_path, monkeypatch):
+    """The skeleton is the step-0 state's shapes alone (`eqx.filter_eval_shape`): building it runs no
+    computation, which for a large model is many compilations; the arrays come from the checkpoint."""
+    _, _, path = train_xor(tmp_path, monkeypatch)
+    built = []
+    initial_state = research.experiment.initial_state
+
+    def recorded(*args, **kwargs):
+        state = initial_state(*args, **kwargs)
+        built.append(state.step)
+        return state
+
+    monkeypatch.setattr(research.experiment, "initial_state", recorded)
+    loaded = load_run(path)
+    assert len(built) == 1 and isinstance(built[0], jax.core.Tracer)  # traced for its shapes, never run
+    assert serialised(loaded.state) == payload(loaded.checkpoint)
 
 
 def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(tmp_path, monkeypatch):

@@ -4,6 +4,7 @@ optional package is one line naming the install that fits where the user is."""
 import contextlib
 import io
 import logging
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -65,6 +66,29 @@ def test_a_level_set_beforehand_is_kept_and_it_works_as_a_decorator(capsys):
     assert capsys.readouterr().err == "warning: kept\n"
     command()
     assert capsys.readouterr().err == "resuming\nwarning: kept\n"
+
+
+@pytest.mark.parametrize("command_line", [False, True])
+def test_a_command_line_process_skips_the_last_garbage_collection_at_exit(command_line):
+    """Once `messages_to_stderr` has run (every command does), the process ends without Python's last
+    collection: garbage in a reference cycle is left for the ending process to drop; as a library, not."""
+    code = f"""
+import gc
+from research.messages import messages_to_stderr
+class Cycle:
+    def __del__(self):
+        print("collected", flush=True)
+if {command_line}:
+    with messages_to_stderr():
+        pass
+gc.disable()  # no collection before the exit's
+cycle = Cycle()
+cycle.itself = cycle
+del cycle
+"""
+    ended = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert ended.returncode == 0 and ended.stderr == "", ended.stderr
+    assert ended.stdout == ("" if command_line else "collected\n")
 
 
 def test_as_a_library_info_lines_are_left_to_the_application():

@@ -142,8 +142,8 @@ def test_a_yaml_file_gives_the_defaults_and_flags_override_it(tmp_path, monkeypa
 @pytest.mark.parametrize(
     "text, message",
     [
-        ("lrate: 0.1\n", "--config c.yaml: 'lrate' is not an option of xor; its options: batch_size, "),
-        ("hiden: 4\n", "--config c.yaml: 'hiden' is not an option of xor (did you mean hidden?)"),
+        ("lrate: 0.1\n", "--config c.yaml: lrate is not an option of xor; its options: batch_size, "),
+        ("hiden: 4\n", "--config c.yaml: hiden is not an option of xor (did you mean hidden?)"),
         ("lr: -1\n", "--config c.yaml: --lr must be positive (got -1)"),
         ("loader: disk\n", "--config c.yaml: --loader must be one of device, torch (got 'disk')"),
         ("- 1\n", "--config c.yaml: expected option: value pairs, found a list"),

@@ -34,9 +34,12 @@ def mtimes(paths) -> dict[Path, int]:
     [
         (
             ["lrr=0.1"],
-            "sweep: error: 'lrr' is not an option of this experiment; valid keys: epochs, hidden, train_size, ",
+            "sweep: error: lrr is not an option of xor (did you mean lr?)",
         ),
-        (["run_dir=a,b"], "sweep: error: 'run_dir' is set by the sweep; valid keys: epochs,"),
+        (
+            ["run_dir=a,b"],
+            "sweep: error: run_dir is set by the sweep; the keys it varies: batch_size, checkpoint_every,",
+        ),
         (["lr=0.1,abc"], "sweep: error: lr=abc: argument --lr: invalid float value: 'abc'"),
         (["lr=0.1,-1"], "sweep: error: lr=-1: --lr must be positive (got -1.0)"),
         (["lr=1e-3:1e-1:log"], "sweep: error: lr: a range is for --search random or tpe"),

@@ -17,6 +17,7 @@ from research.data import DeviceLoader, XORDataset
 from research.nn import MLP
 from research.services import (
     JsonlTracker,
+    MlflowTracker,
     MultiTracker,
     RunDir,
     TensorBoardTracker,
@@ -24,6 +25,7 @@ from research.services import (
     read_tensorboard_scalars,
     read_wandb_runs,
     scalars,
+    summary_metrics,
 )
 from research.train import TrainState, fit
 
@@ -210,6 +212,13 @@ def wandb_history(runs):
     return history
 
 
+def assert_one_name_a_metric(names):
+    """No metric under both its record's name and summary.json's (`test/accuracy` and `test_accuracy`)."""
+    summary_names = {name.replace("_", "/", 1) for name in names if "/" not in name}  # test_accuracy: test/accuracy
+    assert not {name for name in names if "/" in name} & summary_names
+    assert not [name for name in names if name.startswith(("test_", "val_", "train_"))], sorted(names)
+
+
 def assert_same_history(got, expected):
     assert sorted(got) == sorted(expected)
     for step, values in expected.items():
@@ -256,10 +265,12 @@ def test_wandb_mlflow_and_tensorboard_hold_every_record_the_summary_and_files_th
     assert [w["exit_code"] for w in wandb_runs] == [143, 0]
     assert_same_history(wandb_history(wandb_runs), expected)
     assert wandb_runs[0]["config"]["lr"] == 0.1 and wandb_runs[0]["config"]["epochs"] == 4
-    assert {k: wandb_runs[-1]["summary"][k] for k in ("test_accuracy", "step")} == {
-        "test_accuracy": pytest.approx(summary["test_accuracy"]),
+    assert {k: wandb_runs[-1]["summary"][k] for k in ("test/accuracy", "step", "wall_seconds")} == {
+        "test/accuracy": pytest.approx(summary["test_accuracy"]),
         "step": 32,
+        "wall_seconds": pytest.approx(summary["wall_seconds"]),
     }
+    assert_one_name_a_metric(wandb_runs[-1]["summary"])
     assert {"config.json", "summary.json", "curves.png"} <= set(wandb_runs[-1]["files"])
 
     uri = saved["trackers"]["mlflow"]["uri"]
@@ -268,8 +279,9 @@ def test_wandb_mlflow_and_tensorboard_hold_every_record_the_summary_and_files_th
     assert found.info.run_id == saved["trackers"]["mlflow"]["run_id"] and found.info.status == "FINISHED"
     assert found.info.run_name == "r" and found.data.params["lr"] == "0.1" and found.data.params["epochs"] == "4"
     history = mlflow_history(uri, found.info.run_id)
-    final = history[32]
-    assert final.pop("test_accuracy") == pytest.approx(summary["test_accuracy"])  # the summary at the last step
+    assert history[32]["test/accuracy"] == pytest.approx(summary["test_accuracy"])  # logged once, by the record
+    assert history[32]["wall_seconds"] == pytest.approx(summary["wall_seconds"])  # the summary's other facts
+    assert_one_name_a_metric(history[32])
     assert_same_history({s: {k: v for k, v in h.items() if k in expected[s]} for s, h in history.items()}, expected)
     from mlflow.tracking import MlflowClient
 
@@ -317,6 +329,7 @@ def test_a_tracker_without_its_library_is_refused_in_one_line_naming_the_install
     "module, flag, instead",
     [
         ("wandb", "--tracker wandb", "give --tracker another value"),
+        ("mlflow", "--tracker mlflow", "give --tracker another value"),
         ("tensorboardX", "--tensorboard", "pass --no-tensorboard"),
     ],
 )
@@ -342,12 +355,53 @@ def test_a_tracker_of_the_run_missing_at_resume_is_refused_in_one_line_before_an
     )
     assert err.endswith(f"; to resume without it, {instead}\n")
     assert os.listdir(tmp_path / "r") == ["config.json"]
-    without = {"wandb": ["--tracker", "mlflow"], "tensorboardX": ["--no-tensorboard"]}[module]
+    without = {
+        "wandb": ["--tracker", "mlflow"],
+        "mlflow": ["--tracker", "wandb"],
+        "tensorboardX": ["--no-tensorboard"],
+    }[module]
     tracking = parse_config(xor.Config, ["--run-dir", "r", "--resume", *without], prog="xor.py").tracking
     assert (tracking.tracker, tracking.tensorboard) == {
         "wandb": ("mlflow", True),
+        "mlflow": ("wandb", True),
         "tensorboardX": ("wandb,mlflow", False),
     }[module]
+
+
+def test_the_summary_reaches_a_tracker_under_its_records_names_and_mlflow_logs_each_once(tmp_path):
+    """summary.json's `test_accuracy` is the records' `test/accuracy`: a tracker gets it under that name, and
+    MLflow, which holds the final record's already, logs at the last step only what the record did not."""
+    summary = {"test_accuracy": 0.75, "test_raw_loss": 0.5, "val_loss": 0.4, "train_loss": 0.25, "step": 8}
+    summary |= {"wall_seconds": 3.0, "test_member_accuracy": [0.5, 1.0], "experiment": "xor"}
+    assert summary_metrics(summary) == {
+        "test/accuracy": 0.75,
+        "test_raw/loss": 0.5,
+        "val/loss": 0.4,
+        "train/loss": 0.25,
+        "step": 8,
+        "wall_seconds": 3.0,
+        "test/member_accuracy": [0.5, 1.0],
+        "experiment": "xor",
+    }
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracker = MlflowTracker(uri, experiment="xor", name="r")
+    tracker.log(4, {"train/loss": 1.0})
+    tracker.log(8, {"train/loss": 0.25, "test/accuracy": 0.75, "test/member_accuracy": [0.5, 1.0]})
+    tracker.log_summary(summary_metrics(summary))
+    tracker.finish()
+    history = mlflow_history(uri, tracker.run_id)  # each (step, name) once, or it fails
+    assert history == {
+        4: {"train/loss": 1.0},
+        8: {
+            "train/loss": 0.25,
+            "test/accuracy": 0.75,
+            "test/member_accuracy/0": 0.5,
+            "test/member_accuracy/1": 1.0,
+            "test_raw/loss": 0.5,
+            "val/loss": pytest.approx(0.4),
+            "wall_seconds": 3.0,
+        },
+    }
 
 
 def test_tracker_names_are_checked_and_tensorboard_is_a_spelling_of_one(capsys):

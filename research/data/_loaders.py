@@ -3,7 +3,6 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ..errors import DataError
@@ -28,6 +27,11 @@ def take_rows(batch: Any, rows: Any) -> Any:
     (`[batch]`, or `[members, batch]` for a population), numpy or jax, traced or not. Every gather of a
     step's batch goes through here."""
     return jax.tree.map(lambda x: x[rows], batch)
+
+
+# `take_rows` of device arrays as one compiled program: run op by op, an indexing is several programs (the
+# indices' upload, their bounds, the gather), each traced and lowered again in every process.
+_gather_rows = jax.jit(take_rows)
 
 
 @runtime_checkable
@@ -308,7 +312,7 @@ class DeviceLoader:
     def step_batch(self, step: int) -> Any:
         """The batch of training step `step`, gathered from the device arrays (one call's worth of
         steps gathers inside the compiled call instead, from `step_indices`)."""
-        return take_rows(self.arrays, self.step_indices(step, 1)[0])
+        return _gather_rows(self.arrays, self.step_indices(step, 1)[0])
 
     def padded_batches(self) -> Iterator[tuple[Any, np.ndarray]]:
         """Every example once, in order, as full-size batches gathered from the device arrays (an evaluation
@@ -316,7 +320,7 @@ class DeviceLoader:
         for start in range(0, self.size, self.batch_size):
             index = np.arange(start, start + self.batch_size)
             mask = index < self.size
-            yield take_rows(self.arrays, jnp.asarray(np.where(mask, index, 0))), mask.astype(np.float32)
+            yield _gather_rows(self.arrays, np.where(mask, index, 0)), mask.astype(np.float32)
 
 
 class ArrayDataset:

@@ -1,7 +1,9 @@
 """Text: the Python standard library's own source (or any file or folder) as bytes, split and windowed; a
 Hugging Face tokenizer between those bytes and token ids."""
 
+import fnmatch
 import hashlib
+import os
 import sysconfig
 import zlib
 from pathlib import Path
@@ -18,9 +20,21 @@ SKIPPED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 def _source_files(folder: Path, pattern: str) -> list[Path]:
     """Files under `folder` matching `pattern` in a fixed shuffled order: sorted by the SHA-256 of their
     relative paths, so that a cap on the bytes and the held-out tail sample the whole folder (sorted by
-    name, the standard library's first 4 MB would end in codec tables: a held-out set unlike the rest)."""
-    files = [p for p in folder.rglob(pattern) if p.is_file() and not SKIPPED_DIRS & set(p.relative_to(folder).parts)]
-    return sorted(files, key=lambda p: hashlib.sha256(p.relative_to(folder).as_posix().encode()).hexdigest())
+    name, the standard library's first 4 MB would end in codec tables: a held-out set unlike the rest).
+
+    The files `folder.rglob(pattern)` finds (symbolic links to folders not followed), listed with
+    `os.walk` and strings rather than a `Path` a file: the standard library holds thousands."""
+    found = []
+    for directory, folders, names in os.walk(folder):
+        relative = os.path.relpath(directory, folder)
+        parts = [] if relative == "." else relative.split(os.sep)
+        if SKIPPED_DIRS.intersection(parts):
+            folders.clear()
+            continue
+        for name in fnmatch.filter(names, pattern) if pattern != "*" else names:
+            if name not in SKIPPED_DIRS and os.path.isfile(os.path.join(directory, name)):
+                found.append("/".join([*parts, name]))
+    return [folder / name for name in sorted(found, key=lambda name: hashlib.sha256(name.encode()).hexdigest())]
 
 
 def read_text_bytes(path: str | Path | None = None, *, max_bytes: int = 4_000_000) -> np.ndarray:

@@ -27,7 +27,7 @@ from ._resnet import ResidualBlock, ResNet1d
 from ._taps import LinearMapObserver, observed_linear_map, observing_linear_maps
 from ._transformer import TransformerBlock, TransformerClassifier
 from ._vit import EncoderBlock, VisionTransformer
-from ._weights import array_names, load_weights, named_arrays, path_name, read_weights, save_weights
+from ._weights import array_names, is_array_leaf, load_weights, named_arrays, path_name, read_weights, save_weights
 
 __all__ = [
     "ActorCritic",
@@ -58,6 +58,7 @@ __all__ = [
     "VisionTransformer",
     "UNet",
     "array_names",
+    "is_array_leaf",
     "build_model",
     "cast_floating",
     "causal_attention",

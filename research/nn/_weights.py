@@ -37,9 +37,16 @@ def path_name(path: tuple[Any, ...]) -> str:
     return ".".join(_dotted(path))
 
 
+def is_array_leaf(leaf: Any) -> bool:
+    """Whether `leaf` is an array or an array's shape and dtype (`jax.ShapeDtypeStruct`, as
+    `eqx.filter_eval_shape` leaves them): what a checkpoint holds, or restores into."""
+    return eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)
+
+
 def array_names(tree: Any) -> list[str]:
-    """The name of every array leaf of `tree`, in the order of `jax.tree.leaves(eqx.filter(tree, eqx.is_array))`."""
-    arrays = eqx.filter(tree, eqx.is_array)
+    """The name of every array leaf of `tree` (`is_array_leaf`: abstract ones too), in the order of
+    `jax.tree.leaves(eqx.filter(tree, is_array_leaf))`."""
+    arrays = eqx.filter(tree, is_array_leaf)
     names = []
     is_state = lambda node: isinstance(node, eqx.nn.State)  # noqa: E731
     for path, node in jax.tree_util.tree_flatten_with_path(arrays, is_leaf=is_state)[0]:
@@ -61,7 +68,7 @@ def array_names(tree: Any) -> list[str]:
 
 def named_arrays(tree: Any) -> dict[str, Any]:
     """`{name: array}` of every array leaf of `tree` (see `array_names`), in order."""
-    return dict(zip(array_names(tree), jax.tree.leaves(eqx.filter(tree, eqx.is_array)), strict=True))
+    return dict(zip(array_names(tree), jax.tree.leaves(eqx.filter(tree, is_array_leaf)), strict=True))
 
 
 def save_weights(

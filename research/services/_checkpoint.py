@@ -38,7 +38,7 @@ import jax
 import numpy as np
 
 from ..errors import CheckpointError
-from ..nn import array_names
+from ..nn import array_names, is_array_leaf
 from . import _single_file
 
 COMMIT_FILE = "checkpoint.json"
@@ -69,8 +69,8 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 
 def leaf_summary(tree: Any) -> list[list[Any]]:
-    """`[path, shape, dtype]` of every array leaf: enough to say how two architectures differ."""
-    arrays = eqx.filter(tree, eqx.is_array)
+    """`[path, shape, dtype]` of every array leaf (abstract ones too): enough to say how two architectures differ."""
+    arrays = eqx.filter(tree, is_array_leaf)
     return [
         [jax.tree_util.keystr(path), list(leaf.shape), str(leaf.dtype)]
         for path, leaf in jax.tree_util.tree_flatten_with_path(arrays)[0]
@@ -210,7 +210,9 @@ def load_checkpoint(
     path: str | os.PathLike, skeleton: T, *, sharding: ShardingFn | None = None
 ) -> tuple[T, dict[str, Any]]:
     """Restore the leaves saved in `path` into `skeleton`, a tree of the same structure and shapes
-    (typically built from the header's hyperparameters); returns it and the header.
+    (typically built from the header's hyperparameters; its arrays may be `jax.ShapeDtypeStruct`s, as
+    `eqx.filter_eval_shape` of the function that builds it gives them, which costs no computation); returns
+    it and the header.
 
     `sharding(shape)` says where each restored array goes (a placement's `restore_sharding`; by
     default this process's first device): Orbax reads what each device needs, whatever the devices
@@ -228,12 +230,15 @@ def load_checkpoint(
         differences = _describe_differences(header["leaves"], leaf_summary(skeleton))
         if differences:
             raise CheckpointError(f"checkpoint {path} is of a different architecture: {differences}")
-    if single_file:
-        return _single_file.deserialise(path, payload, skeleton), header
-    arrays, rest = eqx.partition(skeleton, eqx.is_array)
-    leaves, treedef = jax.tree.flatten(arrays)
-    restored = _restore(path, leaves, sharding, array_names(skeleton) if named else None)
-    return eqx.combine(jax.tree.unflatten(treedef, restored), rest), header
+    # Concrete arrays even when called while JAX traces (a skeleton traced for its shapes, `load_run`'s, whose
+    # model starts from another run's checkpoint: `--init-from RUN_DIR`).
+    with jax.ensure_compile_time_eval():
+        if single_file:
+            return _single_file.deserialise(path, payload, skeleton), header
+        arrays, rest = eqx.partition(skeleton, is_array_leaf)
+        leaves, treedef = jax.tree.flatten(arrays)
+        restored = _restore(path, leaves, sharding, array_names(skeleton) if named else None)
+        return eqx.combine(jax.tree.unflatten(treedef, restored), rest), header
 
 
 def tree_digest(tree: Any) -> str:

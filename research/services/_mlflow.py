@@ -62,6 +62,7 @@ class MlflowTracker:
             self.run_id = run_id
             self._client.update_run(run_id, status="RUNNING")
             self.logged_until = self._last_logged_step()
+        self._logged_at: dict[int, set[str]] = {}  # the names logged at each step by this tracker
         self._log_new_params({k: _param(v) for k, v in (params or {}).items()})
 
     def _experiment_id(self, name: str) -> str:
@@ -100,7 +101,9 @@ class MlflowTracker:
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         if step > self.logged_until:
-            self._log_metrics(scalars(metrics), step)
+            values = scalars(metrics)
+            self._log_metrics(values, step)
+            self._logged_at.setdefault(step, set()).update(values)
 
     def _log_metrics(self, values: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
@@ -111,8 +114,11 @@ class MlflowTracker:
             self._client.log_batch(self.run_id, metrics=batch[i : i + BATCH])
 
     def log_summary(self, summary: Mapping[str, Any]) -> None:
+        """The summary's numbers at its step, but for those the record of that step logged already (the final
+        evaluation's, under the same names: `summary_metrics`)."""
         step = int(summary.get("step", 0))  # the x axis, not a metric
-        self.log(step, {k: v for k, v in summary.items() if k != "step"})
+        values = scalars({k: v for k, v in summary.items() if k != "step"})
+        self.log(step, {k: v for k, v in values.items() if k not in self._logged_at.get(step, set())})
 
     def log_files(self, paths: Sequence[Path]) -> None:
         for path in paths:

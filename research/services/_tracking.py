@@ -75,6 +75,21 @@ def scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
     return found
 
 
+# summary.json's names of what the records log as `PREFIX/metric`, longest first (`test_raw_loss` is `test_raw/loss`)
+SUMMARY_PREFIXES = ("test_raw", "test", "val", "train")
+
+
+def summary_metrics(summary: Mapping[str, Any]) -> dict[str, Any]:
+    """A run's summary as its trackers take it: each final number under the name its records log it by
+    (summary.json's `test_accuracy` is `test/accuracy`, `train_loss` is `train/loss`), so that a metric has
+    one name in a W&B or MLflow run; the summary's other facts (`step`, `wall_seconds`, ...) as they are."""
+    renamed = {}
+    for key, value in summary.items():
+        prefix = next((p for p in SUMMARY_PREFIXES if key.startswith(f"{p}_")), None)
+        renamed[f"{prefix}/{key.removeprefix(prefix + '_')}" if prefix else key] = value
+    return renamed
+
+
 def _is_number(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 

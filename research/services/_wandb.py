@@ -70,6 +70,8 @@ class WandbTracker:
         self._run.log(scalars(metrics), step=step)
 
     def log_summary(self, summary: Mapping[str, Any]) -> None:
+        """The run's final numbers into W&B's summary (`RunTrackers.close` gives them under their records'
+        names, which W&B's summary holds the last values of already)."""
         self._run.summary.update(dict(summary))
 
     def log_files(self, paths: Sequence[Path]) -> None:

@@ -5,7 +5,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from ..config import flag_name, option_fields, strip_optional
+from ..config import flag_name, option_fields, strip_optional, unknown_options
 from ._runs import UsageError
 
 # Options the sweep sets for every run itself: they cannot be swept or passed after `--`.
@@ -46,15 +46,17 @@ def sweepable_fields(config_class: type) -> dict[str, Any]:
     return {name: hint for name, (_, hint) in option_fields(config_class).items() if name not in SET_BY_SWEEP}
 
 
-def parse_axis(text: str, fields: dict[str, Any]) -> Axis:
-    """`lr=0.1,0.3` or `lr=1e-3:1e-1:log` as an `Axis` of one of `fields`; a bad key is a `UsageError`."""
+def parse_axis(text: str, fields: dict[str, Any], experiment: str) -> Axis:
+    """`lr=0.1,0.3` or `lr=1e-3:1e-1:log` as an `Axis` of one of `fields` (the options of `experiment` a
+    sweep may vary); a bad key is a `UsageError`, said as a flag or a `--config` key would be."""
     key, sep, spec = text.partition("=")
     key = key.strip().replace("-", "_")
     if not sep or not spec:
         raise UsageError(f"{text!r} is not KEY=VALUES (like lr=0.1,0.3 or lr=1e-3:1e-1:log)")
+    if key in SET_BY_SWEEP:
+        raise UsageError(f"{key} is set by the sweep; the keys it varies: {', '.join(sorted(fields))}")
     if key not in fields:
-        why = "is set by the sweep" if key in SET_BY_SWEEP else "is not an option of this experiment"
-        raise UsageError(f"{key!r} {why}; valid keys: {', '.join(fields)}")
+        raise UsageError(unknown_options([key], fields, experiment))
     hint = fields[key]
     inner, _ = strip_optional(hint)
     if ":" in spec and inner in (int, float):

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import install
+from ..cli import use_compilation_cache
 from ..errors import ResearchInputError
 from ..experiment import load_experiment, load_run
 from ..messages import messages_to_stderr
@@ -105,6 +106,7 @@ def _parser() -> Parser:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = _parser()
     args = parser.parse_args(argv)
+    use_compilation_cache()  # what loading the run compiles (merging LoRA adapters, say)
     try:
         out = export_weights(args.run_dir, args.out, format=args.format, ema=args.ema)
     except (UsageError, ResearchInputError) as e:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from .. import install
+from ..cli import use_compilation_cache
 from ..experiment import load_experiment, load_run
 from ..messages import messages_to_stderr
 from ..population import member, num_members
@@ -45,6 +46,7 @@ def returns_line(name: str, returns: np.ndarray, lengths: np.ndarray) -> str:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = _parser()
     args = parser.parse_args(argv)
+    use_compilation_cache()  # the episodes' program, compiled by an earlier rollout or the run
     try:
         run = load_run(args.run_dir)
         if run.experiment != "ppo":

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import install
+from ..cli import use_compilation_cache
 from ..data import TextTokenizer
 from ..experiment import load_experiment, load_run
 from ..judge import sample_images
@@ -192,6 +193,7 @@ def _refuse_options_of_the_other_kind(args: Any, image_run: bool) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = _parser()
     args = parser.parse_args(argv)
+    use_compilation_cache()  # the sampling loop, compiled by an earlier sample of this run or another
     try:
         image_run = _image_run(args.run_dir)
         _refuse_options_of_the_other_kind(args, image_run)

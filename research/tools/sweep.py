@@ -367,7 +367,7 @@ def sweep(args: Any) -> int:
     """Check every run, then run the sweep `args` (see `main`); returns the exit status."""
     module, script = _experiment(args.experiment)
     fields = sweepable_fields(module.Config)
-    axes = [parse_axis(text, fields) for text in args.axes]
+    axes = [parse_axis(text, fields, Path(args.experiment).stem) for text in args.axes]
     if len({axis.key for axis in axes}) < len(axes):
         raise UsageError("a key is given twice")
     check_passed_flags(args.flags, axes)

@@ -71,7 +71,7 @@ def evaluate_batches(
     try:
         for i, (batch, mask) in enumerate(batches):
             batch = jax.tree.map(jnp.asarray, batch)
-            results.append(per_batch(model, model_state, batch, jnp.asarray(mask), jax.random.fold_in(root, i)))
+            results.append(per_batch(model, model_state, batch, jax.device_put(mask), jax.random.fold_in(root, i)))
             if len(results) > 1:  # keep one batch in flight; the bar then counts finished batches
                 jax.block_until_ready(results[-2])
                 bar.update(1)

@@ -108,14 +108,15 @@ class Packing:
 
     def pack_on_host(self, leaves: Leaves) -> Leaves:
         """`pack` of concrete arrays, done in numpy with one transfer back."""
-        return [jnp.asarray(self.buffer_on_host(leaves)), *(x for x in leaves if not _in_buffer(x.dtype))]
+        # device_put, not jnp.asarray: an upload, where jnp.asarray compiles a program for each shape
+        return [jax.device_put(self.buffer_on_host(leaves)), *(x for x in leaves if not _in_buffer(x.dtype))]
 
     def unpack_on_host(self, packed: Leaves) -> Leaves:
         """`unpack` of concrete arrays, done in numpy; the leaves are copies (a view would keep the
         packed buffer referenced, and it is donated by the next step)."""
 
         def leaf(words, dtype):
-            return jnp.asarray(words.view(dtype).copy())
+            return jax.device_put(words.view(dtype).copy())
 
         return self._split(np.asarray(packed[0]), packed[1:], leaf)
 
