@@ -95,8 +95,6 @@ class BrokenStep(Step):
         new, metrics = SupervisedStep()(state, batch, key, global_batch)
         if self.how == "vector":
             metrics = {**metrics, "loss": jnp.stack([metrics["loss"], metrics["loss"]])}
-        if self.how == "ema":  # as steps did before the engine kept the EMA
-            new = dataclasses.replace(new, ema=new.ema.update((new.model, new.model_state))[0])
         return new, metrics
 
 
@@ -211,12 +209,6 @@ CASES = [
         [],
         "the step BrokenStep declares finite_metrics ['loss', 'gradient_norm'], but its metrics",
         swap_step(BrokenStep("none", ("loss", "gradient_norm"))),
-    ),
-    (
-        "a step that moves the EMA itself",
-        ["--ema-decay", "0.5"],
-        "the step changed state.ema, but the engine moves the EMA after every step",
-        swap_step(BrokenStep("ema")),
     ),
 ]
 

@@ -95,8 +95,8 @@ class Step(eqx.Module):
 
     **`__call__(state, batch, key, global_batch)`:**
 
-    - `state`: an `AbstractTrainState`; return it with everything changed but `step`, `key` and `ema` (the
-      engine counts the step, advances the key and moves the EMA).
+    - `state`: an `AbstractTrainState`, without its EMA (`ema` is `None`: the engine moves it after the step);
+      return it with everything changed but `step` and `key` (the engine counts the step and advances the key).
     - `batch`: any pytree whose leaves have a leading row axis (this device's rows of the global batch
       when the placement splits it).
     - `key`: this step's key.
@@ -144,25 +144,25 @@ def split_key(key_data: KeyData) -> tuple[KeyData, PRNGKeyArray]:
 
 
 def advanced(state: Any, new: Any, key: KeyData) -> Any:
-    """`new` (what a step made of `state`) one step on from `state`: counted, with the next key, and its EMA
-    (when it keeps one) moved to its new `(model, model_state)`. The engine keeps the EMA so that no step can
-    forget it (its evaluations would silently be of the first weights); a step that moved it itself would
-    move it twice, and is refused."""
-    if new.ema is not None:
-        if any(a is not b for a, b in zip(jax.tree.leaves(new.ema), jax.tree.leaves(state.ema), strict=False)):
-            raise ConfigError(
-                "the step changed state.ema, but the engine moves the EMA after every step: return the state's "
-                "ema as the step received it"
-            )
-        new = eqx.tree_at(lambda s: s.ema, new, new.ema.update((new.model, new.model_state))[0])
+    """`new` (what a step made of `state`, less its EMA) one step on from `state`: counted, with the next key,
+    and `state`'s EMA (when it keeps one) moved to `new`'s `(model, model_state)`. The engine keeps the EMA so
+    that no step can forget it (its evaluations would silently be of the first weights)."""
+    if state.ema is not None:
+        new = eqx.tree_at(lambda s: s.ema, new, state.ema.update((new.model, new.model_state))[0], is_leaf=_is_none)
     return eqx.tree_at(lambda s: (s.step, s.key), new, (state.step + 1, key))
 
 
+def without_ema(state: Any) -> Any:
+    """`state` as a step sees it: its EMA left out (`None`), since the engine moves it (`advanced`). A step
+    written to move `state.ema` when there is one (`None if state.ema is None else ...`) leaves it alone."""
+    return state if state.ema is None else eqx.tree_at(lambda s: s.ema, state, None)
+
+
 def take_step(step: Step, state: Any, batch: PyTree, global_batch: GlobalBatch) -> tuple[Any, Metrics]:
-    """One step of `step` on `state`: the state's key split, the step taken with this step's key, the
-    step counted and the EMA moved (`advanced`)."""
+    """One step of `step` on `state`: the state's key split, the step taken with this step's key on the state
+    without its EMA (`without_ema`), the step counted and the EMA moved (`advanced`)."""
     key, step_key = split_key(state.key)
-    new, metrics = step(state, batch, step_key, global_batch)
+    new, metrics = step(without_ema(state), batch, step_key, global_batch)
     check_metrics(type(step).__name__, metrics, step.finite_metrics)
     return advanced(state, new, key), metrics
 
