@@ -159,10 +159,10 @@ def handwritten_gan(state, lr: float, beta1: float, images: np.ndarray, batch: i
     g_optimizer = optax.inject_hyperparams(optax.adam)(learning_rate=lr, b1=beta1)
     d_optimizer = optax.inject_hyperparams(optax.adam)(learning_rate=lr, b1=beta1)
     carry = {
-        "generator": state.generator,
-        "discriminator": state.discriminator,
-        "g_opt_state": g_optimizer.init(eqx.filter(state.generator, eqx.is_inexact_array)),
-        "d_opt_state": d_optimizer.init(eqx.filter(state.discriminator, eqx.is_inexact_array)),
+        "generator": state.generator.model,
+        "discriminator": state.discriminator.model,
+        "g_opt_state": g_optimizer.init(eqx.filter(state.generator.model, eqx.is_inexact_array)),
+        "d_opt_state": d_optimizer.init(eqx.filter(state.discriminator.model, eqx.is_inexact_array)),
         "key": jax.random.key(1),
     }
 
@@ -241,7 +241,7 @@ def _gan(steps: int, quick: bool):
     loader = DeviceLoader(images, None, batch * config.critic_steps, seed=config.training.seed)
     recipe: dict[str, Any] = dict(latent=config.latent, features=config.features, batch=batch, steps_per_call=per_call)
     recipe.update(lr=config.training.lr, beta1=config.beta1)
-    recipe["parameters"] = {"generator": _trainable(state.generator), "discriminator": _trainable(state.discriminator)}
+    recipe["parameters"] = {name: _trainable(model) for name, model in state.networks().items()}
     step = gan.GANStep(config.latent, config.critic_steps)
     return recipe, {
         f"ours: trainer.run, {per_call} steps a call": ours(step, state, loader, per_call, steps),

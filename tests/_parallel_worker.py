@@ -137,7 +137,7 @@ if __name__ == "__main__":
             group = []
         else:
             group.append(arg)
-    configs = [parse_config(Config, g) for g in [*groups, group]]
+    configs = [parse_config(Config, g, prog="worker.py") for g in [*groups, group]]  # its runs are "worker"'s
     with exit_together("worker"), messages_to_stderr():  # the library's lines, as every command line shows them
         try:
             widest = max(configs, key=lambda c: devices_of(c).devices)
