@@ -9,7 +9,7 @@ report the model without the EMA too (test_raw_*); one that finishes on 4 device
 its computations for 4 devices and give the final train loss and test metrics of the same run on 1
 device: to float rounding, and to the bit with `--deterministic-reduction`. Where the product of
 placements, EMAs and loaders grows, the 4-device placements run a pairwise cover of it across the
-experiments (`pairwise`).
+experiments (`pairwise`), and each of them resumes every other experiment (`resumes_on`).
 
 The runs happen in subprocesses of `tests/_combination_worker.py`, which runs many of them in one
 process (imports and compilations are shared): one worker with 1 device, one with 4 simulated devices
@@ -252,6 +252,7 @@ EXPERIMENTS = {  # state_passing is no training run
         ("--epochs", "2", *CONTRASTIVE),
         digits8=True,
         emas=("ema-det",),
+        tracked=False,  # its runs compile for tens of seconds; the trackers do not depend on the step
         timeout=120,
     ),
     # four members (one unrolled run each) spread over sharded4's mesh; pmap and --deterministic-reduction (no rows
@@ -465,6 +466,14 @@ def pairwise(name: str, placement: str, ema: str, loader: str) -> bool:
     )
 
 
+def resumes_on(name: str, placement: str) -> bool:
+    """Whether the series of `name` on `placement` goes on past its fresh run: on the first placement, and on one
+    later placement an experiment, turned from one experiment to the next (each later placement resumes about half
+    the experiments; test_deterministic_reduction.py resumes runs across device counts)."""
+    later = list(PLACEMENTS)[1:]
+    return placement not in later or later.index(placement) == list(EXPERIMENTS).index(name) % len(later)
+
+
 COMBINATIONS = [
     Combination(name, placement, ema, loader, phase)
     for name, experiment in EXPERIMENTS.items()
@@ -476,6 +485,7 @@ COMBINATIONS = [
     )
     if (experiment.ema_everywhere or ema == "noema" or placement == next(iter(PLACEMENTS)))
     and pairwise(name, placement, ema, loader)
+    and (phase == "fresh" or resumes_on(name, placement))
 ] + [
     Combination(name, "1dev", "noema", "device", phase, "tracked")
     for name, experiment in EXPERIMENTS.items()
@@ -779,7 +789,8 @@ def outcomes_page() -> str:
         "A run that trains must exit 0, match the same run on one device (to float rounding; to the bit",
         "with `--deterministic-reduction`) and keep its trackers in step; a refusal is one line on stderr,",
         "exit status 2, before any work, with the words shown. A dash: not in the grid (where placements,",
-        "EMAs and loaders multiply, the 4-device placements take a pairwise cover of them).",
+        "EMAs and loaders multiply, the 4-device placements take a pairwise cover of them, and each resumes",
+        "every other experiment).",
         "",
         f"Options: *EMA, det.* is `{' '.join(EMAS['ema-det'])}`; *torch loader* `{' '.join(LOADERS['torch'])}`. "
         "Placements: "
