@@ -202,9 +202,9 @@ def test_the_engine_moves_the_ema_of_a_step_that_never_touches_it():
     assert not np.allclose(arrays(result.state.ema.average)[0], arrays(trained[-1])[0])
 
 
-def test_a_step_written_to_move_the_ema_itself_sees_none_and_the_engine_moves_it_once():
-    """The step gets the state without its EMA, so a step that moves one when it sees it (as steps did before
-    the engine kept the EMA) leaves it to the engine: counted once a step, the same average as `PairStep`'s."""
+def test_a_step_that_moves_the_ema_itself_changes_nothing_the_engine_moves_it_once():
+    """A step that moves the EMA itself (as steps did before the engine kept it) changes nothing: the engine's
+    average of the step's new weights replaces the step's, counted once a step, the same as `PairStep`'s."""
     run = {"num_steps": 4, "steps_per_call": 2, "progress": False}
     moved = fit(pair_state().with_ema(0.5), points(), step=SelfAveragingStep(), **run).state
     plain = fit(pair_state().with_ema(0.5), points(), step=PairStep(), **run).state

@@ -26,7 +26,7 @@ from ._networks import strong
 from ._packing import Packing, describe_spec
 from ._state import SupervisedStep
 from ._stats import Layout, StepMetrics, StepStats, layout_of
-from ._step import AbstractTrainState, Step, advanced, all_finite, split_key, take_step, without_ema
+from ._step import AbstractTrainState, Step, advanced, all_finite, split_key, take_step
 
 
 class CompiledTrainer:
@@ -208,12 +208,12 @@ class CompiledTrainer:
 
         def gradient(s: Any, b: PyTree, axis: str | None) -> tuple[Any, Any]:
             key, step_key = split_key(s.key)
-            half, metrics = step.gradient(without_ema(s), b, step_key, GlobalBatch(axis, micro_batches))
+            half, metrics = step.gradient(s, b, step_key, GlobalBatch(axis, micro_batches))
             return (half, key), metrics
 
         def apply(s: Any, half_and_key: tuple[Any, Any], metrics: Any) -> tuple[Any, Any]:
             half, key = half_and_key
-            new, metrics = step.apply(without_ema(s), half, metrics)
+            new, metrics = step.apply(s, half, metrics)
             return advanced(s, new, key), metrics
 
         gradients = eqx.filter_vmap(self.placement.per_device(gradient), in_axes=members)(old, batch)

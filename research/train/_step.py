@@ -144,25 +144,20 @@ def split_key(key_data: KeyData) -> tuple[KeyData, PRNGKeyArray]:
 
 
 def advanced(state: Any, new: Any, key: KeyData) -> Any:
-    """`new` (what a step made of `state`, less its EMA) one step on from `state`: counted, with the next key,
-    and `state`'s EMA (when it keeps one) moved to `new`'s `(model, model_state)`. The engine keeps the EMA so
-    that no step can forget it (its evaluations would silently be of the first weights)."""
+    """`new` (what a step made of `state`) one step on from `state`: counted, with the next key, and `state`'s
+    EMA (when it keeps one) moved to `new`'s `(model, model_state)`, whatever the step did to its own. The
+    engine keeps the EMA so that no step can forget it (its evaluations would silently be of the first weights)
+    or move it twice."""
     if state.ema is not None:
         new = eqx.tree_at(lambda s: s.ema, new, state.ema.update((new.model, new.model_state))[0], is_leaf=_is_none)
     return eqx.tree_at(lambda s: (s.step, s.key), new, (state.step + 1, key))
 
 
-def without_ema(state: Any) -> Any:
-    """`state` as a step sees it: its EMA left out (`None`), since the engine moves it (`advanced`). A step
-    written to move `state.ema` when there is one (`None if state.ema is None else ...`) leaves it alone."""
-    return state if state.ema is None else eqx.tree_at(lambda s: s.ema, state, None)
-
-
 def take_step(step: Step, state: Any, batch: PyTree, global_batch: GlobalBatch) -> tuple[Any, Metrics]:
-    """One step of `step` on `state`: the state's key split, the step taken with this step's key on the state
-    without its EMA (`without_ema`), the step counted and the EMA moved (`advanced`)."""
+    """One step of `step` on `state`: the state's key split, the step taken with this step's key, the step
+    counted and the EMA moved (`advanced`)."""
     key, step_key = split_key(state.key)
-    new, metrics = step(without_ema(state), batch, step_key, global_batch)
+    new, metrics = step(state, batch, step_key, global_batch)
     check_metrics(type(step).__name__, metrics, step.finite_metrics)
     return advanced(state, new, key), metrics
 
