@@ -45,6 +45,7 @@ from tyro.constructors import (
     StructTypeInfo,
 )
 
+from .command import quiet_when_stdout_closes
 from .config import (
     EMA,
     GROUPS,
@@ -584,6 +585,7 @@ def prepare_process(config: RunConfig, prog: str) -> None:
 
 
 @messages_to_stderr()  # the library's messages (research.messages) as lines on stderr
+@quiet_when_stdout_closes()
 def main_entry(main: Callable[[C], Any], config_class: type[C], argv: Sequence[str] | None = None) -> None:
     """Run `main(parse_config(...))` as a script. Bad input found inside `main` (`--resume` with no
     checkpoint, data that does not fit the model, a damaged or foreign checkpoint) exits with status 2,

@@ -8,10 +8,12 @@ Each subcommand is a module's `main(argv)`, imported only when it runs: `researc
 JAX. In a checkout of the repository, `scripts/NAME` runs the same modules in its `.venv`.
 """
 
+import contextlib
 import difflib
 import importlib
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from . import install
 
@@ -65,6 +67,19 @@ def _gpu_check_main(argv: list[str]) -> None:
     importlib.import_module("benchmarks.gpu_check").main(argv)
 
 
+@contextlib.contextmanager
+def quiet_when_stdout_closes() -> Iterator[None]:
+    """A reader that stops reading (`research --help | head`) ends the command, status 141 as a shell's
+    SIGPIPE, without a traceback: Python's advice, stdout pointed at /dev/null so its last flush cannot
+    fail again."""
+    try:
+        yield
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(141) from None
+
+
+@quiet_when_stdout_closes()
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):

@@ -2,6 +2,7 @@ import dataclasses
 import importlib.util
 import inspect
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -403,6 +404,23 @@ def test_research_help_lists_each_command_on_one_line_without_importing_jax():
     for name in command.COMMANDS:
         assert len([line for line in lines if line.startswith(f"  {name} ")]) == 1, name
     assert "setup" in result.stdout and "test" in result.stdout  # the repository's own scripts, said to be so
+
+
+def test_help_read_in_part_by_a_pipe_ends_without_a_traceback():
+    """`research run xor --help | head -1`: the reader closes the pipe after one line; the command stops with
+    a shell's SIGPIPE status and says nothing on stderr."""
+    reader = subprocess.Popen(
+        [sys.executable, "-c", "from research.command import main; main()", "run", "xor", "--help"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "COLUMNS": "80"},
+    )
+    assert reader.stdout is not None and reader.stderr is not None
+    assert reader.stdout.readline().startswith(b"usage: ")
+    reader.stdout.close()
+    stderr = reader.stderr.read().decode()
+    assert reader.wait(timeout=60) == 141 and stderr == "", stderr
 
 
 @pytest.mark.parametrize("name", list(command.COMMANDS))
