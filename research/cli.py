@@ -45,7 +45,6 @@ from tyro.constructors import (
     StructTypeInfo,
 )
 
-from .command import quiet_when_stdout_closes
 from .config import (
     EMA,
     GROUPS,
@@ -87,7 +86,7 @@ from .config import (
 )
 from .errors import ConfigError, Preempted, ResearchInputError
 from .install import command
-from .messages import messages_to_stderr
+from .messages import messages_to_stderr, quiet_when_stdout_closes
 from .services import RUNS_ROOT, RunDir
 
 __all__ = [

@@ -8,14 +8,13 @@ Each subcommand is a module's `main(argv)`, imported only when it runs: `researc
 JAX. In a checkout of the repository, `scripts/NAME` runs the same modules in its `.venv`.
 """
 
-import contextlib
 import difflib
 import importlib
-import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 from . import install
+from .messages import quiet_when_stdout_closes
 
 # Subcommand: (the module whose `main(argv)` runs it, one line of help). gpu-check's module is the
 # repository's (benchmarks/, which the package does not install).
@@ -65,18 +64,6 @@ def _gpu_check_main(argv: list[str]) -> None:
         raise SystemExit(2)
     sys.path.insert(0, str(root))  # benchmarks/ beside research/, as scripts/gpu-check has it on PYTHONPATH
     importlib.import_module("benchmarks.gpu_check").main(argv)
-
-
-@contextlib.contextmanager
-def quiet_when_stdout_closes() -> Iterator[None]:
-    """A reader that stops reading (`research --help | head`) ends the command, status 141 as a shell's
-    SIGPIPE, without a traceback: Python's advice, stdout pointed at /dev/null so its last flush cannot
-    fail again."""
-    try:
-        yield
-    except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        raise SystemExit(141) from None
 
 
 @quiet_when_stdout_closes()

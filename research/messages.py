@@ -27,10 +27,11 @@ import atexit
 import contextlib
 import gc
 import logging
+import os
 import sys
 from collections.abc import Iterator
 
-__all__ = ["messages_to_stderr"]
+__all__ = ["messages_to_stderr", "quiet_when_stdout_closes"]
 
 
 class _CurrentStderr(logging.Handler):
@@ -90,3 +91,15 @@ def messages_to_stderr() -> Iterator[None]:
         logger.removeHandler(handler)
         logger.propagate = propagate
         logger.setLevel(level)  # (not `logger.level = level`: setLevel clears the loggers' cached levels)
+
+
+@contextlib.contextmanager
+def quiet_when_stdout_closes() -> Iterator[None]:
+    """A reader that stops reading (`research --help | head`) ends the command, status 141 as a shell's
+    SIGPIPE, without a traceback: Python's advice, stdout pointed at /dev/null so its last flush cannot
+    fail again."""
+    try:
+        yield
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(141) from None
