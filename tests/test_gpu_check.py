@@ -181,6 +181,7 @@ def _reads_the_report(options: dict) -> dict:
     return json.loads((Path(options["out"]) / "gpu-check.json").read_text())
 
 
+@pytest.mark.slow  # waits out a part's 5-second timeout
 def test_a_part_that_hangs_or_fails_loses_only_itself_and_each_is_written_as_it_ends(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), str(ROOT)]))  # for the parts
     parts = {"first": _answers, "hangs": _sleeps, "fails": _fails, "sees": _reads_the_report, "last": _answers}

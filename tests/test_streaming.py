@@ -100,6 +100,7 @@ def test_host_batches_are_put_on_the_device_two_ahead_with_the_loaders_state_aft
     assert [b for b, _, _ in ahead] == [2, 3, 4]  # the last ones, when the loader ends
 
 
+@pytest.mark.slow  # runs of images end to end, a ResNet compiled
 def test_grain_keeps_its_iterator_state_in_the_checkpoint_and_resumes_from_it(digits_formats, tmp_path, monkeypatch):
     """`images --loader grain` on a memory-mapped .npy directory: every checkpoint holds Grain's iterator
     state at its step; a run cut at step 20 and resumed ends where a run never cut ends."""
