@@ -28,6 +28,7 @@ import contextlib
 import gc
 import logging
 import os
+import select
 import sys
 from collections.abc import Iterator
 
@@ -101,5 +102,18 @@ def quiet_when_stdout_closes() -> Iterator[None]:
     try:
         yield
     except BrokenPipeError:
+        if not _stdout_reader_gone():  # another pipe (a worker's, a tracker's): a real error, shown as one
+            raise
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         raise SystemExit(141) from None
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reader has closed it (poll reports an error on its write end)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # replaced by an object without a descriptor
+        return False
+    poller = select.poll()
+    poller.register(fd, 0)
+    return any(events & select.POLLERR for _, events in poller.poll(0))

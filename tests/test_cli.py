@@ -29,6 +29,7 @@ from research.cli import (
 )
 from research.config import option_fields, resumable_options
 from research.experiment import experiment_names, load_experiment
+from research.messages import quiet_when_stdout_closes
 
 ROOT = Path(__file__).parent.parent
 
@@ -423,6 +424,11 @@ def test_help_into_a_pipe_nobody_reads_ends_without_a_traceback():
     finally:
         os.close(write_end)
     assert done.returncode == 141 and done.stderr == "", done.stderr
+
+
+def test_a_broken_pipe_other_than_stdout_is_an_error_not_a_quiet_exit():
+    with pytest.raises(BrokenPipeError), quiet_when_stdout_closes():
+        raise BrokenPipeError("a worker's pipe")
 
 
 @pytest.mark.parametrize("name", list(command.COMMANDS))

@@ -1,6 +1,7 @@
 """A decoder-only transformer language model over bytes, its layers stacked and run with `lax.scan`; and a
 classifier of token sequences read at the last token of one."""
 
+import contextlib
 import copy
 import math
 from collections.abc import Callable
@@ -75,10 +76,9 @@ def causal_attention(
     matrix); elsewhere, and where cuDNN refuses the head width or layout, `attention` under a causal mask.
     The two agree to float rounding (tests/test_lm.py)."""
     if fused_attention_available() and query.dtype in (jnp.bfloat16, jnp.float16):
-        try:
+        # No cuDNN, or a head width or layout it lacks: XLA's attention below computes the same.
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             return jax.nn.dot_product_attention(query, keys, values, is_causal=True, implementation="cudnn")
-        except (NotImplementedError, RuntimeError, ValueError):
-            pass  # no cuDNN, or a head width or layout it lacks: XLA's attention below computes the same
     return checkpoint_name(blocked_causal_attention(query, keys, values), "attended")
 
 
