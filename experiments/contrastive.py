@@ -46,9 +46,9 @@ from research.nn import ImageResNet
 from research.parallel import batch_axis_name
 from research.report import save_image_grid
 from research.services import Headline, RunDir
-from research.train import AbstractBatchLoss, SupervisedStep, TrainState, example_keys, forward, nt_xent
+from research.train import AbstractBatchLoss, SupervisedStep, TrainState, forward, nt_xent
 from research.train.evaluation import probe_evaluator
-from research.typing import Array, Float, Integer, PRNGKeyArray
+from research.typing import Array, Float, Integer, RowKeys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,11 +113,11 @@ class Views:
         )
         return random_crop_flip(views, flip_keys, padding=0, flip=self.flip)
 
-    def pairs(self, images: Array, key: PRNGKeyArray) -> Float[Array, "views height width channels"]:
-        """Two views of each image, `[2 * images, ...]` (an image's two side by side), from its key in the global
-        batch (`example_keys`): the same views however the batch is split."""
-        keys = jax.vmap(lambda k: jax.random.split(k, 2))(example_keys(key, images.shape[0])).reshape(-1)
-        return self(jnp.repeat(images, 2, axis=0), keys)
+    def pairs(self, images: Array, keys: RowKeys) -> Float[Array, "views height width channels"]:
+        """Two views of each image, `[2 * images, ...]` (an image's two side by side), from its key (a loss's
+        `keys`: its key in the global batch, so the same views however the batch is split)."""
+        view_keys = jax.vmap(lambda k: jax.random.split(k, 2))(keys).reshape(-1)
+        return self(jnp.repeat(images, 2, axis=0), view_keys)
 
 
 class SimCLRNet(eqx.Module):
@@ -146,8 +146,8 @@ class SimCLRLoss(AbstractBatchLoss):
     views: Views = eqx.field(static=True)
     temperature: float = eqx.field(static=True)
 
-    def embed(self, model: SimCLRNet, model_state: eqx.nn.State, images: Array, key: PRNGKeyArray):
-        embeddings, model_state = forward(model, model_state, self.views.pairs(images, key), key=None)
+    def embed(self, model: SimCLRNet, model_state: eqx.nn.State, images: Array, keys: RowKeys):
+        embeddings, model_state = forward(model, model_state, self.views.pairs(images, keys), key=None)
         return embeddings.reshape(images.shape[0], 2, -1), model_state
 
     def loss(self, embeddings: Array):
@@ -212,7 +212,7 @@ def setup(config: Config) -> Setup:
     def summarize(run: RunDir, summary: dict[str, Any]) -> dict[str, Any]:
         """The probe's and k-NN's accuracy of the encoder as it starts; `views.png`: eight training images
         (top row) and two views of each."""
-        pairs = np.asarray(views.pairs(jnp.asarray(train.inputs[:8]), jax.random.key(0))).reshape(
+        pairs = np.asarray(views.pairs(jnp.asarray(train.inputs[:8]), jax.random.split(jax.random.key(0), 8))).reshape(
             8, 2, *data.image_shape
         )
         grid = (

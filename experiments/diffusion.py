@@ -29,9 +29,9 @@ from research.experiment import Setup, run_experiment
 from research.judge import draw_samples, frechet_baselines, frechet_evaluator, load_judge, print_frechet
 from research.nn import UNet
 from research.services import Headline, RunDir
-from research.train import SupervisedStep, TrainState, batch_evaluator, example_keys
+from research.train import SupervisedStep, TrainState, batch_evaluator
 from research.train.evaluation import combined_evaluator
-from research.typing import Array, Float, PRNGKeyArray
+from research.typing import Array, Float, PRNGKeyArray, RowKeys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,11 +91,11 @@ def to_signed(images: Array) -> Float[Array, "*batch height width channels"]:
 class DenoisingLoss(eqx.Module):
     """DDPM's simple loss: each image noised at a step `t` drawn uniformly, `x_t = sqrt(a_t) x + sqrt(1 -
     a_t) noise`, and the mean squared error of the model's prediction of the noise from `(x_t, t / T)`.
-    Each image's step and noise come from its key in the global batch (`example_keys`)."""
+    Each image's step and noise come from its key (its key in the global batch: the same on any placement)."""
 
     schedule: Schedule = eqx.field(static=True)
 
-    def __call__(self, model: UNet, model_state: None, images: Array, key: PRNGKeyArray):
+    def __call__(self, model: UNet, model_state: None, images: Array, keys: RowKeys):
         alpha_bars = jnp.asarray(self.schedule.alpha_bars)
 
         def one(image: Array, key: PRNGKeyArray) -> Float[Array, ""]:
@@ -105,7 +105,7 @@ class DenoisingLoss(eqx.Module):
             noisy = jnp.sqrt(alpha_bars[t]) * image + jnp.sqrt(1 - alpha_bars[t]) * noise
             return jnp.mean((model(noisy, t.astype(jnp.float32) / self.schedule.steps) - noise) ** 2)
 
-        loss = jnp.mean(jax.vmap(one)(to_signed(images), example_keys(key, images.shape[0])))
+        loss = jnp.mean(jax.vmap(one)(to_signed(images), keys))
         return loss, ({"loss": loss}, model_state)
 
 
@@ -149,7 +149,7 @@ class TestLoss(eqx.Module):
 
     def __call__(self, model: UNet, _: Any, images: Array, mask: Array, key: PRNGKeyArray) -> dict[str, Array]:
         loss = DenoisingLoss(self.schedule)
-        losses = jax.vmap(lambda image, k: loss(model, None, image[None], k)[0])(
+        losses = jax.vmap(lambda image, k: loss(model, None, image[None], jax.random.split(k, 1))[0])(
             images, jax.random.split(key, images.shape[0])
         )
         return {"loss": jnp.sum(losses * mask)}

@@ -30,10 +30,10 @@ from research.experiment import Setup, run_experiment
 from research.judge import draw_samples, frechet_baselines, frechet_evaluator, load_judge, print_frechet
 from research.nn import Discriminator, Generator
 from research.services import Headline, RunDir
-from research.train import AbstractNetworksState, GlobalBatch, Network, Step, example_keys
+from research.train import AbstractNetworksState, GlobalBatch, Network, Step
 from research.train.evaluation import combined_evaluator, evaluate_batches, mean_of_sums
 from research.train.precision import InPrecision, Precision
-from research.typing import Array, Float, PRNGKeyArray
+from research.typing import Array, Float, PRNGKeyArray, RowKeys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,9 +76,9 @@ def to_signed(images: Array) -> Float[Array, "*batch height width channels"]:
     return images.astype(jnp.float32) / 127.5 - 1
 
 
-def latents(key: PRNGKeyArray, rows: int, size: int) -> Float[Array, "rows latent"]:
-    """One latent vector a row, each from the key its row has in the global batch (`example_keys`)."""
-    return jax.vmap(lambda k: jax.random.normal(k, (size,)))(example_keys(key, rows))
+def latents(keys: RowKeys, size: int) -> Float[Array, "rows latent"]:
+    """One latent vector a row, from the row's key (a loss's `keys`: its key in the global batch)."""
+    return jax.vmap(lambda k: jax.random.normal(k, (size,)))(keys)
 
 
 class DiscriminatorLoss(eqx.Module):
@@ -88,8 +88,8 @@ class DiscriminatorLoss(eqx.Module):
     generator: Generator
     latent: int = eqx.field(static=True)
 
-    def __call__(self, discriminator: Discriminator, _: None, images: Array, key: PRNGKeyArray):
-        fake = jax.vmap(self.generator)(latents(key, images.shape[0], self.latent))
+    def __call__(self, discriminator: Discriminator, _: None, images: Array, keys: RowKeys):
+        fake = jax.vmap(self.generator)(latents(keys, self.latent))
         real_logits, fake_logits = jax.vmap(discriminator)(to_signed(images)), jax.vmap(discriminator)(fake)
         loss = jnp.mean(jax.nn.softplus(-real_logits)) + jnp.mean(jax.nn.softplus(fake_logits))
         metrics = {
@@ -107,8 +107,8 @@ class GeneratorLoss(eqx.Module):
     discriminator: Discriminator
     latent: int = eqx.field(static=True)
 
-    def __call__(self, generator: Generator, _: None, images: Array, key: PRNGKeyArray):
-        fake = jax.vmap(generator)(latents(key, images.shape[0], self.latent))
+    def __call__(self, generator: Generator, _: None, images: Array, keys: RowKeys):
+        fake = jax.vmap(generator)(latents(keys, self.latent))
         loss = jnp.mean(jax.nn.softplus(-jax.vmap(self.discriminator)(fake)))
         return loss, ({"g_loss": loss}, None)
 

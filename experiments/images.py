@@ -143,8 +143,13 @@ DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config)}
 @dataclasses.dataclass(frozen=True)
 class AugmentedLoss:
     """Mean label-smoothed cross-entropy of the batch's images, each randomly cropped and flipped on the
-    device with its own key; metrics: that loss and the accuracy on the augmented images."""
+    device with its own key; metrics: that loss and the accuracy on the augmented images.
 
+    It takes the batch's one key and splits it itself (`example_keys`: each image's key in the global batch,
+    so layout-free), which keeps the numbers of the runs made before losses got one key a row."""
+
+    takes_batch_key: ClassVar[bool] = True
+    layout_free: ClassVar[bool] = True
     crop_padding: int
     flip: bool
     label_smoothing: float

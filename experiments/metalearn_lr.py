@@ -46,7 +46,7 @@ from research.train import (
     forward,
     model_evaluator,
 )
-from research.typing import Array, Float, Int, typecheck
+from research.typing import Array, Float, Int, RowKeys, typecheck
 
 # The notebook's result: from 1.5 and from 0.15 the learned rate ends at about 0.62 (0.6244 and 0.6218).
 PUBLISHED_LR = 0.62
@@ -136,7 +136,7 @@ def _minibatch_loss(mlp: MLP, inputs: Array, labels: Array) -> Array:
     return jnp.mean(classification_metrics(logits, labels)[0])
 
 
-def meta_objective(model: LearnedLearningRate, model_state: None, batch: Batch, key: Array) -> tuple:
+def meta_objective(model: LearnedLearningRate, model_state: None, batch: Batch, keys: RowKeys) -> tuple:
     """The loss the engine minimises: the mean inner loss over each unrolled run of the batch (a batch
     of inner runs, each `[inner steps, inner batch, ...]`); metrics add the last inner loss and the rate."""
     _, losses = jax.vmap(model.inner_run)(batch.inputs, batch.labels)

@@ -47,7 +47,7 @@ from research.population import evaluate_members, stack_states
 from research.services import Headline, RunDir
 from research.train import AbstractNetworksState, GlobalBatch, Network, Step
 from research.train.reduction import tree_sum
-from research.typing import Array, Bool, Float, Int, PRNGKeyArray, PyTree
+from research.typing import Array, Bool, Float, Int, PRNGKeyArray, PyTree, RowKeys
 
 ENVIRONMENTS = ("CartPole-v1", "Acrobot-v1", "MountainCar-v0", "Pendulum-v1", "MountainCarContinuous-v0")
 
@@ -205,7 +205,7 @@ class PPOLoss(eqx.Module):
     value_coef: float
     entropy_coef: float
 
-    def __call__(self, policy: ActorCritic, _: None, batch: Transitions, key: PRNGKeyArray):
+    def __call__(self, policy: ActorCritic, _: None, batch: Transitions, keys: RowKeys):
         flat = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), batch)
         outputs, values = jax.vmap(policy)(flat.observation)
         new_log_prob = jax.vmap(functools.partial(log_prob, policy))(outputs, flat.action)

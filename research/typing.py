@@ -18,6 +18,7 @@ from jaxtyping import (
     Float,
     Int,
     Integer,
+    Key,
     PRNGKeyArray,
     PyTree,
     Scalar,
@@ -34,6 +35,7 @@ __all__ = [
     "Int",
     "Integer",
     "KeyData",
+    "RowKeys",
     "PRNGKeyArray",
     "PyTree",
     "Scalar",
@@ -46,6 +48,9 @@ _F = TypeVar("_F", bound=Callable)
 
 # A PRNG key stored as raw `uint32` data, the form that `eqx.tree_serialise_leaves` can write.
 KeyData = UInt32[Array, "2"]
+# One key a row of a batch: what a loss gets (`research.train.GlobalBatch.value_and_grad`); raw key data
+# (`jax.random.PRNGKey`'s) has a trailing axis.
+RowKeys = Key[Array, " batch"] | UInt32[Array, "batch _"]
 
 
 _SELF_SIZE = re.compile(r"\{self\.([A-Za-z_][A-Za-z0-9_.]*)\}")

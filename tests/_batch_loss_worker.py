@@ -29,7 +29,6 @@ with install_import_hook("research", "beartype.beartype"):  # the same shape che
         SupervisedStep,
         TrainState,
         compiled_trainer,
-        example_keys,
         forward,
         nt_xent,
     )
@@ -61,9 +60,9 @@ class Encoder(eqx.Module):
 class NoisyViews(AbstractBatchLoss):
     """NT-Xent (temperature 0.5) over two views of each row: the row plus noise drawn from its own key."""
 
-    def embed(self, model, model_state, batch, key):
+    def embed(self, model, model_state, batch, keys):
         rows = batch.shape[0]
-        noise = jax.vmap(lambda k: jax.random.normal(k, (2, 4)))(example_keys(key, rows))
+        noise = jax.vmap(lambda k: jax.random.normal(k, (2, 4)))(keys)
         views = (batch[:, None] + 0.3 * noise).reshape(2 * rows, 4)
         embeddings, model_state = forward(model, model_state, views, key=None)
         return embeddings.reshape(rows, 2, -1), model_state

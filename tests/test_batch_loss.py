@@ -22,7 +22,7 @@ from _batch_loss_worker import NoisyViews
 from research.data import DeviceLoader, colour_jitter, random_resized_crop
 from research.errors import ConfigError
 from research.nn import MLP
-from research.train import GlobalBatch, SupervisedStep, nt_xent
+from research.train import GlobalBatch, SupervisedStep, example_keys, nt_xent
 from research.train._rows import rows_of_global_batch
 from research.train.evaluation import encoded, knn_accuracy, linear_probe_accuracy
 
@@ -78,7 +78,7 @@ def test_every_split_of_one_device_gives_the_gradient_of_the_whole_batch(global_
     model, batch = _mlp_and_batch()
     key, loss_fn = jax.random.key(1), NoisyViews()
     (loss, (metrics, _)), grads = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn, has_aux=True))(
-        model, None, batch, key
+        model, None, batch, jax.random.split(key, len(batch))
     )
 
     @eqx.filter_jit
@@ -104,7 +104,7 @@ def test_with_batch_norm_each_micro_batch_is_normalised_on_its_own():
         parts = []
         for i in range(4):
             with rows_of_global_batch(32, 8 * i):
-                parts.append(loss_fn.embed(model, start.model_state, batch[8 * i : 8 * (i + 1)], key))
+                parts.append(loss_fn.embed(model, start.model_state, batch[8 * i : 8 * (i + 1)], example_keys(key, 8)))
         loss, metrics = loss_fn.loss(jnp.concatenate([embedded for embedded, _ in parts]))
         return loss, [s for _, s in parts]
 

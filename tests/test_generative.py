@@ -323,14 +323,13 @@ def test_ddim_takes_the_steps_and_updates_of_a_hand_written_sampler():
 
 def test_the_denoising_loss_is_the_mean_squared_error_of_the_predicted_noise():
     """DDPM's simple loss (Ho et al. 2020, eq. 14) by hand: each image in [-1, 1] noised at its step t with its
-    noise (drawn from its key: `example_keys`, outside a step `jax.random.split`; then split into the step's key
-    and the noise's), the model given (x_t, t / T), the squared error to the noise averaged over pixels and
-    images."""
+    noise (drawn from its key, one of the loss's `keys`; then split into the step's key and the noise's), the
+    model given (x_t, t / T), the squared error to the noise averaged over pixels and images."""
     total, count = 20, 4
     images = np.random.default_rng(3).integers(0, 256, (count, 4, 4, 1), dtype=np.uint8)
     key = jax.random.key(4)
     loss, (metrics, state) = diffusion.DenoisingLoss(diffusion.Schedule(total))(
-        AffineNoise(4, 4, 1), None, jnp.asarray(images), key
+        AffineNoise(4, 4, 1), None, jnp.asarray(images), jax.random.split(key, count)
     )
     alpha_bars, errors, times = linear_alpha_bars(total), [], set()
     for image, image_key in zip(images, jax.random.split(key, count), strict=True):
@@ -368,7 +367,7 @@ class TanhGenerator(eqx.Module):
 
 def gan_logits(images, key, weight, bias):
     """By hand, in float64: the critic's logits of the real images (in [-1, 1]) and of as many generated ones, each
-    from its row's latent (`example_keys`: outside a step, `jax.random.split`)."""
+    from its row's latent, drawn from the row's key (`keys[i]`: here `jax.random.split(key, rows)[i]`)."""
     latent = weight.size
     latents = [np.asarray(jax.random.normal(k, (latent,)), np.float64) for k in jax.random.split(key, len(images))]
     fakes = [np.tanh(z).reshape(weight.shape) for z in latents]
@@ -386,15 +385,16 @@ def test_the_gan_losses_are_the_cross_entropies_of_the_original_gan():
     critic = LinearCritic(jnp.asarray(weight, jnp.float32), jnp.asarray(bias, jnp.float32))
     generator, batch = TanhGenerator(4, 4, 1), jnp.asarray(images)
     real, fake = gan_logits(images, key, weight, bias)
+    keys = jax.random.split(key, len(images))
     assert (real > 1).any() and (real < -1).any() and (fake > 1).any() and (fake < -1).any()
     d_real, d_fake = 1 / (1 + np.exp(-real)), 1 / (1 + np.exp(-fake))
 
-    d_loss, (metrics, _) = gan.DiscriminatorLoss(generator, weight.size)(critic, None, batch, key)
+    d_loss, (metrics, _) = gan.DiscriminatorLoss(generator, weight.size)(critic, None, batch, keys)
     expected = np.mean(-np.log(d_real)) + np.mean(-np.log(1 - d_fake))
     np.testing.assert_allclose(float(d_loss), expected, rtol=1e-5, err_msg="discriminator loss")
     np.testing.assert_allclose(float(metrics["d_real"]), np.mean(d_real), rtol=1e-5, err_msg="d_real")
     np.testing.assert_allclose(float(metrics["d_fake"]), np.mean(d_fake), rtol=1e-5, err_msg="d_fake")
 
-    g_loss, (g_metrics, _) = gan.GeneratorLoss(critic, weight.size)(generator, None, batch, key)
+    g_loss, (g_metrics, _) = gan.GeneratorLoss(critic, weight.size)(generator, None, batch, keys)
     np.testing.assert_allclose(float(g_loss), np.mean(-np.log(d_fake)), rtol=1e-5, err_msg="generator loss")
     assert float(g_metrics["g_loss"]) == float(g_loss)

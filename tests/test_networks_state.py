@@ -25,7 +25,6 @@ from research.train import (
     SupervisedStep,
     TrainState,
     compiled_trainer,
-    example_keys,
     fit,
 )
 from research.train.evaluation import averaged_and_raw
@@ -39,8 +38,8 @@ class PairState(AbstractNetworksState):
     rounds: jax.Array
 
 
-def fakes(generator, key, rows):
-    return jax.vmap(lambda k: generator(jax.random.normal(k, (2,))))(example_keys(key, rows))
+def fakes(generator, keys):
+    return jax.vmap(lambda k: generator(jax.random.normal(k, (2,))))(keys)
 
 
 class PairStep(Step):
@@ -52,8 +51,8 @@ class PairStep(Step):
         d_key, g_key = jax.random.split(key)
         generator = state.generator.model
 
-        def critic_loss(critic, _, points, key):
-            fake = jax.vmap(critic)(fakes(generator, key, points.shape[0]))[:, 0]
+        def critic_loss(critic, _, points, keys):
+            fake = jax.vmap(critic)(fakes(generator, keys))[:, 0]
             loss = jnp.mean(jax.nn.softplus(-jax.vmap(critic)(points)[:, 0])) + jnp.mean(jax.nn.softplus(fake))
             return loss, ({"d_loss": loss}, None)
 
@@ -61,8 +60,8 @@ class PairStep(Step):
         state = state.updated("critic", grads)
         critic = state.critic.model
 
-        def generator_loss(generator, _, points, key):
-            loss = jnp.mean(jax.nn.softplus(-jax.vmap(critic)(fakes(generator, key, points.shape[0]))[:, 0]))
+        def generator_loss(generator, _, points, keys):
+            loss = jnp.mean(jax.nn.softplus(-jax.vmap(critic)(fakes(generator, keys))[:, 0]))
             return loss, ({"g_loss": loss}, None)
 
         (_, (g_metrics, _)), grads = global_batch.value_and_grad(generator_loss, generator, None, points, g_key)

@@ -21,7 +21,7 @@ from ._hooks import Checkpoint, EarlyStopping, Evaluate, NonFiniteGuard, Profile
 from ._keys import random_normal
 from ._language import NextTokenLoss
 from ._networks import AbstractNetworksState, Network
-from ._rows import Metrics, example_keys
+from ._rows import Metrics, across_global_batch, example_keys
 from ._state import (
     SupervisedStep,
     TrainState,
@@ -54,6 +54,7 @@ __all__ = [
     "SupervisedStep",
     "Track",
     "TrainState",
+    "across_global_batch",
     "add_standard_hooks",
     "batch_evaluator",
     "classification_loss",

@@ -33,9 +33,17 @@ import jax
 import jax.numpy as jnp
 
 from ..errors import ConfigError
-from ..typing import Array, Float, PRNGKeyArray, PyTree, typecheck
+from ..typing import Array, Float, PRNGKeyArray, PyTree, RowKeys, typecheck
 from ._micro import _mean_state, tree_sum
-from ._rows import Metrics, batch_rows, batch_split_over, rows_in_global_batch, rows_of_global_batch
+from ._rows import (
+    Metrics,
+    batch_rows,
+    batch_split_over,
+    loss_keys,
+    one_key_a_row,
+    rows_in_global_batch,
+    rows_of_global_batch,
+)
 
 
 class AbstractBatchLoss(eqx.Module):
@@ -44,25 +52,28 @@ class AbstractBatchLoss(eqx.Module):
 
     **Methods to define:**
 
-    - `embed(model, model_state, batch, key) -> (embeddings, new model state)`: the model on the rows of
+    - `embed(model, model_state, batch, keys) -> (embeddings, new model state)`: the model on the rows of
       `batch` (a pytree whose leaves have a leading row axis): one embedding a row (any pytree of arrays with
-      a leading row axis). Per-row randomness comes from `example_keys`, so it does not depend on the split.
+      a leading row axis). `keys` holds one key a row, its key in the global batch, so per-row randomness
+      does not depend on the split (or the batch's one key, as for any loss declaring `takes_batch_key`).
     - `loss(embeddings) -> (loss, metrics)`: the loss of the global batch's embeddings and its float32
       scalar metrics (no model: everything that depends on parameters is in `embed`).
 
-    Calling it, `loss_fn(model, model_state, batch, key)`, is the loss of `batch` taken whole, as a `LossFn`.
+    Calling it, `loss_fn(model, model_state, batch, keys)`, is the loss of `batch` taken whole, as a `LossFn`.
     """
 
     @abc.abstractmethod
-    def embed(self, model: Any, model_state: Any, batch: PyTree, key: PRNGKeyArray) -> tuple[PyTree, Any]: ...
+    def embed(
+        self, model: Any, model_state: Any, batch: PyTree, keys: RowKeys | PRNGKeyArray
+    ) -> tuple[PyTree, Any]: ...
 
     @abc.abstractmethod
     def loss(self, embeddings: PyTree) -> tuple[Float[Array, ""], Metrics]: ...
 
     def __call__(
-        self, model: Any, model_state: Any, batch: PyTree, key: PRNGKeyArray
+        self, model: Any, model_state: Any, batch: PyTree, keys: RowKeys | PRNGKeyArray
     ) -> tuple[Float[Array, ""], tuple[Metrics, Any]]:
-        embeddings, model_state = self.embed(model, model_state, batch, key)
+        embeddings, model_state = self.embed(model, model_state, batch, keys)
         loss, metrics = self.loss(embeddings)
         return loss, (metrics, model_state)
 
@@ -182,7 +193,7 @@ def batch_loss_value_and_grad(
             parts = _parts(rows, grad_accum, contiguous=False)
         else:
             return _whole(loss_fn, model, model_state, batch, key, axis_name)
-        embed = lambda m, b: loss_fn.embed(m, model_state, b, key)  # noqa: E731
+        embed = lambda m, b: _embed(loss_fn, m, model_state, b, key)  # noqa: E731
         embeddings, states = _scan_parts(lambda b: embed(model, b), parts, batch)
         (loss, metrics), cotangent = _loss_and_cotangent(loss_fn, parts.merge(embeddings), axis_name)
         pull_back = lambda b, c: eqx.filter_vjp(lambda m: embed(m, b), model, has_aux=True)[1](c)[0]  # noqa: E731
@@ -204,13 +215,20 @@ def _whole(
 ) -> tuple[tuple[Any, tuple[Metrics, Any]], PyTree]:
     """The three phases on this device's rows at once: one forward pass, its VJP kept for phase 3."""
     embeddings, pull_back, model_state = eqx.filter_vjp(
-        lambda m: loss_fn.embed(m, model_state, batch, key), model, has_aux=True
+        lambda m: _embed(loss_fn, m, model_state, batch, key), model, has_aux=True
     )
     (loss, metrics), cotangent = _loss_and_cotangent(loss_fn, embeddings, axis_name)
     (grads,) = pull_back(cotangent)
     if axis_name is not None:
         grads = jax.lax.psum(grads, axis_name)
     return (loss, (metrics, model_state)), grads
+
+
+def _embed(loss_fn: AbstractBatchLoss, model: Any, model_state: Any, batch: PyTree, key: PRNGKeyArray) -> tuple:
+    """`loss_fn.embed` of `batch` with its rows' keys (`loss_keys`)."""
+    keys = loss_keys(loss_fn, key, batch_rows(batch))
+    with one_key_a_row(loss_fn):
+        return loss_fn.embed(model, model_state, batch, keys)
 
 
 def _loss_and_cotangent(

@@ -12,9 +12,9 @@ import optax
 
 from ..errors import ConfigError
 from ..nn import path_name
-from ..typing import PRNGKeyArray, PyTree
+from ..typing import PRNGKeyArray, PyTree, RowKeys
 from ._precision import LowPrecision
-from ._rows import LossFn
+from ._rows import LossFn, takes_batch_key
 
 TRAINABLE_PRESETS = {"all": "", "head": r"^head\."}  # "": every name
 
@@ -71,12 +71,20 @@ class Frozen(eqx.Module):
                 f"--trainable: the loss {type(self.loss_fn).__name__} takes its gradients its own way; it trains all"
             )
 
-    def __call__(self, model: Any, model_state: Any, batch: PyTree, key: PRNGKeyArray) -> Any:
+    @property
+    def takes_batch_key(self) -> bool:
+        return takes_batch_key(self.loss_fn)
+
+    @property
+    def layout_free(self) -> bool:
+        return getattr(self.loss_fn, "layout_free", False)
+
+    def __call__(self, model: Any, model_state: Any, batch: PyTree, keys: RowKeys | PRNGKeyArray) -> Any:
         if isinstance(model, LowPrecision):
             model = eqx.tree_at(lambda m: m.model, model, self._stopped(model.model))
         else:
             model = self._stopped(model)
-        return self.loss_fn(model, model_state, batch, key)
+        return self.loss_fn(model, model_state, batch, keys)
 
     def _stopped(self, model: Any) -> Any:
         return _labelled(model, self.pattern, lambda x: x, jax.lax.stop_gradient)

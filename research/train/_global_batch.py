@@ -4,7 +4,7 @@ A step runs on the global batch (one device, or `jax.jit` over a mesh), on one d
 (`jax.pmap`, or a mesh under `--deterministic-reduction`), or on one micro-batch of it. `GlobalBatch` is
 what the engine hands a `Step` to say which: its `value_and_grad` is the gradient of a loss over the
 GLOBAL batch whatever the step sees, and `example_keys` gives each example the key it has in the global
-batch, so a run's numbers do not depend on the devices it runs on.
+batch (what a loss gets as its `keys`), so a run's numbers do not depend on the devices it runs on.
 
 `GlobalBatch.value_and_grad` chooses among the ways to take that gradient, each in a module below this one:
 a mean loss over device slices (`_rows.py`, where `example_keys` lives too), over micro-batches or parts
@@ -45,9 +45,16 @@ class GlobalBatch:
         *,
         grad_accum: int = 1,
     ) -> tuple[tuple[Float[Array, ""], tuple[Metrics, Any]], PyTree]:
-        """`eqx.filter_value_and_grad(loss_fn, has_aux=True)(model, model_state, batch, key)` of the global
+        """`eqx.filter_value_and_grad(loss_fn, has_aux=True)(model, model_state, batch, keys)` of the global
         batch: `loss_fn` is a mean over its batch (`(loss, (metrics, new model state))`), and the result is
         that of the global batch, its metrics included, however the batch is split.
+
+        `keys` holds one key a row of the batch the loss sees, that row's key in the global batch (`key`
+        split by `example_keys`), so per-row draws do not depend on the split. A loss that asks for the one
+        key instead (`takes_batch_key = True`) gets `key`; its draws across the batch change with the split,
+        so it is refused where it sees part of the global batch unless it also sets `layout_free = True` (it
+        splits the key with `example_keys`, or draws with `across_global_batch`). A loss with its own
+        `value_and_grad` or `micro_batch_sums` (DP-SGD's) gets `key` and splits it itself.
 
         `grad_accum`: take it in that many parts of the batch this step sees (of each micro-batch, under
         micro-batches), one after another in a `jax.lax.scan`: the same gradient (to float rounding) with the

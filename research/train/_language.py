@@ -10,7 +10,7 @@ import numpy as np
 import optax
 
 from ..data import Batch, DeviceLoader, HostLoader
-from ..typing import Array, Float, Int, PRNGKeyArray, typecheck
+from ..typing import Array, Float, Int, PRNGKeyArray, RowKeys, typecheck
 from ._evaluate import padded_batches
 from ._rows import Metrics
 from ._state import TrainState
@@ -42,7 +42,7 @@ class NextTokenLoss:
     bytes_per_token: float = 1.0
 
     def __call__(
-        self, model: eqx.Module, model_state: None, batch: Batch, key: PRNGKeyArray
+        self, model: eqx.Module, model_state: None, batch: Batch, keys: RowKeys | PRNGKeyArray
     ) -> tuple[Float[Array, ""], tuple[Metrics, None]]:
         losses, correct = next_token_sums(model, batch.inputs, batch.labels)
         loss = jnp.mean(losses)

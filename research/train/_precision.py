@@ -14,9 +14,9 @@ import jax.numpy as jnp
 
 from ..errors import ConfigError
 from ..nn import cast_floating
-from ..typing import Array, Float, PRNGKeyArray, PyTree
+from ..typing import Array, Float, PRNGKeyArray, PyTree, RowKeys
 from ._batch_loss import AbstractBatchLoss
-from ._rows import LossFn, Metrics
+from ._rows import LossFn, Metrics, takes_batch_key
 
 Precision = Literal["float32", "bf16"]
 COMPUTE_DTYPES = {"float32": jnp.dtype("float32"), "bf16": jnp.dtype("bfloat16")}
@@ -59,7 +59,7 @@ def _cast_inputs(tree: PyTree, dtype: Any) -> PyTree:
 
 class InPrecision(eqx.Module):
     """`loss_fn` computed with the model in `precision` (`LowPrecision`): a loss of the same signature,
-    `(model, model_state, batch, key) -> (loss, (metrics, new model state))`, float32 in and out."""
+    `(model, model_state, batch, keys) -> (loss, (metrics, new model state))`, float32 in and out."""
 
     loss_fn: LossFn
     precision: Precision = eqx.field(static=True)
@@ -72,10 +72,18 @@ class InPrecision(eqx.Module):
                 "way; train it in float32"
             )
 
+    @property
+    def takes_batch_key(self) -> bool:
+        return takes_batch_key(self.loss_fn)
+
+    @property
+    def layout_free(self) -> bool:
+        return getattr(self.loss_fn, "layout_free", False)
+
     def __call__(
-        self, model: eqx.Module, model_state: Any, batch: PyTree, key: PRNGKeyArray
+        self, model: eqx.Module, model_state: Any, batch: PyTree, keys: RowKeys | PRNGKeyArray
     ) -> tuple[Float[Array, ""], tuple[Metrics, Any]]:
         dtype = COMPUTE_DTYPES[self.precision]
         low = LowPrecision(model, dtype.name)
-        loss, (metrics, model_state) = self.loss_fn(low, model_state, cast_floating(batch, dtype), key)
+        loss, (metrics, model_state) = self.loss_fn(low, model_state, cast_floating(batch, dtype), keys)
         return loss.astype(FLOAT32), (cast_floating(metrics, FLOAT32), cast_floating(model_state, FLOAT32))

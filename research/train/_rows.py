@@ -1,5 +1,6 @@
-"""Where the rows of the batch a step sees sit in the global batch (`rows_of_global_batch`, `example_keys`),
-and the gradient of a mean loss over the global batch, of which the step sees one device's slice
+"""Where the rows of the batch a step sees sit in the global batch (`rows_of_global_batch`, `example_keys`,
+`across_global_batch`), the keys a loss gets (`loss_keys`: one a row, or the batch's one key where the loss asks
+for it), and the gradient of a mean loss over the global batch, of which the step sees one device's slice
 (`loss_value_and_grad`).
 
 The pieces below `GlobalBatch` (`_global_batch.py`): the micro-batches (`_micro.py`) and the batch losses
@@ -16,13 +17,16 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Key
 
-from ..typing import Array, Float, PRNGKeyArray, PyTree
+from ..errors import ConfigError
+from ..typing import Array, Float, PRNGKeyArray, PyTree, RowKeys, UInt32
 
 Metrics = dict[str, Float[Array, ""]]
-# loss_fn(model, model_state, batch, key) -> (loss, (metrics, new_model_state)): a mean over its batch.
+# loss_fn(model, model_state, batch, keys) -> (loss, (metrics, new_model_state)): a mean over its batch, given
+# one key per row of it (`keys[i]` is row i's key in the global batch, whatever the split), or, if it declares
+# `takes_batch_key`, the step's one key (`loss_keys`).
 # A loss object may also define `value_and_grad(model, model_state, batch, key, *, axis_name)` with the
 # output of `eqx.filter_value_and_grad(loss_fn, has_aux=True)`; it then owns how its gradient combines
-# across the devices of `axis_name` (see `loss_value_and_grad`).
+# across the devices of `axis_name` (see `loss_value_and_grad`) and gets the step's one key.
 LossFn = Callable[[eqx.Module, Any, Any, PRNGKeyArray], tuple[Float[Array, ""], tuple[Metrics, Any]]]
 
 # Where the batch a loss sees sits in the global batch, `(global rows, first row, stride)`: its rows are
@@ -63,20 +67,75 @@ def batch_split_over(axis_name: str | None, rows: int) -> Iterator[None]:
         yield
 
 
-def example_keys(key: PRNGKeyArray, count: int) -> Key[Array, " {count}"]:
+def example_keys(key: PRNGKeyArray, count: int) -> Key[Array, " {count}"] | UInt32[Array, "{count} _"]:
     """One key per example of a batch of `count`: `jax.random.split(key, count)`, or, inside a train
     step whose batch is part of a global batch (split over devices, micro-batches or accumulated parts),
     those examples' keys among the whole batch's (so per-example randomness does not depend on the
-    split)."""
+    split). What a loss gets as its `keys` (`loss_keys`)."""
+    # split(key, n)[i] does not depend on n (partitionable threefry), so this is the global batch's keys.
+    return across_global_batch(jax.random.split, key, count)
+
+
+def across_global_batch(draw: Callable[[PRNGKeyArray, int], PyTree], key: PRNGKeyArray, count: int) -> PyTree:
+    """`draw(key, rows)` (a pytree whose leaves have a leading axis of `rows`) for the GLOBAL batch, and of it
+    the rows of the batch of `count` being traced: a draw coupled across the batch (stratified or
+    low-discrepancy times, a permutation) that does not depend on how the batch is split. A loss that draws
+    this way from its batch's key declares `takes_batch_key = True` and `layout_free = True`."""
     rows = _rows_in_batch.get()
     if rows is None:
-        return jax.random.split(key, count)
-    # split(key, n)[i] does not depend on n (partitionable threefry), so this is the global batch's keys.
+        return draw(key, count)
     total, first, stride = rows
-    keys = jax.random.split(key, total)
+    whole = draw(key, total)
     if isinstance(stride, int) and stride == 1:
-        return jax.lax.dynamic_slice_in_dim(keys, first, count)
-    return keys[first + stride * jnp.arange(count)]
+        return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, first, count), whole)
+    return jax.tree.map(lambda x: x[first + stride * jnp.arange(count)], whole)
+
+
+def are_row_keys(key: Any, rows: int) -> bool:
+    """Whether `key` is one key for each of `rows` rows (`RowKeys`), not one key (raw key data has a trailing axis)."""
+    raw = not jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+    return jnp.ndim(key) == 1 + raw and jnp.shape(key)[0] == rows
+
+
+def takes_batch_key(loss_fn: Any) -> bool:
+    """Whether `loss_fn` asks for its batch's one key rather than one key per row (`takes_batch_key = True`)."""
+    return bool(getattr(loss_fn, "takes_batch_key", False))
+
+
+def loss_keys(loss_fn: Any, key: PRNGKeyArray, rows: int) -> RowKeys | PRNGKeyArray:
+    """The keys `loss_fn` gets for a batch of `rows`: one a row (`example_keys`, each row's key in the global
+    batch), or, for a loss that declares `takes_batch_key`, the step's key itself. Such a loss's draws depend
+    on how the batch is split unless it declares `layout_free` (it splits the key with `example_keys` or
+    draws with `across_global_batch`); one that does not is refused where its batch is part of the global one."""
+    if not takes_batch_key(loss_fn):
+        return example_keys(key, rows)
+    if _rows_in_batch.get() is not None and not getattr(loss_fn, "layout_free", False):
+        raise ConfigError(
+            f"the loss {_name(loss_fn)} draws from its batch's key (takes_batch_key) but sees part of the "
+            "global batch here (a device's slice, a --deterministic-reduction micro-batch or a --grad-accum "
+            "part), so its draws would change with the split: draw per row from its keys (drop "
+            "takes_batch_key), or draw for the global batch with across_global_batch and set layout_free = True"
+        )
+    return key
+
+
+@contextlib.contextmanager
+def one_key_a_row(loss_fn: Any) -> Iterator[None]:
+    """Inside it, `loss_fn` (given one key a row) drawing from its keys as from one key is told so in a line
+    naming it, rather than JAX's "accepts a single key" from deep in its trace."""
+    try:
+        yield
+    except ValueError as e:
+        if "accepts a single key" not in str(e) or takes_batch_key(loss_fn):
+            raise
+        raise ConfigError(
+            f"the loss {_name(loss_fn)} drew from its keys as from one key ({e}): a loss gets one key per row "
+            "of its batch (`keys[i]`, vmap over them), or declares takes_batch_key = True for the batch's one key"
+        ) from None
+
+
+def _name(loss_fn: Any) -> str:
+    return getattr(loss_fn, "__name__", type(loss_fn).__name__)
 
 
 def batch_rows(batch: PyTree) -> int:
@@ -106,9 +165,11 @@ def loss_value_and_grad(
         own = getattr(loss_fn, "value_and_grad", None)
         if own is not None:
             return own(model, model_state, batch, key, axis_name=axis_name)
-        (loss, (metrics, model_state)), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(
-            model, model_state, batch, key
-        )
+        keys = loss_keys(loss_fn, key, batch_rows(batch))
+        with one_key_a_row(loss_fn):
+            (loss, (metrics, model_state)), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(
+                model, model_state, batch, keys
+            )
     if axis_name is not None:
         loss, grads, metrics = jax.lax.pmean((loss, grads, metrics), axis_name)
     return (loss, (metrics, model_state)), grads

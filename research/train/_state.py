@@ -13,11 +13,11 @@ import optax
 from ..data import Batch
 from ..errors import ConfigError
 from ..state import EMA
-from ..typing import Array, Bool, Float, Int, Integer, KeyData, PRNGKeyArray, PyTree, typecheck
+from ..typing import Array, Bool, Float, Int, Integer, KeyData, PRNGKeyArray, PyTree, RowKeys, typecheck
 from ._global_batch import GlobalBatch
 from ._networks import Network, apply_gradient
 from ._precision import InPrecision, Precision
-from ._rows import LossFn, Metrics, example_keys
+from ._rows import LossFn, Metrics, are_row_keys, example_keys
 from ._step import AbstractTrainState, Step, take_step
 
 
@@ -82,19 +82,23 @@ def forward(
     model_state: eqx.nn.State | None,
     inputs: Float[Array, " batch *example"] | Integer[Array, " batch *example"],
     *,
-    key: PRNGKeyArray | None,
+    key: RowKeys | PRNGKeyArray | None,
     axis_name: str = "batch",
 ) -> tuple[Float[Array, "batch ..."], eqx.nn.State | None]:
     """Apply a single-example model to a batch with `jax.vmap`; inputs are signals (floats), tokens (ints)
     or images (uint8).
 
     Each example gets its own key (dropout masks differ across the batch) when the model's `__call__`
-    takes a `key` (any Equinox model: one without is called as `model(x)`). A stateful model is called
-    as `model(x, state[, key=...])` with the state shared (not mapped) and batch statistics reduced
+    takes a `key` (any Equinox model: one without is called as `model(x)`): `key` is one key a row (a loss's
+    `keys`), or one key, split into the rows' (`example_keys`), or `None` (inference). A stateful model is
+    called as `model(x, state[, key=...])` with the state shared (not mapped) and batch statistics reduced
     over `axis_name`.
     """
     takes_key = _takes_key(model)
-    keys = None if key is None or not takes_key else example_keys(key, inputs.shape[0])
+    if key is None or not takes_key:
+        keys = None
+    else:
+        keys = key if are_row_keys(key, inputs.shape[0]) else example_keys(key, inputs.shape[0])
 
     # (A concrete eqx.Module has a __call__; the base class, which pyright reads, does not declare one.)
     def call(x: Any, k: Any, *state: Any) -> Any:
@@ -136,10 +140,11 @@ def classification_metrics(
 
 
 def classification_loss(
-    model: eqx.Module, model_state: eqx.nn.State | None, batch: Batch, key: PRNGKeyArray
+    model: eqx.Module, model_state: eqx.nn.State | None, batch: Batch, keys: RowKeys | PRNGKeyArray
 ) -> tuple[Float[Array, ""], tuple[Metrics, eqx.nn.State | None]]:
-    """Mean cross-entropy of a classifier over a batch; aux is ({loss, accuracy}, new model state)."""
-    logits, model_state = forward(model, model_state, batch.inputs, key=key)
+    """Mean cross-entropy of a classifier over a batch (its rows' `keys`, or one key split into them, reach
+    the model's dropout: `forward`); aux is ({loss, accuracy}, new model state)."""
+    logits, model_state = forward(model, model_state, batch.inputs, key=keys)
     losses, correct = classification_metrics(logits, batch.labels)
     loss = jnp.mean(losses)
     return loss, ({"loss": loss, "accuracy": jnp.mean(correct.astype(jnp.float32))}, model_state)
@@ -152,9 +157,10 @@ class SupervisedStep(Step):
 
     **Fields:**
 
-    - `loss_fn`: `(model, model_state, batch, key) -> (loss, (metrics, new model state))`, a mean over
-      its batch (`classification_loss` by default), or a loss object with its own `value_and_grad` (DP-SGD's,
-      which decides how its gradient combines across devices and micro-batches: `GlobalBatch`).
+    - `loss_fn`: `(model, model_state, batch, keys) -> (loss, (metrics, new model state))`, a mean over
+      its batch given one key a row (`classification_loss` by default; see `GlobalBatch.value_and_grad`), or a
+      loss object with its own `value_and_grad` (DP-SGD's, which decides how its gradient combines across
+      devices and micro-batches: `GlobalBatch`).
     - `grad_accum`: take the gradient in this many parts of the batch, one after another
       (`GlobalBatch.value_and_grad`): the whole batch's step with the activation memory of one part
       (`--grad-accum`).
