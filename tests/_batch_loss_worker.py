@@ -108,7 +108,10 @@ def reference() -> dict[str, np.ndarray]:
     start, rows = state("none", False), batch()
     step_key = jax.random.split(jax.random.wrap_key_data(start.key))[1]
     (loss, (metrics, _)), grads = eqx.filter_value_and_grad(NoisyViews(), has_aux=True)(
-        start.model, start.model_state, rows, jax.random.split(step_key, len(rows))  # the loss's keys: one a row
+        start.model,
+        start.model_state,
+        rows,
+        jax.random.split(step_key, len(rows)),  # the loss's keys: one a row
     )
     out = {f"grad/{i}": np.asarray(g) for i, g in enumerate(jax.tree.leaves(grads))}
     return out | {f"metric/{k}": np.asarray(v) for k, v in metrics.items()}

@@ -14,7 +14,7 @@ from ..errors import ConfigError
 from ..nn import path_name
 from ..typing import PRNGKeyArray, PyTree, RowKeys
 from ._precision import LowPrecision
-from ._rows import LossFn, takes_batch_key
+from ._rows import AbstractLossWrapper, LossFn
 
 TRAINABLE_PRESETS = {"all": "", "head": r"^head\."}  # "": every name
 
@@ -58,7 +58,7 @@ def only_trainable(optimizer: optax.GradientTransformation, pattern: str) -> opt
     return optax.multi_transform({"trained": optimizer, "frozen": optax.set_to_zero()}, labels)
 
 
-class Frozen(eqx.Module):
+class Frozen(AbstractLossWrapper):
     """`loss_fn` with the gradients of the parameters `pattern` does not find stopped: a loss of the same
     signature. Wraps the loss before `--precision` does (it sees the float32 model, or `LowPrecision`'s)."""
 
@@ -70,14 +70,6 @@ class Frozen(eqx.Module):
             raise ConfigError(
                 f"--trainable: the loss {type(self.loss_fn).__name__} takes its gradients its own way; it trains all"
             )
-
-    @property
-    def takes_batch_key(self) -> bool:
-        return takes_batch_key(self.loss_fn)
-
-    @property
-    def layout_free(self) -> bool:
-        return getattr(self.loss_fn, "layout_free", False)
 
     def __call__(self, model: Any, model_state: Any, batch: PyTree, keys: RowKeys | PRNGKeyArray) -> Any:
         if isinstance(model, LowPrecision):

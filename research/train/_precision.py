@@ -16,7 +16,7 @@ from ..errors import ConfigError
 from ..nn import cast_floating
 from ..typing import Array, Float, PRNGKeyArray, PyTree, RowKeys
 from ._batch_loss import AbstractBatchLoss
-from ._rows import LossFn, Metrics, takes_batch_key
+from ._rows import AbstractLossWrapper, LossFn, Metrics
 
 Precision = Literal["float32", "bf16"]
 COMPUTE_DTYPES = {"float32": jnp.dtype("float32"), "bf16": jnp.dtype("bfloat16")}
@@ -57,7 +57,7 @@ def _cast_inputs(tree: PyTree, dtype: Any) -> PyTree:
     return jax.tree.map(lambda x: x if is_state(x) else cast_floating(x, dtype), tree, is_leaf=is_state)
 
 
-class InPrecision(eqx.Module):
+class InPrecision(AbstractLossWrapper):
     """`loss_fn` computed with the model in `precision` (`LowPrecision`): a loss of the same signature,
     `(model, model_state, batch, keys) -> (loss, (metrics, new model state))`, float32 in and out."""
 
@@ -71,14 +71,6 @@ class InPrecision(eqx.Module):
                 f"--precision {self.precision}: the loss {type(self.loss_fn).__name__} takes its gradients its own "
                 "way; train it in float32"
             )
-
-    @property
-    def takes_batch_key(self) -> bool:
-        return takes_batch_key(self.loss_fn)
-
-    @property
-    def layout_free(self) -> bool:
-        return getattr(self.loss_fn, "layout_free", False)
 
     def __call__(
         self, model: eqx.Module, model_state: Any, batch: PyTree, keys: RowKeys | PRNGKeyArray

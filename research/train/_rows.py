@@ -102,6 +102,25 @@ def takes_batch_key(loss_fn: Any) -> bool:
     return bool(getattr(loss_fn, "takes_batch_key", False))
 
 
+def layout_free(loss_fn: Any) -> bool:
+    """Whether `loss_fn`, given its batch's one key, draws the same whatever the split (`layout_free = True`)."""
+    return bool(getattr(loss_fn, "layout_free", False))
+
+
+class AbstractLossWrapper(eqx.Module):
+    """A loss made of another (`loss_fn`, a field), which asks for the keys the loss it wraps asks for."""
+
+    loss_fn: eqx.AbstractVar[Any]
+
+    @property
+    def takes_batch_key(self) -> bool:
+        return takes_batch_key(self.loss_fn)
+
+    @property
+    def layout_free(self) -> bool:
+        return layout_free(self.loss_fn)
+
+
 def loss_keys(loss_fn: Any, key: PRNGKeyArray, rows: int) -> RowKeys | PRNGKeyArray:
     """The keys `loss_fn` gets for a batch of `rows`: one a row (`example_keys`, each row's key in the global
     batch), or, for a loss that declares `takes_batch_key`, the step's key itself. Such a loss's draws depend
@@ -109,7 +128,7 @@ def loss_keys(loss_fn: Any, key: PRNGKeyArray, rows: int) -> RowKeys | PRNGKeyAr
     draws with `across_global_batch`); one that does not is refused where its batch is part of the global one."""
     if not takes_batch_key(loss_fn):
         return example_keys(key, rows)
-    if _rows_in_batch.get() is not None and not getattr(loss_fn, "layout_free", False):
+    if _rows_in_batch.get() is not None and not layout_free(loss_fn):
         raise ConfigError(
             f"the loss {_name(loss_fn)} draws from its batch's key (takes_batch_key) but sees part of the "
             "global batch here (a device's slice, a --deterministic-reduction micro-batch or a --grad-accum "
